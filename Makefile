@@ -1,0 +1,41 @@
+# pdserve — the verbs. Every target bootstraps the virtualenv it needs (idempotent).
+#
+# torch: on CPU-only machines we install the CPU build (torch==2.13.0); an unpinned
+# `torch` would pull a multi-GB CUDA build. On a GPU machine, either install a CUDA
+# torch into .venv first (it is kept: we only install torch when none imports), or
+# run e.g. `make test TORCH_SPEC='torch==2.13.0+cu128 --extra-index-url <your CUDA wheel index>'`.
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-installed
+TORCH_SPEC ?= torch==2.13.0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv run test test-fast bench-engine bench-kvtransfer bench-kernels-gpu lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH_SPEC)
+	$(VPY) -m pip install -q -e ".[test,triton,ucx]"
+	@touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/pdserve generate --model tiny --prompt "The quick brown fox" --max-tokens 32
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+bench-engine: $(STAMP)
+	$(VPY) bench/engine_bench.py
+
+bench-kvtransfer: $(STAMP)
+	$(VPY) bench/kvtransfer_bench.py
+
+bench-kernels-gpu: $(STAMP)
+	$(VPY) bench/kernels_gpu.py
+
+clean:
+	rm -rf $(VENV) build .cache

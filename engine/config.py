@@ -1,0 +1,96 @@
+"""One frozen config tree, built once at the edge (CLI flags or LLM kwargs)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"model directory not found: {self.path!r}")
+        if not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise FileNotFoundError(f"{self.path!r} has no config.json: not a Hugging Face checkpoint")
+
+    @property
+    def hf_config(self) -> dict:
+        with open(os.path.join(self.path, "config.json")) as f:
+            return json.load(f)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # KV cache size: an explicit block count wins; else kv_cache_memory_bytes decides.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel_backend: str = "auto"
+
+    @classmethod
+    def create(cls, model: str, **kwargs) -> "EngineConfig":
+        """Flat keyword arguments (the LLM(...) / CLI surface) -> the config tree."""
+        sections = {"model": ModelConfig, "cache": CacheConfig,
+                    "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        parts: dict[str, dict] = {name: {} for name in sections}
+        top: dict = {}
+        for key, value in kwargs.items():
+            for name, section in sections.items():
+                if key in {f.name for f in dataclasses.fields(section)}:
+                    parts[name][key] = value
+                    break
+            else:
+                if key == "kernel_backend":
+                    top[key] = value
+                else:
+                    raise TypeError(f"unknown engine argument {key!r}")
+        return cls(model=ModelConfig(path=model, **parts["model"]),
+                   cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]),
+                   parallel=ParallelConfig(**parts["parallel"]), **top)

@@ -1,0 +1,130 @@
+"""Per-request KV slots: prefix-cache lookup, allocation that returns None on shortage, free."""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
+    """Chained block hash; tuples of ints hash the same in every process (no hash seed)."""
+    return hash((parent_hash, token_ids, extra))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already hashed
+        self.prefix_queries = 0  # prompt tokens looked up / found, for the hit-rate metric
+        self.prefix_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def update_block_hashes(self, request: Request) -> list[int]:
+        """Extend request.block_hashes over every full block of its known tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix; always leaves at least one token to compute (for logits)."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] = (),
+                       cache_now: bool = True) -> list[int] | None:
+        """Make room for num_new_tokens past the computed ones; None if blocks run out.
+
+        Returns the ids of newly allocated blocks (prefix hits included)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
+            self.req_to_block_ids[request.request_id] = []
+            self.num_cached_blocks[request.request_id] = 0
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_required = -(-total_tokens // self.block_size)
+        num_new = num_required - len(blocks) - len(new_computed_blocks)
+        if num_new <= 0 and not new_computed_blocks:
+            if cache_now:
+                self._cache_full_blocks(request, total_tokens)
+            return []
+        # Hits that sit in the free queue stop counting as free once we take them.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new > self.block_pool.num_free_blocks - num_revived:
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = list(new_computed_blocks)
+        if num_new > 0:
+            new_blocks += self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        new_ids = [b.block_id for b in new_blocks]
+        self.req_to_block_ids[request.request_id].extend(new_ids)
+        if new_computed_blocks:
+            self.num_cached_blocks[request.request_id] += len(new_computed_blocks)
+        if cache_now:
+            self._cache_full_blocks(request, total_tokens)
+        return new_ids
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks up to num_tokens to the prefix cache."""
+        self._cache_full_blocks(request, num_tokens)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks[rid]
+        if num_full <= start:
+            return
+        hashes = self.update_block_hashes(request)
+        blocks = self.req_to_blocks[rid]
+        num_full = min(num_full, len(hashes), len(blocks))
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_block_ids.get(request_id, [])
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks; tail first, so shared prefixes are evicted last."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self, expect_all_free: bool = False) -> None:
+        pool = self.block_pool
+        pool.check_integrity(expect_all_free)
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), \
+                f"{block}: ref count disagrees with the requests holding it ({refs.get(block.block_id, 0)})"

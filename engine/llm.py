@@ -1,0 +1,60 @@
+"""Offline API: LLM(model=...).generate(prompts, SamplingParams)."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.outputs import OutputProcessor, RequestOutput
+from engine.processor import InputProcessor, load_tokenizer
+from engine.request import Request, SamplingParams
+
+
+class LLM:
+    """The shape of vLLM's offline API. `model` is a checkpoint directory or "tiny"."""
+
+    def __init__(self, model: str = "tiny", tokenizer: str | None = None,
+                 show_progress: bool = False, **engine_kwargs) -> None:
+        if model == "tiny":
+            from engine.tiny import default_tiny_model
+            model = default_tiny_model()
+        self.config = EngineConfig.create(model=model, **engine_kwargs)
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        self.engine = EngineCore(self.config, show_progress)
+        self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        # Validate everything before anything is queued: a bad prompt fails the call cleanly.
+        prepared = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids = self.processor.to_token_ids(prompt)
+            self.processor.validate(ids, params)
+            prepared.append((prompt if isinstance(prompt, str) else None, ids, params))
+        order = []
+        for i, (text, ids, params) in enumerate(prepared):
+            rid = str(next(self._ids))
+            order.append(rid)
+            self.output_processor.add(rid, text, ids, params)
+            self.engine.add_request(Request(rid, ids, params, eos_token_id=self.processor.eos_token_id,
+                                            priority=priority[i] if priority else 0))
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            outputs, stopped = self.output_processor.process(self.engine.step())
+            if stopped:
+                self.engine.stop_requests(stopped)
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]

@@ -1,0 +1,167 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.models.rope import cos_sin_cache, rope_parameters
+from kernels import KernelBackend
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """What differs between the family members, read from config.json."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope: dict
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaArch":
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (the Llama family uses silu)")
+        window = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            window = None
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=attention_bias if model_type != "qwen2" else False,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=rope_parameters(cfg),
+            sliding_window=window,
+        )
+
+
+@dataclass
+class AttentionMetadata:
+    """The flattened batch as the attention kernels see it (built by the model runner)."""
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    decode_only: bool  # one query token per sequence
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+        self.kernels = kernels
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+        self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.decode_only:
+            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, self.scale)
+        else:
+            o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_tables, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, kernels)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, kernels) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "cos_sin", cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,107 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into our modules."""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaArch, LlamaForCausalLM
+from engine.models.rope import cos_sin_cache
+from kernels import KernelBackend
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# HF name fragment -> (our parameter, shard index within the fused parameter)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def check_architecture(hf_config: dict) -> str:
+    archs = hf_config.get("architectures") or []
+    for name in archs:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    shown = ", ".join(archs) or f"model_type={hf_config.get('model_type')!r}"
+    raise ValueError(f"unsupported model architecture {shown}; pdserve supports "
+                     f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+
+
+def resolve_dtype(name: str, hf_config: dict) -> torch.dtype:
+    if name == "auto":
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return _DTYPES[name]
+
+
+def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
+    attn_or_mlp = module
+    if name == "qkv_proj":
+        return [attn_or_mlp.q_size, attn_or_mlp.kv_size, attn_or_mlp.kv_size]
+    return [attn_or_mlp.intermediate_size] * 2
+
+
+def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
+               device: torch.device | str = "cpu", show_progress: bool = False) -> LlamaForCausalLM:
+    check_architecture(hf_config)
+    arch = LlamaArch.from_hf_config(hf_config)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, kernels)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers made on the meta device hold no data: compute the rotary table for real.
+    model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for i, file in enumerate(files):
+        if show_progress:
+            print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                _load_one(model, params, hf_name, f.get_tensor(hf_name), loaded)
+    if show_progress:
+        print(file=sys.stderr)
+    if arch.tie_word_embeddings or "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
+    return model.eval()
+
+
+def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    name = hf_name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return
+    for frag, (fused, shard) in _FUSED.items():
+        if f".{frag}." in name:
+            target = name.replace(f".{frag}.", f".{fused}.")
+            module = model.get_submodule(target.rsplit(".", 2)[0])
+            sizes = _shard_sizes(module, fused)
+            start = sum(sizes[:shard])
+            with torch.no_grad():
+                params[target][start:start + sizes[shard]].copy_(tensor)
+            loaded.add(target)  # complete once every shard is copied; shapes are checked by copy_
+            return
+    if name not in params:
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+    with torch.no_grad():
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
+        params[name].copy_(tensor)
+    loaded.add(name)

@@ -1,0 +1,98 @@
+"""What the engine gives back to users, and the front-end step that builds it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import SamplingParams
+from engine.scheduler import EngineCoreOutput
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None  # per token: {token_id: logprob} (sampled first, then top-n)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    delta_text: str = ""  # text added by this update (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params) if tokenizer is not None else None
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+
+
+class OutputProcessor:
+    """Detokenizes core outputs; finds stop strings (the core must then be told to stop)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams) -> None:
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        return self._make(state, "", [], "abort", None, True)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        outputs, stopped = [], []
+        for co in core_outputs:
+            state = self.states.get(co.request_id)
+            if state is None:
+                continue
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            new_ids = co.new_token_ids
+            delta = ""
+            if state.detokenizer is not None:
+                delta = state.detokenizer.add_tokens(new_ids, finished=finish_reason is not None)
+                if state.detokenizer.stopped_on is not None and finish_reason is None:
+                    finish_reason, stop_reason = "stop", state.detokenizer.stopped_on
+                    stopped.append(co.request_id)
+                elif state.detokenizer.stopped_on is not None:
+                    finish_reason, stop_reason = "stop", state.detokenizer.stopped_on
+            state.token_ids.extend(new_ids)
+            if state.logprobs is not None and co.new_logprobs:
+                for tok, lp in zip(new_ids, co.new_logprobs):
+                    entry = {tok: lp[0]}
+                    entry.update({t: v for t, v in lp[1] if t not in entry})
+                    state.logprobs.append(entry)
+            finished = finish_reason is not None
+            outputs.append(self._make(state, delta, new_ids, finish_reason, stop_reason, finished,
+                                      co.num_cached_tokens))
+            if finished:
+                del self.states[co.request_id]
+        return outputs, stopped
+
+    @staticmethod
+    def _make(state: RequestState, delta: str, new_ids: list[int], finish_reason, stop_reason,
+              finished: bool, num_cached_tokens: int = 0) -> RequestOutput:
+        text = state.detokenizer.text if state.detokenizer is not None else ""
+        completion = CompletionOutput(0, text, list(state.token_ids), finish_reason, stop_reason,
+                                      state.logprobs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
+                             finished, num_cached_tokens, delta, list(new_ids))

@@ -1,0 +1,113 @@
+"""Request, SamplingParams and the request status machine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per sampled token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1  # blocks allocated, KV arriving from a prefill instance
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """A request is `num_computed_tokens` catching up to `num_tokens` (prompt + output)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Set when the prompt's KV comes from a remote prefill instance.
+    remote_kv: object | None = None
+
+    def __post_init__(self) -> None:
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.finished

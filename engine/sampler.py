@@ -1,0 +1,96 @@
+"""Greedy / temperature / top-k / top-p / min-p sampling, per-request seeds, logprobs."""
+from __future__ import annotations
+
+import torch
+
+from engine.request import SamplingParams
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                            top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits [n, vocab] to -inf outside each row's top-k / nucleus / min-p set."""
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        mask |= ranks >= top_k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
+        mass_before = probs.cumsum(dim=-1) - probs
+        mask |= mass_before >= top_p[:, None]
+        mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row. Seeded rows draw from their own generator, so a request's
+    tokens do not depend on what else is in the batch."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, request_ids: list[str],
+                 params: list[SamplingParams]) -> tuple[list[int], list | None]:
+        logits = logits.float()
+        want_logprobs = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, request_ids, params)
+        token_list = tokens.tolist()
+        return token_list, (self._logprobs(logprobs, token_list, params) if want_logprobs else None)
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str],
+                params: list[SamplingParams]) -> torch.Tensor:
+        n = len(params)
+        greedy = torch.tensor([p.greedy for p in params])
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        logits = logits / temps[:, None]
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params])
+        probs = torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
+        # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one noise row per request.
+        noise = torch.empty_like(probs)
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.seed is not None:
+                gen = self.request_generators.get(rid)
+                if gen is None:
+                    gen = self.request_generators[rid] = torch.Generator().manual_seed(p.seed)
+                noise[i].exponential_(generator=gen)
+            else:
+                noise[i].exponential_(generator=self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled) if greedy.any() else sampled
+
+    @staticmethod
+    def _logprobs(logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:
+        out = []
+        for i, (tok, p) in enumerate(zip(tokens, params)):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            row = logprobs[i]
+            top = []
+            if p.logprobs > 0:
+                vals, ids = row.topk(p.logprobs)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            out.append((float(row[tok]), top))
+        return out

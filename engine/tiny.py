@@ -1,0 +1,120 @@
+"""Tiny random Hugging Face checkpoints with a real tokenizer, made offline with transformers."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+_WORDS = """the of and to in is was that for on as with by he at from his an were are which this be
+or has had not but one they their been have its new after who also two first all more other when
+time years there into only would most some over during about out up can her she than school between
+world city people may used under while such state three many then where later year team name known
+both through these each before since part life made no him war several including music following
+film series called national well area until being against season second however game members
+university early we number any de house century them around high because played public four work
+town family often what american best home like could even south north back so use own our way
+village water light river stone tree green small large old young long short house garden window door
+quick brown fox jumps over lazy dog red blue yellow sun moon star night day morning evening road
+cat bird fish horse king queen castle ship sea island mountain forest field winter summer spring
+autumn rain snow wind fire earth gold silver iron bread milk apple book letter word story song dance
+""".split()
+
+
+def synthetic_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
+    """English-like lines from a fixed word list: enough for a BPE to learn real merges."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice([".", ".", "!", "?", ","]))
+    lines += ["0 1 2 3 4 5 6 7 8 9 10 100 1000", "a b c d e f g h i j k l m n o p q r s t u v w x y z"]
+    return lines
+
+
+def train_tokenizer(vocab_size: int | None = None, seed: int = 0):
+    """A byte-level BPE trained on the synthetic corpus. If vocab_size is more than the
+    corpus supports, the vocabulary is filled up with added <extra_i> tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size or 2000, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    if vocab_size is not None and len(fast) < vocab_size:
+        fast.add_tokens([f"<extra_{i}>" for i in range(vocab_size - len(fast))])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = None,
+                    hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
+                    max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
+                    initializer_range: float = 0.1, rope_scaling: dict | None = None,
+                    seed: int = 0) -> str:
+    """Write a random-weight checkpoint that transformers itself produced (save_pretrained)."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    tokenizer = train_tokenizer(vocab_size, seed)
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                  tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    elif arch == "qwen3":
+        kwargs["head_dim"] = hidden_size // num_heads
+    if arch == "mistral":
+        kwargs["sliding_window"] = max_position_embeddings
+    if rope_scaling is not None:
+        kwargs["rope_parameters"] = rope_scaling
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def default_tiny_model() -> str:
+    """The built-in `tiny` model, made once and cached under $PDSERVE_CACHE_DIR (~/.cache/pdserve)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+    path = os.path.join(root, "tiny-llama-v1")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=".tiny-")
+    try:
+        make_tiny_model(tmp, arch="llama", hidden_size=128, intermediate_size=344, num_layers=4,
+                        num_heads=4, num_kv_heads=2)
+        try:
+            os.rename(tmp, path)  # atomic: concurrent makers race, one wins
+        except OSError:
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

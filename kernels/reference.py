@@ -1,0 +1,125 @@
+"""Torch reference kernels: the readable oracle every fast kernel is tested against.
+
+Shapes (per layer):
+  kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]  (0 = K, 1 = V)
+  slot_mapping  [num_tokens] int64, slot = block_id * block_size + offset; -1 = skip
+  block_tables  [num_seqs, max_blocks_per_seq] int32 (rows padded with anything)
+  query_start_loc [num_seqs + 1] int32, cumulative query lengths
+  seq_lens      [num_seqs] int32, context length *including* this step's queries
+The query tokens of sequence i sit at positions seq_lens[i] - q_len_i ... seq_lens[i] - 1
+and attend causally to every earlier position of the same sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V rows [num_tokens, kv_heads, head_dim] into the paged cache."""
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one sequence as contiguous [seq_len, kv_heads, head_dim] tensors."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    ids = block_table[:num_blocks].long()
+    k = kv_cache[0, ids].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    v = kv_cache[1, ids].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    return k, v
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a varlen batch of queries [T, heads, head_dim] over paged context."""
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k, v = gather_context(kv_cache, block_tables[i], seq_len)
+        k = k.float().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: query [num_seqs, heads, head_dim]."""
+    qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(query, kv_cache, qsl, seq_lens, block_tables, scale, out)
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy blocks of every layer into a staging buffer [layers, 2, n, block_size, kv_heads, head_dim]."""
+    ids = block_ids.long()
+    if out is None:
+        c = kv_caches[0]
+        out = torch.empty((len(kv_caches), 2, len(ids), *c.shape[2:]), dtype=c.dtype, device=c.device)
+    for layer, cache in enumerate(kv_caches):
+        torch.index_select(cache, 1, ids, out=out[layer])
+    return out
+
+
+def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor],
+                   block_ids: torch.Tensor) -> None:
+    """Inverse of gather_blocks: write staging[layer, :, j] into block block_ids[j] of each layer."""
+    ids = block_ids.long()
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, ids, staging[layer])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual) normalised, as HF's LlamaRMSNorm; returns (normed, new_residual)."""
+    if residual is not None:
+        x = x + residual
+    residual_out = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual_out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding. cos_sin_cache [max_pos, rot_dim]: cos halves then sin halves.
+
+    query [T, heads, head_dim], key [T, kv_heads, head_dim]; rotates the first rot_dim dims.
+    Returns new tensors.
+    """
+    rot_dim = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), dim=-1)
+
+    return rotate(query), rotate(key)
