@@ -41,6 +41,11 @@ class IncrementalDetokenizer:
                 break
         if self.stopped_on is not None:
             finished = True
+        elif finished and self.read_offset < len(self.token_ids):
+            # Flush bytes held back as an incomplete character: the stream ends here.
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix_text):]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self.stop_buffer)
         delta = self.text[self._emitted:end]
         self._emitted = end

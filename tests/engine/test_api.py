@@ -1,0 +1,93 @@
+"""The offline API as a user meets it: bad input, stop strings, text, logprobs."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(tiny_model_factory("llama", max_position_embeddings=256))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_cleanly_and_engine_keeps_serving(llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate([[5] * 300], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate([[10 ** 9]], SamplingParams(max_tokens=2))
+    # A batch with one bad prompt queues nothing.
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["still serving"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_unknown_model_directory():
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model architecture GPT2LMHeadModel"):
+        LLM(str(tmp_path))
+
+
+def test_generation_stops_at_context_length(llm):
+    out = llm.generate([[5] * 250], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_text_matches_decoded_tokens(llm):
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert c.finish_reason == "length"
+
+
+def test_stop_string_truncates_and_finishes(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(["Winter rain"], params)[0].outputs[0].text
+    assert len(full) > 6
+    stop = full[4:7]
+    out = llm.generate(["Winter rain"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                       stop=[stop]))[0].outputs[0]
+    assert out.text == full[:full.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_streamed_deltas_concatenate_to_the_text(llm):
+    ids = llm.generate(["Summer garden"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    c = ids.outputs[0]
+    detok = IncrementalDetokenizer(llm.tokenizer, SamplingParams(max_tokens=30))
+    deltas = [detok.add_tokens([t]) for t in c.token_ids[:-1]] + [detok.add_tokens(c.token_ids[-1:], finished=True)]
+    assert "".join(deltas) == c.text
+
+
+def test_logprobs_returned_per_token(llm):
+    out = llm.generate(["A small bird"], SamplingParams(max_tokens=4, temperature=0, logprobs=2,
+                                                        ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and entry[tok] == max(entry.values()) and entry[tok] <= 0

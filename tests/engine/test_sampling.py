@@ -1,0 +1,83 @@
+"""Sampling: seeded reproducibility, batch independence, filters against a plain reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler, apply_top_k_top_p_min_p
+
+
+def reference_filter(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The surviving token ids, computed the slow obvious way."""
+    ids = sorted(range(len(row)), key=lambda i: -row[i])
+    keep = set(range(len(row)))
+    z = sum(math.exp(v) for v in row)
+    probs = [math.exp(v) / z for v in row]
+    if min_p > 0:
+        keep = {i for i in keep if probs[i] >= min_p * max(probs)}
+    if top_k > 0:
+        keep &= set(ids[:top_k])
+    if top_p < 1.0:
+        kept = [i for i in ids if i in keep]
+        zk = sum(probs[i] for i in kept)
+        mass, nucleus = 0.0, set()
+        for i in kept:
+            if mass >= top_p:
+                break
+            nucleus.add(i)
+            mass += probs[i] / zk
+        keep = nucleus
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.9, 0.0),
+                                               (0, 1.0, 0.2), (8, 0.7, 0.05), (1, 1.0, 0.0)])
+def test_filters_match_reference(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g) * 2
+    n = logits.shape[0]
+    out = apply_top_k_top_p_min_p(
+        logits,
+        torch.full((n,), top_k if top_k else 40) if top_k else None,
+        torch.full((n,), top_p) if top_p < 1 else None,
+        torch.full((n,), min_p) if min_p > 0 else None)
+    for row_in, row_out in zip(logits.tolist(), out):
+        survivors = set(torch.nonzero(torch.isfinite(row_out)).flatten().tolist())
+        assert survivors == reference_filter(row_in, top_k, top_p, min_p)
+
+
+def test_sampling_follows_the_distribution():
+    sampler = Sampler(seed=0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0, max_tokens=1)] * 4000
+    tokens, _ = sampler(logits, [str(i) for i in range(4000)], params)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
+
+
+def test_logprobs_are_log_softmax_of_the_logits():
+    sampler = Sampler()
+    logits = torch.randn(2, 10)
+    params = [SamplingParams(temperature=0, max_tokens=1, logprobs=3)] * 2
+    tokens, lps = sampler(logits, ["a", "b"], params)
+    ref = torch.log_softmax(logits, -1)
+    for i, (tok, (lp, top)) in enumerate(zip(tokens, lps)):
+        assert tok == int(ref[i].argmax())
+        assert lp == pytest.approx(float(ref[i, tok]))
+        assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama):
+    llm = LLM(tiny_llama)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The old king"], seeded)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate(["Green river stone", "The old king", "a b c d e f"], [noise, seeded, noise])
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate(["The old king"], seeded)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=99, max_tokens=12, ignore_eos=True)
+    assert llm.generate(["The old king"], other_seed)[0].outputs[0].token_ids != alone
