@@ -60,8 +60,7 @@ class PagedBatch:
 
 
 def make_paged_batch(q_lens: list[int], seq_lens: list[int], num_kv_heads: int, group: int,
-                     head_dim: int, block_size: int, dtype: torch.dtype, kv_cache: torch.Tensor | None = None,
-                     min_block_id: int = 0) -> PagedBatch:
+                     head_dim: int, block_size: int, dtype: torch.dtype) -> PagedBatch:
     """Random queries and context on CPU.
 
     Every cache slot that is not context (free blocks, the tail of a last block, the block
@@ -70,18 +69,14 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], num_kv_heads: int, 
     assert all(0 < q <= s for q, s in zip(q_lens, seq_lens))
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     needed = sum(blocks_per_seq) + 1  # + the NaN block that pads the tables
-    if kv_cache is None:
-        num_blocks = 2 * needed + 3
-        kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    ids = random_block_ids(kv_cache.shape[1], needed, low=min_block_id)
+    kv_cache = torch.full((2, 2 * needed + 3, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    ids = random_block_ids(kv_cache.shape[1], needed)
     pad_block = int(ids[-1])
-    kv_cache[:, pad_block] = float("nan")
     block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), pad_block, dtype=torch.int32)
     start = 0
     for i, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
         row = ids[start:start + n]
         block_tables[i, :n] = row
-        kv_cache[:, row] = float("nan")
         positions = torch.arange(seq_len)
         slots = row[positions // block_size] * block_size + positions % block_size
         reference.store_kv(torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype),
