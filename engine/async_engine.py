@@ -1,0 +1,107 @@
+"""asyncio front end of an engine: add_request -> async stream of outputs; abort."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.core_client import Abort, AddRequest, InprocClient, MPClient
+from engine.outputs import OutputProcessor, RequestOutput
+from engine.processor import InputProcessor, load_tokenizer
+from engine.request import SamplingParams
+from engine.scheduler import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Create with `await AsyncEngine.create(model, ...)`. `multiprocess=True` runs the engine
+    core in its own process (the services' mode); False runs it in a thread (tests, tools)."""
+
+    def __init__(self, config: EngineConfig, multiprocess: bool) -> None:
+        self.config = config
+        self.multiprocess = multiprocess
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client = None
+        self.processor: InputProcessor | None = None
+
+    @classmethod
+    async def create(cls, model: str, multiprocess: bool = False, **engine_kwargs) -> "AsyncEngine":
+        if model == "tiny":
+            from engine.tiny import default_tiny_model
+            model = default_tiny_model()
+        self = cls(EngineConfig.create(model=model, **engine_kwargs), multiprocess)
+        self.loop = asyncio.get_running_loop()
+        if multiprocess:
+            self.client = MPClient(self.config, self._on_core_outputs)
+            await self.client.start()
+        else:
+            self.client = await asyncio.to_thread(
+                InprocClient, self.config, self._threadsafe_on_core_outputs)
+        info = self.client.info
+        self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        logger.info("engine ready (%s core): max_model_len=%d, %d KV blocks",
+                    "process" if multiprocess else "thread", info.max_model_len, info.num_blocks)
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    def _threadsafe_on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self.loop.call_soon_threadsafe(self._on_core_outputs, outputs)
+
+    def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        request_outputs, stopped = self.output_processor.process(outputs)
+        if stopped:  # a stop string matched in the front end: the core stops generating
+            self.client.send(Abort(stopped))
+        for out in request_outputs:
+            q = self.streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+                if out.finished:
+                    del self.streams[out.request_id]
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> tuple[str, asyncio.Queue]:
+        """Validate and queue; raises InvalidRequestError before anything is queued."""
+        token_ids = self.processor.to_token_ids(prompt)
+        self.processor.validate(token_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.streams:
+            raise ValueError(f"request id {rid!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = q
+        self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+        self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority))
+        return rid, q
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; leaving the loop early (or cancellation) aborts the request."""
+        rid, q = self.add_request(prompt, params, request_id, priority)
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None:
+            self.output_processor.abort(request_id)
+            self.client.send(Abort([request_id]))
+
+    async def shutdown(self) -> None:
+        if self.client is not None:
+            await asyncio.to_thread(self.client.shutdown)
+            self.client = None
