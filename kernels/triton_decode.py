@@ -46,7 +46,7 @@ def _paged_decode_kernel(
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, h, qk_scale,  # h: no causal q_pos
             stride_kv, stride_blk, stride_slot, stride_kvh,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
     # A split past the end of a short sequence saw no keys: l = 0, weight 0 in the reduction.
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
@@ -92,9 +92,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, out: torch.Tensor,
-                     num_splits: int) -> torch.Tensor:
-    """paged_decode_attention with an explicit split count (tests and benchmarks pick it)."""
+                     block_tables: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+                     block_n: int = DECODE_BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """paged_decode_attention with an explicit split count and tile (tests and benchmarks pick them)."""
     group = check_attention_args(query, kv_cache, out)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -102,7 +102,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     block_size = kv_cache.shape[2]
     # Bound the context by the block table's width: no device-to-host read of seq_lens.
     max_context = block_tables.shape[1] * block_size
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, tokens_per_split)
     mid_out = mid_lse = out  # unused placeholders when there is a single split
     if num_splits > 1:
@@ -116,8 +116,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         NUM_HEADS=num_heads, SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
-        **dot_options(query.dtype), num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        **dot_options(query.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, mid_out, mid_lse, num_splits, out.stride(0), out.stride(1),

@@ -49,8 +49,7 @@ def head_block(head_dim: int) -> int:
 def attend_kv_tile(q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, q_pos,
                    qk_scale, stride_kv, stride_blk, stride_slot, stride_kvh,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold keys k_start .. k_start + BLOCK_N - 1 (those below k_end) into the running softmax.
 
     q [M, BLOCK_D]; m_i, l_i [M] running max and sum (log2 units); acc [M, BLOCK_D] float32.
@@ -65,11 +64,9 @@ def attend_kv_tile(q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_
     # int64 before the multiply: block_id * stride_blk passes 2**31 in a large cache.
     slot = block_id * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot + kv_head * stride_kvh
     kv_mask = k_valid[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(kv_cache + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(kv_cache + stride_kv + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # In q's dtype: a no-op normally; float32 when the caller upcast q (bf16 in the interpreter).
+    k = tl.load(kv_cache + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(kv_cache + stride_kv + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     visible = k_valid[None, :]
     if CAUSAL:

@@ -66,7 +66,7 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, q_pos, qk_scale,
             stride_kv, stride_blk, stride_slot, stride_kvh,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out.dtype.element_ty), mask=io_mask)
