@@ -69,6 +69,19 @@ def test_paged_decode_attention_matches_reference(triton_kernels, device, group,
     assert_close(out, expected, dtype)
 
 
+def test_paged_attention_on_a_mostly_decode_batch(triton_kernels, device):
+    # Few tokens per sequence: 16-row tiles, i.e. 2 query tokens x 8 heads per program.
+    batch = make_paged_batch([1, 1, 3, 1, 1], [1, 200, 37, 64, 17], num_kv_heads=2, group=8, head_dim=64,
+                             block_size=16, dtype=torch.float32)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, batch.scale)
+    b = batch.to(device)
+    out = poisoned(b.query.shape, torch.float32, device)
+    triton_kernels.paged_attention(b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables,
+                                   b.scale, out=out)
+    assert_close(out, expected, torch.float32)
+
+
 def test_attention_allocates_its_output_when_none_is_given(triton_kernels, device):
     batch = make_paged_batch([3, 1], [40, 9], num_kv_heads=1, group=2, head_dim=32, block_size=16,
                              dtype=torch.float32).to(device)
