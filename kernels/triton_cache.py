@@ -59,7 +59,8 @@ def _copy_blocks_kernel(staging, cache_ptrs, block_ids, num_ids, stride_kv, stri
     kv = (row // num_ids) % 2
     block_id = tl.load(block_ids + row % num_ids).to(tl.int64)
     # Each layer is its own allocation: its address comes from a table, cast back to a pointer.
-    cache = tl.load(cache_ptrs + layer).to(staging.dtype)
+    # The wrapper checks 16-byte alignment; saying so lets the loads be vectorised.
+    cache = tl.multiple_of(tl.load(cache_ptrs + layer).to(staging.dtype), 16)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < BLOCK_ELEMS
     src = cache + kv * stride_kv + block_id * stride_blk + offs
@@ -80,6 +81,8 @@ def _copy_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor], block_ids
     block_elems = first[0, 0].numel()
     if not first[0, 0].is_contiguous():
         raise ValueError("each kv_cache block must be contiguous ([..., block_size, kv_heads, head_dim])")
+    if any(c.data_ptr() % 16 for c in kv_caches):
+        raise ValueError("every layer's kv_cache must start at a 16-byte aligned address")
     ids = block_ids.to(device=first.device, dtype=torch.int64)
     if len(ids) == 0:
         return

@@ -93,7 +93,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
-                     block_n: int = DECODE_BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     block_n: int = DECODE_BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """paged_decode_attention with an explicit split count and tile (tests and benchmarks pick them)."""
     group = check_attention_args(query, kv_cache, out)
     num_seqs, num_heads, head_dim = query.shape

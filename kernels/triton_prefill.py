@@ -97,5 +97,5 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64,
-        **dot_options(query.dtype), num_warps=4, num_stages=2)
+        **dot_options(query.dtype), num_warps=4, num_stages=3)
     return out
