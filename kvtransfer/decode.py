@@ -1,0 +1,277 @@
+"""Decode side: pulls published blocks into its own block ids, off the engine thread."""
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvtransfer import wire
+from kvtransfer.connector import DecodeTransport, KVConnector, TransferEvents
+from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, PeerLost, ProtocolError, TransferAborted,
+                               TransferTimeout)
+from kvtransfer.handle import KVHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pull:
+    request_id: str
+    handle: KVHandle
+    local_block_ids: list[int]
+    first_block: int
+    deadline: float
+    transfer_id: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    sock: socket.socket | None = None  # while the pull holds a connection; abort() shuts it down
+
+
+@dataclass
+class _Conn:
+    endpoint: str
+    sock: socket.socket
+    peer: Any
+
+
+class DecodeConnector(KVConnector):
+    """Pull model: the engine reserves local blocks first, then asks for exactly those bytes.
+
+    `start_pull` validates what it can locally (tag, layout, block ranges) and raises at once;
+    everything else is reported by `get_finished()`. A pull that reports failure has stopped
+    writing into its reserved blocks.
+    """
+    role = "decode"
+
+    def __init__(self, transport: DecodeTransport, *, secret: bytes, engine_id: str,
+                 num_workers: int = 4, default_timeout_s: float = 30.0):
+        if not secret:
+            raise ValueError("a deployment secret is required to verify KV handles")
+        self._transport = transport
+        self._secret = secret
+        self.engine_id = engine_id
+        self.default_timeout_s = default_timeout_s
+        self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kv-decode")
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[_Conn]] = {}
+        self._inflight: dict[str, _Pull] = {}
+        self._events = TransferEvents()
+        self._counters: Counter[str] = Counter()
+        self._transfer_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
+        self._closed = False
+
+    @property
+    def worker(self) -> DecodeTransport:
+        return self._transport
+
+    # ---- scheduler-facing -------------------------------------------------------------------
+    def start_pull(self, request_id: str, handle: KVHandle, local_block_ids: Sequence[int],
+                   first_block: int = 0, timeout_s: float | None = None) -> None:
+        """Pull remote blocks handle.block_ids[first_block:first_block + len(local_block_ids)]
+        into `local_block_ids` (the first `first_block` blocks being already held locally)."""
+        handle.verify(self._secret)
+        self._transport.layout.check_compatible(handle.layout_fingerprint)
+        local = [int(b) for b in local_block_ids]
+        if first_block < 0 or first_block + len(local) > handle.num_blocks:
+            raise BlockRangeError(f"blocks [{first_block}, {first_block + len(local)}) outside the "
+                                  f"{handle.num_blocks} published for {handle.request_id!r}")
+        if len(set(local)) != len(local):
+            raise BlockRangeError("local block ids repeat")
+        self._transport.check_block_ids(local)
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        pull = _Pull(request_id, handle, local, first_block, time.monotonic() + timeout, next(self._transfer_ids))
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("connector is closed")
+            if request_id in self._inflight:
+                raise ValueError(f"request {request_id!r} is already being pulled")
+            self._inflight[request_id] = pull
+            self._counters["pulls_started"] += 1
+        self._executor.submit(self._run_pull, pull)
+
+    def extend_lease(self, handle: KVHandle, seconds: float) -> "Future[float]":
+        """Keep the prefill side's blocks while waiting for room; resolves to the new expiry (unix time)."""
+        handle.verify(self._secret)
+        return self._executor.submit(self._control, handle, wire.Extend(handle.to_bytes(), seconds))
+
+    def release(self, handle: KVHandle) -> "Future[float]":
+        """Free the prefill side's blocks without pulling (e.g. all of them were cached here)."""
+        return self._executor.submit(self._control, handle, wire.Release(handle.to_bytes()))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a pull and free the prefill side's blocks; the pull is reported as failed
+        (TransferAborted) once it no longer writes. A transfer on a socket (tcp, shm, ucx)
+        stops at once; a gloo/NCCL transfer stops at its deadline."""
+        with self._lock:
+            pull = self._inflight.get(request_id)
+            if pull is not None:
+                pull.cancelled.set()
+                if pull.sock is not None:
+                    _shutdown(pull.sock)
+        return pull is not None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def get_finished(self) -> TransferEvents:
+        with self._lock:
+            events, self._events = self._events, TransferEvents()
+        return events
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pulls = list(self._inflight.values())
+        for pull in pulls:
+            pull.cancelled.set()
+        self._executor.shutdown(wait=True, cancel_futures=False)
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            self._drop(conn)
+        self._transport.close()
+
+    # ---- worker threads ---------------------------------------------------------------------
+    def _run_pull(self, pull: _Pull) -> None:
+        conn, error = None, None
+        try:
+            conn = self._acquire(pull.handle.endpoint, pull.deadline)
+            with self._lock:
+                pull.sock = conn.sock
+            if pull.cancelled.is_set():
+                raise TransferAborted(f"request {pull.request_id!r} aborted before its pull started")
+            self._pull_on(conn, pull)
+            with self._lock:
+                pull.sock = None
+            self._put_back(conn)
+        except Exception as e:  # noqa: BLE001 - every failure must reach get_finished()
+            error = e if isinstance(e, KVTransferError) else KVTransferError(f"{type(e).__name__}: {e}")
+            if pull.cancelled.is_set():
+                error = TransferAborted(f"request {pull.request_id!r} aborted during its pull")
+            if conn is not None:
+                self._drop(conn)
+            if isinstance(error, TransferAborted):
+                self._abort_remote(pull)
+        with self._lock:
+            del self._inflight[pull.request_id]
+            pull.sock = None
+            if error is None:
+                self._counters["pulls_finished"] += 1
+                self._counters["bytes_received"] += len(pull.local_block_ids) * self._transport.layout.block_bytes
+                self._events.finished.append(pull.request_id)
+            else:
+                self._counters["aborted" if isinstance(error, TransferAborted) else "failed"] += 1
+                if isinstance(error, TransferTimeout):
+                    self._counters["timeouts"] += 1
+                self._events.failed[pull.request_id] = error
+        if error is not None:
+            log.info("kvtransfer pull of %s failed: %s", pull.request_id, error)
+
+    def _pull_on(self, conn: _Conn, pull: _Pull) -> None:
+        layout = self._transport.layout
+        n = len(pull.local_block_ids)
+        self._settimeout(conn, pull.deadline)
+        wire.send_msg(conn.sock, wire.Pull(pull.transfer_id, pull.handle.to_bytes(), pull.first_block, n,
+                                           layout.fingerprint, pull.deadline - time.monotonic()))
+        ready = wire.expect(conn.sock, wire.PullReady)
+        if ready.transfer_id != pull.transfer_id or ready.nbytes != n * layout.block_bytes:
+            raise ProtocolError(f"peer announced {ready.nbytes} bytes, expected {n * layout.block_bytes}")
+        remote = list(pull.handle.block_ids[pull.first_block:pull.first_block + n])
+        self._transport.recv_blocks(conn.peer, conn.sock, pull.local_block_ids, remote, pull.transfer_id, pull.deadline)
+        if pull.cancelled.is_set():
+            raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
+        self._settimeout(conn, pull.deadline)
+        wire.send_msg(conn.sock, wire.Finish(pull.transfer_id, pull.handle.to_bytes(), release=True))
+        wire.expect(conn.sock, wire.Ok)
+
+    def _abort_remote(self, pull: _Pull) -> None:
+        try:
+            self._control(pull.handle, wire.Abort(pull.handle.to_bytes()), timeout_s=2.0)
+        except KVTransferError as e:
+            log.debug("abort of %s not delivered: %s", pull.request_id, e)
+
+    def _control(self, handle: KVHandle, msg: wire.Message, timeout_s: float | None = None) -> float:
+        deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
+        conn = self._acquire(handle.endpoint, deadline)
+        try:
+            self._settimeout(conn, deadline)
+            wire.send_msg(conn.sock, msg)
+            ok = wire.expect(conn.sock, wire.Ok)
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._put_back(conn)
+        return ok.lease_expiry
+
+    @staticmethod
+    def _settimeout(conn: _Conn, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeout("deadline passed")
+        conn.sock.settimeout(remaining)
+
+    def _acquire(self, endpoint: str, deadline: float) -> _Conn:
+        with self._lock:
+            idle = self._idle.get(endpoint)
+            if idle:
+                return idle.pop()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeout(f"deadline passed before connecting to {endpoint}")
+        try:
+            sock = self._transport.connect(endpoint, remaining)
+        except socket.timeout:
+            raise TransferTimeout(f"timed out connecting to {endpoint}") from None
+        except OSError as e:
+            raise PeerLost(f"cannot connect to {endpoint}: {e}") from None
+        try:
+            return _Conn(endpoint, sock, self._handshake(sock, deadline))
+        except BaseException:
+            sock.close()
+            raise
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> Any:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        nonce = os.urandom(32)
+        wire.send_msg(sock, wire.Hello(self.engine_id, nonce))
+        challenge = wire.expect(sock, wire.Challenge)
+        if not hmac.compare_digest(challenge.proof, wire.proof(self._secret, b"server", nonce, challenge.nonce)):
+            raise AuthError(f"prefill {challenge.engine_id!r} failed the handshake")
+        wire.send_msg(sock, wire.Auth(wire.proof(self._secret, b"client", nonce, challenge.nonce),
+                                      self._transport.client_info()))
+        max_fds = self._transport.max_fds
+        welcome, fds = wire.expect(sock, wire.Welcome, max_fds) if max_fds else (wire.expect(sock, wire.Welcome), [])
+        return self._transport.open_peer(sock, welcome.transport_info, fds)
+
+    def _put_back(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(conn.endpoint, []).append(conn)
+                return
+        self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        self._transport.close_peer(conn.peer)
+        conn.sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,97 @@
+"""KV cache layout descriptor: what two engines must agree on before blocks can move."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from kvtransfer.errors import LayoutMismatch
+
+if TYPE_CHECKING:
+    import torch
+
+# Kept torch-free so that schedulers can import it; torch is imported only to build tensors.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per layer the cache is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float16"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of one block in one layer, K and V together."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def half_block_bytes(self) -> int:
+        """Bytes of one block's K (or V) in one layer: the unit that is contiguous in memory."""
+        return self.block_bytes_per_layer // 2
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers: what a transfer moves per block id."""
+        return self.block_bytes_per_layer * self.num_layers
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of everything that fixes the bytes of a block; the device is deliberately left out
+        (a CPU prefill may feed a GPU decode), so is num_blocks (each side sizes its own pool)."""
+        desc = f"kv/v1/{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.block_size}/{self.dtype}"
+        return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: Sequence["torch.Tensor"]) -> "KVLayout":
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        first = kv_caches[0]
+        if first.dim() != 5 or first.shape[0] != 2:
+            raise LayoutMismatch(f"a KV cache layer must be [2, blocks, block_size, heads, head_dim], got {tuple(first.shape)}")
+        layout = cls(len(kv_caches), first.shape[3], first.shape[4], first.shape[2],
+                     str(first.dtype).removeprefix("torch."), str(first.device))
+        layout.check_kv_caches(kv_caches)
+        return layout
+
+    def check_kv_caches(self, kv_caches: Sequence["torch.Tensor"]) -> int:
+        """Validate caches against this layout; returns their common num_blocks."""
+        if len(kv_caches) != self.num_layers:
+            raise LayoutMismatch(f"expected {self.num_layers} layers, got {len(kv_caches)}")
+        num_blocks = kv_caches[0].shape[1] if kv_caches[0].dim() == 5 else -1
+        for i, cache in enumerate(kv_caches):
+            if tuple(cache.shape) != self.cache_shape(num_blocks):
+                raise LayoutMismatch(f"layer {i}: shape {tuple(cache.shape)} != {self.cache_shape(num_blocks)}")
+            if cache.dtype != self.torch_dtype:
+                raise LayoutMismatch(f"layer {i}: dtype {cache.dtype} != {self.dtype}")
+            if not cache.is_contiguous():
+                raise LayoutMismatch(f"layer {i}: the KV cache must be contiguous")
+        return num_blocks
+
+    def check_compatible(self, fingerprint: str) -> None:
+        if fingerprint != self.fingerprint:
+            raise LayoutMismatch(f"remote layout {fingerprint} != local layout {self.fingerprint} ({self})")

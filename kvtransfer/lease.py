@@ -1,0 +1,139 @@
+"""Lease table: which blocks the prefill side keeps pinned for whom, and until when."""
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtransfer.errors import AuthError, LeaseExpired, UnknownRequest
+
+RELEASED, EXPIRED, ABORTED = "released", "expired", "aborted"
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    tag: bytes
+    expiry: float  # on the table's monotonic clock; publish and extend set it
+    pins: dict[int, float] = field(default_factory=dict)  # transfer id -> its deadline
+
+    def ends_at(self) -> float:
+        """A transfer in progress keeps the blocks until its own deadline, not longer."""
+        return max(self.expiry, max(self.pins.values(), default=0.0))
+
+
+@dataclass(frozen=True)
+class FreedBlocks:
+    """Blocks the owner may return to its pool; `reason` is released, expired or aborted."""
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: str
+
+
+class LeaseTable:
+    """Thread-safe: network threads pull/release, the engine thread publishes/aborts/drains.
+
+    Freed blocks are queued, never handed back from a network thread: the owner drains them
+    on its own loop (`drain_freed`), so its block pool needs no lock.
+    """
+
+    def __init__(self, default_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        if default_ttl_s <= 0:
+            raise ValueError("lease ttl must be positive")
+        self.default_ttl_s = default_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._freed: list[FreedBlocks] = []
+        self.counters = {"published": 0, RELEASED: 0, EXPIRED: 0, ABORTED: 0}
+
+    def add(self, request_id: str, block_ids: tuple[int, ...], tag: bytes,
+            ttl_s: float | None = None) -> Lease:
+        ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError("lease ttl must be positive")
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already has published blocks")
+            lease = Lease(request_id, tuple(block_ids), tag, self._clock() + ttl)
+            self._leases[request_id] = lease
+            self.counters["published"] += 1
+            return lease
+
+    def _live(self, request_id: str, tag: bytes) -> Lease:
+        """The caller holds the lock. An expired lease is freed here, on first touch."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise UnknownRequest(f"no published blocks for request {request_id!r} (freed or never published)")
+        if not hmac.compare_digest(lease.tag, tag):
+            raise AuthError(f"handle for request {request_id!r} is not the one this lease was issued with")
+        if self._clock() >= lease.ends_at():
+            self._free(lease, EXPIRED)
+            raise LeaseExpired(f"lease of request {request_id!r} expired")
+        return lease
+
+    def _free(self, lease: Lease, reason: str) -> None:
+        del self._leases[lease.request_id]
+        self.counters[reason] += 1
+        self._freed.append(FreedBlocks(lease.request_id, lease.block_ids, reason))
+
+    def pin(self, request_id: str, tag: bytes, transfer_id: int, seconds: float) -> Lease:
+        """Validate for a transfer and keep the blocks at least `seconds` (the transfer's deadline)."""
+        with self._lock:
+            lease = self._live(request_id, tag)
+            lease.pins[transfer_id] = self._clock() + seconds
+            return lease
+
+    def unpin(self, request_id: str, transfer_id: int) -> None:
+        """The transfer ended (done or failed): the lease is back to its own expiry."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.pins.pop(transfer_id, None)
+
+    def check(self, request_id: str, tag: bytes) -> Lease:
+        with self._lock:
+            return self._live(request_id, tag)
+
+    def extend(self, request_id: str, tag: bytes, seconds: float) -> float:
+        """Push the expiry to now + seconds; returns the remaining lifetime in seconds."""
+        with self._lock:
+            lease = self._live(request_id, tag)
+            lease.expiry = max(lease.expiry, self._clock() + seconds)
+            return lease.expiry - self._clock()
+
+    def release(self, request_id: str, tag: bytes) -> None:
+        with self._lock:
+            self._free(self._live(request_id, tag), RELEASED)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                self._free(lease, ABORTED)
+            return lease is not None
+
+    def expire(self) -> int:
+        now = self._clock()
+        with self._lock:
+            expired = [lease for lease in self._leases.values() if now >= lease.ends_at()]
+            for lease in expired:
+                self._free(lease, EXPIRED)
+            return len(expired)
+
+    def drain_freed(self) -> list[FreedBlocks]:
+        with self._lock:
+            freed, self._freed = self._freed, []
+            return freed
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_published_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._leases.values())

@@ -1,0 +1,137 @@
+"""shm transport (same host): the prefill's KV cache lives in a sealed memfd that each decode
+peer maps read-only; a pull is one copy from the prefill's blocks into the decode's blocks.
+
+The memfd travels over the unix control socket (SCM_RIGHTS), so nothing is left in /dev/shm
+if either process dies, and the decode side cannot write the prefill's memory (PROT_READ).
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import time
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from kvtransfer.connector import DecodeTransport, PrefillTransport
+from kvtransfer.errors import BlockRangeError, ProtocolError, TransferTimeout
+from kvtransfer.layout import KVLayout
+
+
+def _tensors(buf: Any, layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
+    """Per-layer cache views over one mapping laid out layer after layer."""
+    layer_bytes = num_blocks * layout.block_bytes_per_layer
+    with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=layer_bytes * layout.num_layers)
+    return [flat[i * layer_bytes:(i + 1) * layer_bytes].view(layout.torch_dtype).view(layout.cache_shape(num_blocks))
+            for i in range(layout.num_layers)]
+
+
+def copy_blocks(src: Sequence[torch.Tensor], src_ids: Sequence[int], dst: Sequence[torch.Tensor],
+                dst_ids: Sequence[int], deadline: float) -> None:
+    """dst[l][:, dst_ids[j]] = src[l][:, src_ids[j]]: one copy, runs of consecutive ids merged."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    for src_layer, dst_layer in zip(src, dst):
+        if time.monotonic() > deadline:
+            raise TransferTimeout("shm copy passed its deadline")
+        for s, d, n in runs:
+            dst_layer[:, d:d + n].copy_(src_layer[:, s:s + n])
+
+
+class ShmPrefillTransport(PrefillTransport):
+    name = "shm"
+
+    def __init__(self, layout: KVLayout, kernel_backend: Any = None):
+        super().__init__(layout, kernel_backend)
+        if torch.device(layout.device).type != "cpu":
+            raise ValueError("the shm transport serves CPU KV caches; use ucx or nccl for GPU memory")
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._size = 0
+
+    def listen(self, host: str, port: int) -> tuple[socket.socket, str]:
+        name = f"pdserve-kv-{os.getpid()}-{os.urandom(6).hex()}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + name)  # abstract namespace: no file to leak
+        sock.listen(64)
+        return sock, f"unix:@{name}"
+
+    def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        if self._fd >= 0:
+            raise RuntimeError("KV caches already allocated")
+        size = num_blocks * self.layout.block_bytes
+        fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self._fd, self._size, self._map = fd, size, mmap.mmap(fd, size)
+        caches = _tensors(self._map, self.layout, num_blocks)
+        super().register_kv_caches(caches)
+        return caches
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self.kv_caches is None or any(a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self.kv_caches)):
+            raise ValueError("the shm transport serves only KV caches made by worker.allocate_kv_caches()")
+
+    def open_peer(self, sock: socket.socket, client_info: dict) -> tuple[Any, dict, list[int]]:
+        if self._fd < 0:
+            raise ProtocolError("no KV caches allocated yet")
+        return None, {"num_blocks": self.num_blocks, "size": self._size}, [self._fd]
+
+    def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
+                    transfer_id: int, timeout_s: float) -> None:
+        """Nothing to send: the puller reads the blocks; the pinned lease keeps them until `Finish`."""
+
+    def close(self) -> None:
+        self.kv_caches = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ShmDecodeTransport(DecodeTransport):
+    name = "shm"
+
+    def connect(self, endpoint: str, timeout_s: float) -> socket.socket:
+        if not endpoint.startswith("unix:@"):
+            raise ProtocolError(f"shm endpoint must be unix:@name, got {endpoint!r}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + endpoint.removeprefix("unix:@"))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @property
+    def max_fds(self) -> int:
+        return 1
+
+    def open_peer(self, sock: socket.socket, server_info: dict, fds: list[int]) -> Any:
+        try:
+            if len(fds) != 1:
+                raise ProtocolError("the shm handshake must pass exactly one memfd")
+            num_blocks, size = int(server_info.get("num_blocks", -1)), int(server_info.get("size", -1))
+            if num_blocks <= 0 or size != num_blocks * self.layout.block_bytes or os.fstat(fds[0]).st_size < size:
+                raise ProtocolError(f"shm peer announced {num_blocks} blocks in {size} bytes: inconsistent")
+            mapping = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return _tensors(mapping, self.layout, num_blocks)
+
+    def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
+                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
+        remote_blocks = peer[0].shape[1]
+        if any(not 0 <= b < remote_blocks for b in remote_block_ids):
+            raise BlockRangeError(f"remote block ids outside the peer's {remote_blocks} blocks")
+        copy_blocks(peer, remote_block_ids, self.kv_caches, local_block_ids, deadline)

@@ -1,0 +1,89 @@
+"""Staging: blocks of a group of layers gathered into one contiguous buffer, chunk by chunk.
+
+Transports that move one contiguous buffer at a time (ucx, nccl, tcp from a GPU) go through
+here; the gather/scatter itself is the kernel interface's (`kernels.get_backend`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from kvtransfer.layout import KVLayout
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included), no copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def cache_views(kv_caches: Sequence[torch.Tensor]) -> list[memoryview]:
+    """One flat byte view per layer: [K blocks..., V blocks...] exactly as laid out in memory."""
+    return [as_bytes(c) for c in kv_caches]
+
+
+def block_views(flat: Sequence[memoryview], layout: KVLayout, num_blocks: int,
+                block_ids: Sequence[int]) -> list[memoryview]:
+    """Byte ranges of the given blocks in wire order (layer, then K/V, then block); runs of
+    consecutive ids are merged so that a freshly allocated range is one range per layer half."""
+    half = layout.half_block_bytes
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    views = []
+    for layer in flat:
+        for kv in (0, 1):
+            base = kv * num_blocks
+            views.extend(layer[(base + b) * half:(base + b + n) * half] for b, n in runs)
+    return views
+
+
+def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """Layer ranges [l0, l1) whose blocks fit in chunk_bytes (at least one layer each)."""
+    per_layer = max(num_blocks * layout.block_bytes_per_layer, 1)
+    step = max(1, chunk_bytes // per_layer)
+    for l0 in range(0, layout.num_layers, step):
+        yield l0, min(l0 + step, layout.num_layers)
+
+
+class Staging:
+    """A reusable, grow-only staging buffer (one per connection: transfers on it are serial)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self._buf = torch.empty(0, dtype=layout.torch_dtype, device=self.device)
+
+    def view(self, num_layers: int, num_blocks: int) -> torch.Tensor:
+        lo = self.layout
+        shape = (num_layers, 2, num_blocks, lo.block_size, lo.num_kv_heads, lo.head_dim)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if self._buf.numel() < numel:
+            self._buf = torch.empty(numel, dtype=lo.torch_dtype, device=self.device)
+        return self._buf[:numel].view(shape)
+
+    def send(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+             send: Callable[[torch.Tensor], None]) -> None:
+        """Gather each chunk of layers into the buffer and hand it to `send`."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for l0, l1 in layer_chunks(self.layout, len(block_ids), self.chunk_bytes):
+            buf = self.view(l1 - l0, len(block_ids))
+            kernels.gather_blocks(kv_caches[l0:l1], ids, out=buf)
+            send(buf)
+
+    def recv(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+             recv: Callable[[torch.Tensor], None]) -> None:
+        """Let `recv` fill each chunk, then scatter it into the blocks."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for l0, l1 in layer_chunks(self.layout, len(block_ids), self.chunk_bytes):
+            buf = self.view(l1 - l0, len(block_ids))
+            recv(buf)
+            kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)
