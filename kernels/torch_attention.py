@@ -1,14 +1,18 @@
-"""Vectorised paged attention in plain torch: the CPU fast path (no per-sequence Python loop).
+"""Paged attention for CPUs: the engine's default path off CUDA.
 
-Same signatures as kernels.reference. Context is gathered from the paged cache into a
-padded [batch, max_seq_len, kv_heads, head_dim] view and handed to SDPA with a causal,
-length-aware mask. The cache must hold finite values everywhere (it is zero-initialised):
-padding slots are masked, and 0 * NaN would still poison the output.
+Same signatures as kernels.reference. Decode rows (one query token) go to a C++ kernel that
+reads the paged cache in place (kernels/csrc, built on first use); without a compiler they
+fall back to the torch path. Prefill rows gather their context into a padded
+[batch, max_seq_len, kv_heads, head_dim] view for SDPA with a causal, length-aware mask.
+The cache must hold finite values everywhere (it is zero-initialised): padding slots are
+masked, and 0 * NaN would still poison the output.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_ops
 
 
 def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -25,6 +29,20 @@ def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    ext = cpu_ops.load() if query.device.type == "cpu" else None
+    if ext is not None:
+        if out is None or not out.is_contiguous():
+            result = torch.empty_like(query)
+            ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
+                                       block_tables.to(torch.int32), scale, result)
+            return result if out is None else out.copy_(result)
+        ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
+                                   block_tables.to(torch.int32), scale, out)
+        return out
+    return _torch_decode(query, kv_cache, seq_lens, block_tables, scale, out)
+
+
+def _torch_decode(query, kv_cache, seq_lens, block_tables, scale, out):
     b, h, d = query.shape
     max_seq_len = int(seq_lens.max())
     k, v = _gather_context(kv_cache, block_tables, max_seq_len)
@@ -46,15 +64,38 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     t = query.shape[0]
     b = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
     if t == b:  # every sequence has exactly one query token
         return paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, out)
-    dev = query.device
     qsl = query_start_loc.to(torch.long)
+    q_lens = qsl[1:] - qsl[:-1]
+    decode = q_lens == 1
+    if bool(decode.any()):
+        rows = torch.nonzero(decode).flatten()
+        tokens = qsl[:-1][rows]
+        out[tokens] = paged_decode_attention(query[tokens], kv_cache, seq_lens[rows],
+                                             block_tables[rows], scale)
+        rows = torch.nonzero(~decode & (q_lens > 0)).flatten()
+        if len(rows) == 0:
+            return out
+        sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.long, device=query.device)
+        torch.cumsum(q_lens[rows], 0, out=sub_qsl[1:])
+        token_idx = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
+        out[token_idx] = _prefill(query[token_idx], kv_cache, sub_qsl, seq_lens[rows], block_tables[rows], scale)
+        return out
+    out.copy_(_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale))
+    return out
+
+
+def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tensor:
+    """Varlen causal attention through a padded batch (few rows: the prefill chunks)."""
+    t = query.shape[0]
+    dev = query.device
     q_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.to(torch.long)
     max_q = int(q_lens.max())
-    max_seq_len = int(seq_lens.max())
-    k, v = _gather_context(kv_cache, block_tables, max_seq_len)
+    k, v = _gather_context(kv_cache, block_tables, int(seq_lens.max()))
     qpos = torch.arange(max_q, device=dev)
     valid_q = qpos[None, :] < q_lens[:, None]  # [B, Qmax]
     q_idx = (qsl[:-1, None] + qpos[None, :]).clamp_(max=t - 1)
@@ -65,8 +106,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    o = o.transpose(1, 2)[valid_q].to(query.dtype)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
+    return o.transpose(1, 2)[valid_q].to(query.dtype)

@@ -1,0 +1,43 @@
+"""Build-on-first-use C++ kernels for CPUs (torch cpp_extension); None when no compiler."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+
+logger = logging.getLogger(__name__)
+_SRC = os.path.join(os.path.dirname(__file__), "csrc", "cpu_attention.cpp")
+
+
+def _cpu_tag() -> str:
+    """-march=native code must not run on another CPU: key the build on the CPU's flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module, or None (then callers use the pure torch path)."""
+    if os.environ.get("PDSERVE_NO_CPU_EXTENSION"):
+        return None
+    try:
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
+
+        root = os.environ.get("PDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+        build = os.path.join(root, "cpu-ext", _cpu_tag())
+        os.makedirs(build, exist_ok=True)
+        return cpp_extension.load(
+            name="pdserve_cpu_attention", sources=[_SRC], build_directory=build,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+            extra_ldflags=["-fopenmp", "-ffast-math", "-fno-finite-math-only"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...
+        logger.warning("CPU attention extension unavailable (%s); using the pure torch path", e)
+        return None
