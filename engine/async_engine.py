@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
 from engine.outputs import OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
-from engine.request import SamplingParams
+from engine.request import InvalidRequestError, SamplingParams
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -20,11 +20,12 @@ class AsyncEngine:
     """Create with `await AsyncEngine.create(model, ...)`. `multiprocess=True` runs the engine
     core in its own process (the services' mode); False runs it in a thread (tests, tools)."""
 
-    def __init__(self, config: EngineConfig, multiprocess: bool) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool, detokenize: bool = True) -> None:
         self.config = config
         self.multiprocess = multiprocess
         self.tokenizer = load_tokenizer(config.model.path)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # Services stream token ids and leave text to the router: no detokenizing there.
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -32,18 +33,21 @@ class AsyncEngine:
         self.processor: InputProcessor | None = None
 
     @classmethod
-    async def create(cls, model: str, multiprocess: bool = False, **engine_kwargs) -> "AsyncEngine":
+    async def create(cls, model: str, multiprocess: bool = False, detokenize: bool = True,
+                     kv_transfer_factory=None, **engine_kwargs) -> "AsyncEngine":
+        """kv_transfer_factory: builds the KV connector hooks inside the engine-core process
+        (see engine.kv_transfer); it must be picklable when multiprocess=True."""
         if model == "tiny":
             from engine.tiny import default_tiny_model
             model = default_tiny_model()
-        self = cls(EngineConfig.create(model=model, **engine_kwargs), multiprocess)
+        self = cls(EngineConfig.create(model=model, **engine_kwargs), multiprocess, detokenize)
         self.loop = asyncio.get_running_loop()
         if multiprocess:
-            self.client = MPClient(self.config, self._on_core_outputs)
+            self.client = MPClient(self.config, self._on_core_outputs, kv_transfer_factory)
             await self.client.start()
         else:
             self.client = await asyncio.to_thread(
-                InprocClient, self.config, self._threadsafe_on_core_outputs)
+                InprocClient, self.config, self._threadsafe_on_core_outputs, kv_transfer_factory)
         info = self.client.info
         self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         logger.info("engine ready (%s core): max_model_len=%d, %d KV blocks",
@@ -68,24 +72,37 @@ class AsyncEngine:
                 if out.finished:
                     del self.streams[out.request_id]
 
+    def stats(self) -> dict:
+        """The engine core's latest counters (running/waiting, KV usage, pinned blocks, ...)."""
+        return self.client.stats() if self.client is not None else {}
+
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> tuple[str, asyncio.Queue]:
-        """Validate and queue; raises InvalidRequestError before anything is queued."""
+                    priority: int = 0, publish_kv: bool = False, remote_kv: bytes | None = None,
+                    first_token_id: int | None = None) -> tuple[str, asyncio.Queue]:
+        """Validate and queue; raises InvalidRequestError before anything is queued.
+
+        Prefill role: publish_kv=True keeps the prompt's blocks for a decode pull (the final
+        output carries kv_handle). Decode role: remote_kv + first_token_id continue a request
+        whose prompt was prefilled elsewhere."""
         token_ids = self.processor.to_token_ids(prompt)
         self.processor.validate(token_ids, params)
+        if first_token_id is not None and not 0 <= first_token_id < self.processor.vocab_size:
+            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
-        self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority))
+        self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
+                                    publish_kv, remote_kv, first_token_id))
         return rid, q
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; leaving the loop early (or cancellation) aborts the request."""
-        rid, q = self.add_request(prompt, params, request_id, priority)
+                       priority: int = 0, **disagg) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; leaving the loop early (or cancellation) aborts the request.
+        `disagg`: publish_kv / remote_kv / first_token_id, as add_request takes them."""
+        rid, q = self.add_request(prompt, params, request_id, priority, **disagg)
         finished = False
         try:
             while not finished:

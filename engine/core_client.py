@@ -28,10 +28,17 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     priority: int = 0
+    publish_kv: bool = False  # prefill role
+    remote_kv: bytes | None = None  # decode role: KV handle of the prompt
+    first_token_id: int | None = None  # decode role: sampled by the prefill instance
 
     def to_request(self) -> Request:
-        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       eos_token_id=self.eos_token_id, priority=self.priority)
+        request = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                          eos_token_id=self.eos_token_id, priority=self.priority,
+                          remote_kv=self.remote_kv, publish_kv=self.publish_kv)
+        if self.first_token_id is not None:
+            request.append_token(self.first_token_id)
+        return request
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -49,28 +56,54 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class _Loop:
-    """The busy loop shared by both clients: drain inputs, step while there is work."""
+    """The busy loop shared by both clients: drain inputs, step while there is work.
 
-    def __init__(self, core, get_input: Callable[[bool], object | None], emit: OutputCallback) -> None:
-        self.core, self.get_input, self.emit = core, get_input, emit
+    get_input(timeout): None = wait for a message, 0 = don't wait; returns None when none came.
+    """
+
+    STATS_INTERVAL_S = 0.05
+
+    def __init__(self, core, get_input: Callable[[float | None], object | None], emit: OutputCallback,
+                 emit_stats: Callable[[dict], None] | None = None) -> None:
+        self.core, self.get_input, self.emit, self.emit_stats = core, get_input, emit, emit_stats
 
     def run(self) -> None:
-        while True:
-            block = not self.core.has_unfinished_requests()
-            msg = self.get_input(block)
-            while msg is not None:
-                if msg == "shutdown":
-                    return
-                self._handle(msg)
-                msg = self.get_input(False)
-            if self.core.has_unfinished_requests():
-                outputs = self.core.step()
-                if outputs:
-                    self.emit(outputs)
+        import time
+
+        last_stats = 0.0
+        try:
+            while True:
+                if self.core.has_unfinished_requests():
+                    timeout = 0
+                elif self.core.has_work() or self.emit_stats is not None:
+                    timeout = 0.01  # pinned blocks: keep collecting transfer events
+                else:
+                    timeout = None
+                msg = self.get_input(timeout)
+                while msg is not None:
+                    if msg == "shutdown":
+                        return
+                    self._handle(msg)
+                    msg = self.get_input(0)
+                if self.core.has_work():
+                    outputs = self.core.step()
+                    if outputs:
+                        self.emit(outputs)
+                now = time.monotonic()
+                if self.emit_stats is not None and now - last_stats > self.STATS_INTERVAL_S:
+                    last_stats = now
+                    self.emit_stats(self.core.stats())
+        finally:
+            self.core.shutdown()
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
-            self.core.add_request(msg.to_request())
+            try:
+                self.core.add_request(msg.to_request())
+            except ValueError as e:  # validated in the front end; a last line of defence
+                logger.error("rejected request %s: %s", msg.request_id, e)
+                from engine.scheduler import EngineCoreOutput
+                self.emit([EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e))])
         elif isinstance(msg, Abort):
             self.core.abort_requests(msg.request_ids)
 
@@ -78,21 +111,25 @@ class _Loop:
 class InprocClient:
     """Engine core in a background thread (torch releases the GIL in its kernels)."""
 
-    def __init__(self, config: EngineConfig, on_output: OutputCallback) -> None:
+    def __init__(self, config: EngineConfig, on_output: OutputCallback,
+                 kv_transfer_factory=None) -> None:
         from engine.engine_core import EngineCore
 
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, kv_transfer_factory=kv_transfer_factory)
         self.info = Ready(self.core.max_model_len, self.core.vocab_size, self.core.runner.num_blocks)
         self._inputs: queue.Queue = queue.Queue()
         loop = _Loop(self.core, self._get, on_output)
         self._thread = threading.Thread(target=loop.run, name="engine-core", daemon=True)
         self._thread.start()
 
-    def _get(self, block: bool):
+    def _get(self, timeout: float | None):
         try:
-            return self._inputs.get(block=block)
+            return self._inputs.get(block=timeout != 0, timeout=timeout or None)
         except queue.Empty:
             return None
+
+    def stats(self) -> dict:
+        return self.core.stats()
 
     def send(self, msg) -> None:
         self._inputs.put(msg)
@@ -102,7 +139,7 @@ class InprocClient:
         self._thread.join(timeout=10)
 
 
-def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str) -> None:
+def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_transfer_factory) -> None:
     import zmq
 
     from engine.engine_core import EngineCore
@@ -114,15 +151,15 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str) -> None
     outbound.connect(out_addr)
     decoder = msgspec.msgpack.Decoder(_Inbound)
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, kv_transfer_factory=kv_transfer_factory)
     except Exception as e:  # report why we could not start, then exit
         outbound.send(_encoder.encode(("error", f"{type(e).__name__}: {e}")))
         return
     outbound.send(_encoder.encode(("ready", Ready(core.max_model_len, core.vocab_size,
                                                   core.runner.num_blocks))))
 
-    def get(block: bool):
-        if not block and not inbound.poll(0):
+    def get(timeout: float | None):
+        if timeout is not None and not inbound.poll(int(timeout * 1000)):
             return None
         frame = inbound.recv()
         return "shutdown" if frame == b"shutdown" else decoder.decode(frame)
@@ -130,14 +167,18 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str) -> None
     def emit(outputs):
         outbound.send(_encoder.encode(("outputs", outputs)))
 
-    _Loop(core, get, emit).run()
+    def emit_stats(stats):
+        outbound.send(_encoder.encode(("stats", stats)))
+
+    _Loop(core, get, emit, emit_stats).run()
     ctx.destroy(linger=0)
 
 
 class MPClient:
     """Engine core in its own process: the front end's event loop never waits for a step."""
 
-    def __init__(self, config: EngineConfig, on_output: OutputCallback, start_timeout: float = 300) -> None:
+    def __init__(self, config: EngineConfig, on_output: OutputCallback, kv_transfer_factory=None,
+                 start_timeout: float = 300) -> None:
         import zmq
         import zmq.asyncio
 
@@ -151,12 +192,13 @@ class MPClient:
         self.outbound.bind(self.out_addr)
         self.on_output = on_output
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr),
+        self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr, kv_transfer_factory),
                                name="pdserve-engine-core", daemon=True)
         self.proc.start()
         self._decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
         self._out_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
         self.info: Ready | None = None
+        self._stats: dict = {}
         self._start_timeout = start_timeout
         self._task: asyncio.Task | None = None
 
@@ -183,6 +225,11 @@ class MPClient:
             kind, payload = self._decoder.decode(await self.outbound.recv())
             if kind == "outputs":
                 self.on_output(self._out_decoder.decode(payload))
+            elif kind == "stats":
+                self._stats = msgspec.msgpack.decode(payload)
+
+    def stats(self) -> dict:
+        return self._stats
 
     def send(self, msg) -> None:
         self.inbound.send(_encoder.encode(msg))

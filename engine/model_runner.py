@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_transfer import KVCacheSpec, KVTransferHooks
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int,
-                 show_progress: bool = False) -> None:
+                 show_progress: bool = False, kv_transfer: KVTransferHooks | None = None) -> None:
         self.config = config
         self.device = torch.device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
@@ -31,11 +32,16 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // self.bytes_per_block(arch))
-        # Zero-initialised: attention reads padding slots (masked) and 0 * NaN would poison them.
-        self.kv_caches = [
-            torch.zeros((2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
-                        dtype=self.dtype, device=self.device)
-            for _ in range(arch.num_layers)]
+        self.kv_cache_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                         self.block_size, self.dtype, self.device)
+        if kv_transfer is not None:  # e.g. shared memory, registered with the connector
+            self.kv_caches = kv_transfer.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
+        else:
+            # Zero-initialised: attention reads padding slots (masked); 0 * NaN would poison them.
+            self.kv_caches = [
+                torch.zeros((2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
+                            dtype=self.dtype, device=self.device)
+                for _ in range(arch.num_layers)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         sc = config.scheduler
         self._input_ids = np.zeros(sc.max_num_batched_tokens, dtype=np.int64)

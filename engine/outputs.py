@@ -28,6 +28,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     delta_text: str = ""  # text added by this update (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    kv_handle: bytes | None = None  # prefill role: the published prompt blocks
+    abort_reason: str | None = None
 
 
 class RequestState:
@@ -82,8 +84,10 @@ class OutputProcessor:
                     entry.update({t: v for t, v in lp[1] if t not in entry})
                     state.logprobs.append(entry)
             finished = finish_reason is not None
-            outputs.append(self._make(state, delta, new_ids, finish_reason, stop_reason, finished,
-                                      co.num_cached_tokens))
+            out = self._make(state, delta, new_ids, finish_reason, stop_reason, finished,
+                             co.num_cached_tokens)
+            out.kv_handle = co.kv_handle
+            outputs.append(out)
             if finished:
                 del self.states[co.request_id]
         return outputs, stopped

@@ -81,8 +81,11 @@ class Request:
     eos_token_id: int | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # Set when the prompt's KV comes from a remote prefill instance.
-    remote_kv: object | None = None
+    # Decode role: the signed KV handle of the prompt's blocks on a prefill instance; the
+    # request then arrives with prompt + first token and waits in WAITING_FOR_REMOTE_KV.
+    remote_kv: bytes | None = None
+    # Prefill role: when finished, keep the prompt's blocks pinned and publish a KV handle.
+    publish_kv: bool = False
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

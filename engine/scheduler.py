@@ -46,6 +46,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list | None = None
     num_cached_tokens: int = 0
+    kv_handle: bytes | None = None  # prefill role: the published prompt blocks
 
 
 class WaitingQueue:
@@ -104,6 +105,9 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        # Prefill role: finished requests whose prompt blocks stay pinned for a decode pull.
+        self.pinned: dict[str, Request] = {}
+        self.newly_pinned: list[Request] = []
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -306,6 +310,20 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
 
     def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
+        if request.publish_kv and request.status != RequestStatus.FINISHED_ABORTED:
+            self.pinned[request.request_id] = request
+            self.newly_pinned.append(request)
+        else:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_since_step.append(request.request_id)
+
+    def free_pinned(self, request_id: str) -> None:
+        """A decode instance pulled the blocks, or their lease ended: return them."""
+        request = self.pinned.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(self.kv.get_block_ids(rid)) for rid in self.pinned)

@@ -1,0 +1,1 @@
+"""gRPC services (prefill, decode, colocated), the router, and the planner."""
