@@ -11,7 +11,7 @@ STAMP := $(VENV)/.pdserve-installed
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv run test test-fast bench-engine bench-kvtransfer bench-kernels-gpu lint clean
+.PHONY: venv proto run test test-fast bench-engine bench-kvtransfer bench-kernels-gpu lint clean
 
 venv: $(STAMP)
 
@@ -22,10 +22,17 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,triton,ucx]"
 	@touch $@
 
-run: $(STAMP)
+# Python code is generated from proto/ (never edited by hand) into services/api/pdserve/v1.
+GENERATED := services/api/pdserve/v1/pdserve_pb2_grpc.py
+proto: $(GENERATED)
+
+$(GENERATED): $(wildcard proto/pdserve/v1/*.proto) $(STAMP)
+	$(VPY) -m services.api.generate
+
+run: $(STAMP) $(GENERATED)
 	$(VENV)/bin/pdserve generate --model tiny --prompt "The quick brown fox" --max-tokens 32
 
-test: $(STAMP)
+test: $(STAMP) $(GENERATED)
 	$(VPY) -m pytest -q -p no:cacheprovider tests
 
 bench-engine: $(STAMP)
