@@ -37,8 +37,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix; always leaves at least one token to compute (for logits)."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -103,10 +103,36 @@ class ModelRunner:
             return ModelOutput(sampled_token_ids=[])
         input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self._prompt_logprobs(so, hidden, meta) if any(
+            r.prompt_logprobs is not None for r in so.scheduled) else None
         if len(sample_rows) == 0:
-            return ModelOutput(sampled_token_ids=[])
+            return ModelOutput(sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices])
         reqs = [so.scheduled[i] for i in sample_rows.tolist()]
-        tokens, logprobs = self.sampler(logits, [r.request_id for r in reqs],
-                                        [r.sampling_params for r in reqs])
-        return ModelOutput(sampled_token_ids=tokens, logprobs=logprobs)
+        tokens, logprobs = self.sampler(logits, reqs)
+        return ModelOutput(sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor, meta) -> dict[str, list]:
+        """Logprob of each prompt token given the ones before it, for the rows that ask."""
+        result: dict[str, list] = {}
+        qsl = meta.query_start_loc.tolist()
+        for i, (r, n) in enumerate(zip(so.scheduled, so.num_scheduled_tokens)):
+            if r.prompt_logprobs is None:
+                continue
+            start = r.num_computed_tokens
+            # Position p predicts token p + 1; only predictions of prompt tokens count.
+            end = min(start + n, r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            rows = hidden[qsl[i]:qsl[i] + (end - start)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = torch.tensor(r.all_token_ids[start + 1:end + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = r.sampling_params.prompt_logprobs
+            if k > 0:
+                vals, ids = logprobs.topk(k, dim=-1)
+                tops = [list(zip(a, b)) for a, b in zip(ids.tolist(), vals.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            result[r.request_id] = list(zip(chosen, tops))
+        return result

@@ -29,7 +29,15 @@ class RequestOutput:
     delta_text: str = ""  # text added by this update (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
-    abort_reason: str | None = None
+    # Per prompt token after the first: {token_id: logprob} (prompt token first, then top-n).
+    prompt_logprobs: list | None = None
+
+
+def _entry(token_id: int, lp) -> dict[int, float]:
+    """(logprob, top-n pairs) -> {token_id: logprob, top ids...}, the chosen token first."""
+    entry = {token_id: lp[0]}
+    entry.update({t: v for t, v in lp[1] if t not in entry})
+    return entry
 
 
 class RequestState:
@@ -42,6 +50,7 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -79,14 +88,15 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", state.detokenizer.stopped_on
             state.token_ids.extend(new_ids)
             if state.logprobs is not None and co.new_logprobs:
-                for tok, lp in zip(new_ids, co.new_logprobs):
-                    entry = {tok: lp[0]}
-                    entry.update({t: v for t, v in lp[1] if t not in entry})
-                    state.logprobs.append(entry)
+                state.logprobs.extend(_entry(tok, lp) for tok, lp in zip(new_ids, co.new_logprobs))
             finished = finish_reason is not None
             out = self._make(state, delta, new_ids, finish_reason, stop_reason, finished,
                              co.num_cached_tokens)
             out.kv_handle = co.kv_handle
+            if co.prompt_logprobs is not None:
+                state.prompt_logprobs = [_entry(tok, lp) for tok, lp in
+                                         zip(state.prompt_token_ids[1:], co.prompt_logprobs)]
+            out.prompt_logprobs = state.prompt_logprobs
             outputs.append(out)
             if finished:
                 del self.states[co.request_id]

@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per sampled token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -45,6 +46,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 
@@ -96,6 +99,9 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
+        # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per
+        # prompt token after the first, (logprob, [(token id, logprob), ...top-n]).
+        self.prompt_logprobs: list | None = [] if self.sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

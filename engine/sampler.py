@@ -41,20 +41,20 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> tuple[list[int], list | None]:
+    def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list | None]:
+        """One token per row of logits; `requests` are engine Requests in row order."""
+        params = [r.sampling_params for r in requests]
         logits = logits.float()
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, request_ids, params)
+            tokens = self._sample(logits, requests, params)
         token_list = tokens.tolist()
         return token_list, (self._logprobs(logprobs, token_list, params) if want_logprobs else None)
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str],
-                params: list[SamplingParams]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         n = len(params)
         greedy = torch.tensor([p.greedy for p in params])
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
@@ -69,11 +69,15 @@ class Sampler:
         probs = torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one noise row per request.
         noise = torch.empty_like(probs)
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
+        for i, (r, p) in enumerate(zip(requests, params)):
             if p.seed is not None:
-                gen = self.request_generators.get(rid)
+                gen = self.request_generators.get(r.request_id)
                 if gen is None:
-                    gen = self.request_generators[rid] = torch.Generator().manual_seed(p.seed)
+                    gen = self.request_generators[r.request_id] = torch.Generator().manual_seed(p.seed)
+                    # Tokens sampled elsewhere (a prefill instance's first token) used draws
+                    # of this seed already: skip them, so disaggregated == colocated.
+                    for _ in range(r.num_output_tokens):
+                        torch.empty_like(noise[i]).exponential_(generator=gen)
                 noise[i].exponential_(generator=gen)
             else:
                 noise[i].exponential_(generator=self.generator)

@@ -36,6 +36,8 @@ class ModelOutput:
     sampled_token_ids: list[int]
     # Per sampled token: (logprob of the sampled token, [(token id, logprob), ...top-n]) or None.
     logprobs: list | None = None
+    # request id -> prompt-token logprob entries computed this step (same entry shape).
+    prompt_logprobs: dict[str, list] | None = None
 
 
 @dataclass
@@ -47,6 +49,7 @@ class EngineCoreOutput:
     new_logprobs: list | None = None
     num_cached_tokens: int = 0
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
+    prompt_logprobs: list | None = None  # with the first token, when asked for
 
 
 class WaitingQueue:
@@ -226,6 +229,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.prompt_logprobs is not None and request.num_output_tokens == 0:
+            request.prompt_logprobs = []  # recomputed from the start
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
@@ -237,7 +242,10 @@ class Scheduler:
         logprobs = model_output.logprobs
         k = 0
         any_finished = False
+        prompt_lps = model_output.prompt_logprobs or {}
         for request, n in zip(out.scheduled, out.num_scheduled_tokens):
+            if request.prompt_logprobs is not None and request.request_id in prompt_lps:
+                request.prompt_logprobs.extend(prompt_lps[request.request_id])
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
@@ -251,6 +259,8 @@ class Scheduler:
             result = EngineCoreOutput(request.request_id, [token],
                                       new_logprobs=[lp] if lp is not None else None,
                                       num_cached_tokens=request.num_cached_tokens)
+            if request.prompt_logprobs is not None and request.num_output_tokens == 1:
+                result.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 request.status = status
                 result.finish_reason = status.finish_reason

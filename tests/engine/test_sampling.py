@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.request import Request
 from engine.sampler import Sampler, apply_top_k_top_p_min_p
 
 
@@ -52,8 +53,8 @@ def test_filters_match_reference(top_k, top_p, min_p):
 def test_sampling_follows_the_distribution():
     sampler = Sampler(seed=0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).repeat(4000, 1)
-    params = [SamplingParams(temperature=1.0, max_tokens=1)] * 4000
-    tokens, _ = sampler(logits, [str(i) for i in range(4000)], params)
+    reqs = [Request(str(i), [1], SamplingParams(temperature=1.0, max_tokens=1)) for i in range(4000)]
+    tokens, _ = sampler(logits, reqs)
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
 
@@ -61,8 +62,8 @@ def test_sampling_follows_the_distribution():
 def test_logprobs_are_log_softmax_of_the_logits():
     sampler = Sampler()
     logits = torch.randn(2, 10)
-    params = [SamplingParams(temperature=0, max_tokens=1, logprobs=3)] * 2
-    tokens, lps = sampler(logits, ["a", "b"], params)
+    reqs = [Request(rid, [1], SamplingParams(temperature=0, max_tokens=1, logprobs=3)) for rid in "ab"]
+    tokens, lps = sampler(logits, reqs)
     ref = torch.log_softmax(logits, -1)
     for i, (tok, (lp, top)) in enumerate(zip(tokens, lps)):
         assert tok == int(ref[i].argmax())
@@ -81,3 +82,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama):
     assert again == alone
     other_seed = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=99, max_tokens=12, ignore_eos=True)
     assert llm.generate(["The old king"], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_prompt_logprobs_match_transformers(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_llama, max_num_batched_tokens=16)  # chunked: logprobs come chunk by chunk
+    prompt = list(range(5, 45))
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) - 1
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for i, entry in enumerate(entries):
+        token = prompt[i + 1]
+        assert entry[token] == pytest.approx(float(ref[i, token]), abs=1e-4)
+        assert len(entry) >= 2
+    llm.engine.check_integrity(expect_all_free=True)
