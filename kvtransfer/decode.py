@@ -31,6 +31,7 @@ class _Pull:
     deadline: float
     transfer_id: int
     cancelled: threading.Event = field(default_factory=threading.Event)
+    done: "Future[None]" = field(default_factory=Future)
     sock: socket.socket | None = None  # while the pull holds a connection; abort() shuts it down
 
 
@@ -73,9 +74,12 @@ class DecodeConnector(KVConnector):
 
     # ---- scheduler-facing -------------------------------------------------------------------
     def start_pull(self, request_id: str, handle: KVHandle, local_block_ids: Sequence[int],
-                   first_block: int = 0, timeout_s: float | None = None) -> None:
+                   first_block: int = 0, timeout_s: float | None = None) -> "Future[None]":
         """Pull remote blocks handle.block_ids[first_block:first_block + len(local_block_ids)]
-        into `local_block_ids` (the first `first_block` blocks being already held locally)."""
+        into `local_block_ids` (the first `first_block` blocks being already held locally).
+
+        The outcome is reported by `get_finished()`; the returned future resolves at the same
+        time (None, or the KVTransferError), for callers that would rather wait than poll."""
         handle.verify(self._secret)
         self._transport.layout.check_compatible(handle.layout_fingerprint)
         local = [int(b) for b in local_block_ids]
@@ -95,6 +99,7 @@ class DecodeConnector(KVConnector):
             self._inflight[request_id] = pull
             self._counters["pulls_started"] += 1
         self._executor.submit(self._run_pull, pull)
+        return pull.done
 
     def extend_lease(self, handle: KVHandle, seconds: float) -> "Future[float]":
         """Keep the prefill side's blocks while waiting for room; resolves to the new expiry (unix time)."""
@@ -181,10 +186,22 @@ class DecodeConnector(KVConnector):
                 self._events.failed[pull.request_id] = error
         if error is not None:
             log.info("kvtransfer pull of %s failed: %s", pull.request_id, error)
+            pull.done.set_exception(error)
+        else:
+            pull.done.set_result(None)
 
     def _pull_on(self, conn: _Conn, pull: _Pull) -> None:
-        layout = self._transport.layout
         n = len(pull.local_block_ids)
+        if n:
+            self._transfer(conn, pull, n)
+        if pull.cancelled.is_set():
+            raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
+        self._settimeout(conn, pull.deadline)
+        wire.send_msg(conn.sock, wire.Finish(pull.transfer_id, pull.handle.to_bytes(), release=True))
+        wire.expect(conn.sock, wire.Ok)
+
+    def _transfer(self, conn: _Conn, pull: _Pull, n: int) -> None:
+        layout = self._transport.layout
         self._settimeout(conn, pull.deadline)
         wire.send_msg(conn.sock, wire.Pull(pull.transfer_id, pull.handle.to_bytes(), pull.first_block, n,
                                            layout.fingerprint, pull.deadline - time.monotonic()))
@@ -193,11 +210,6 @@ class DecodeConnector(KVConnector):
             raise ProtocolError(f"peer announced {ready.nbytes} bytes, expected {n * layout.block_bytes}")
         remote = list(pull.handle.block_ids[pull.first_block:pull.first_block + n])
         self._transport.recv_blocks(conn.peer, conn.sock, pull.local_block_ids, remote, pull.transfer_id, pull.deadline)
-        if pull.cancelled.is_set():
-            raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
-        self._settimeout(conn, pull.deadline)
-        wire.send_msg(conn.sock, wire.Finish(pull.transfer_id, pull.handle.to_bytes(), release=True))
-        wire.expect(conn.sock, wire.Ok)
 
     def _abort_remote(self, pull: _Pull) -> None:
         try:

@@ -48,12 +48,22 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
+def _batch(views: list[memoryview], i: int) -> list[memoryview]:
+    """The next views worth about one socket buffer: more would be re-imported by the kernel
+    (and re-exported by Python) on every partial send or receive, for nothing."""
+    j, size = i, 0
+    while j < len(views) and j - i < IOV_MAX and size < SOCKET_BUFFER_BYTES:
+        size += len(views[j])
+        j += 1
+    return views[i:j]
+
+
 def send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
     i = 0
     try:
         while i < len(views):
             _set_deadline(sock, deadline)
-            i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
+            i = _advance(views, i, sock.sendmsg(_batch(views, i)))
     except socket.timeout:
         raise TransferTimeout("timed out sending KV blocks") from None
     except OSError as e:
@@ -65,7 +75,7 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float) ->
     try:
         while i < len(views):
             _set_deadline(sock, deadline)
-            n = sock.recvmsg_into(views[i:i + IOV_MAX])[0]
+            n = sock.recvmsg_into(_batch(views, i))[0]
             if n == 0:
                 raise PeerLost(f"stream truncated: peer closed after {total} bytes")
             total += n

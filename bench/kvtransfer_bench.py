@@ -1,0 +1,184 @@
+"""KV-transfer bandwidth: 256 MiB of paged KV blocks between two processes on 127.0.0.1, per
+transport, against two limits measured in the same run (torch memcpy, raw TCP socket).
+
+Layout: 32 layers, 8 KV heads, head dim 128, fp16, 16-token blocks (2 MiB per block over all
+layers), 128 blocks at random block ids on both sides. Run: `make bench-kvtransfer`.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from kvtransfer import TRANSPORTS, KVHandle, KVLayout, create_connector  # noqa: E402
+
+LAYOUT = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+SECRET = b"bench-secret"
+TOTAL_BYTES = 256 << 20
+
+
+def _pattern(caches: list[torch.Tensor]) -> None:
+    """Cheap, position-dependent bytes so that the bench can spot-check what arrived."""
+    for layer, cache in enumerate(caches):
+        flat = cache.reshape(-1).view(torch.uint8)
+        flat.copy_((torch.arange(flat.numel(), dtype=torch.int64) * 7 + layer) % 251)
+
+
+def _prefill_child(conn, transport: str, num_blocks: int) -> None:
+    connector = create_connector(transport, "prefill", KVLayout(**LAYOUT), secret=SECRET, engine_id="bench-prefill")
+    _pattern(connector.worker.allocate_kv_caches(num_blocks))
+    conn.send(connector.endpoint)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        rid, block_ids = msg
+        conn.send(connector.publish(rid, block_ids, len(block_ids) * 16).to_bytes())
+        connector.get_finished()  # frees what the decode side released
+    connector.close()
+
+
+def _pull(decode, handle: KVHandle, local_ids: list[int]) -> float:
+    """Start to finish of one pull (control round trips and the lease release included)."""
+    start = time.perf_counter()
+    decode.start_pull(handle.request_id, handle, local_ids).result(timeout=120)
+    elapsed = time.perf_counter() - start
+    decode.get_finished()
+    return elapsed
+
+
+def bench_transport(transport: str, repeats: int, small_repeats: int) -> tuple[float, float]:
+    """Returns (best seconds for the 256 MiB pull, median seconds for a one-block pull)."""
+    layout = KVLayout(**LAYOUT)
+    n = TOTAL_BYTES // layout.block_bytes
+    pool = n + 32
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_child, args=(child, transport, pool), daemon=True)
+    proc.start()
+    try:
+        endpoint = parent.recv()
+        decode = create_connector(transport, "decode", layout, secret=SECRET, engine_id="bench-decode", timeout_s=120)
+        caches = decode.worker.allocate_kv_caches(pool)
+        for cache in caches:
+            cache.fill_(0)  # touch the pages once, as a running engine would have
+        rng = random.Random(0)
+
+        def publish(rid: str, ids: list[int]) -> KVHandle:
+            parent.send((rid, ids))
+            return KVHandle.from_bytes(parent.recv())
+
+        times = []
+        for i in range(repeats + 1):
+            remote, local = rng.sample(range(pool), n), rng.sample(range(pool), n)
+            elapsed = _pull(decode, publish(f"bulk{i}", remote), local)
+            if i == 0:
+                _check(caches, local, remote)
+            else:  # the first pull also pays for connection setup
+                times.append(elapsed)
+        small = [_pull(decode, publish(f"small{i}", [rng.randrange(pool)]), [rng.randrange(pool)])
+                 for i in range(small_repeats)]
+        decode.close()
+        return min(times), statistics.median(small[1:])
+    finally:
+        parent.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _check(caches: list[torch.Tensor], local: list[int], remote: list[int]) -> None:
+    expected = [torch.empty_like(c[:, :1]).expand(-1, len(caches[0][0]), -1, -1, -1).contiguous() for c in caches[:2]]
+    _pattern(expected)
+    for layer in range(2):
+        pulled = caches[layer][:, local[:8]]
+        if not torch.equal(pulled.view(torch.uint8), expected[layer][:, remote[:8]].view(torch.uint8)):
+            raise RuntimeError("pulled blocks differ from the prefill's")
+
+
+def bench_memcpy(repeats: int) -> float:
+    src = torch.ones(TOTAL_BYTES, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times[1:])
+
+
+def _socket_sender(port: int, repeats: int) -> None:
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * (TOTAL_BYTES >> 20))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(repeats + 1):
+            sock.sendall(payload)
+            sock.recv(1)
+
+
+def bench_socket(repeats: int) -> float:
+    """Raw loopback TCP between two processes, recv_into one preallocated buffer."""
+    server = socket.create_server(("127.0.0.1", 0))
+    proc = mp.get_context("spawn").Process(target=_socket_sender, args=(server.getsockname()[1], repeats), daemon=True)
+    proc.start()
+    buf = memoryview(bytearray(TOTAL_BYTES))
+    conn, _ = server.accept()
+    times = []
+    with conn:
+        for _ in range(repeats + 1):
+            start, got = time.perf_counter(), 0
+            while got < TOTAL_BYTES:
+                got += conn.recv_into(buf[got:])
+            times.append(time.perf_counter() - start)
+            conn.sendall(b"k")
+    proc.join(30)
+    server.close()
+    return min(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small-repeats", type=int, default=30)
+    args = parser.parse_args()
+    gb = TOTAL_BYTES / 1e9
+    small_bytes = KVLayout(**LAYOUT).block_bytes
+    memcpy = gb / bench_memcpy(args.repeats)
+    raw = gb / bench_socket(args.repeats)
+    print(f"moving {TOTAL_BYTES >> 20} MiB = {TOTAL_BYTES // small_bytes} blocks x {small_bytes >> 20} MiB "
+          f"(32 layers, 8 KV heads, head dim 128, fp16, 16-token blocks), random block ids")
+    print(f"{'path':<28}{'GB/s':>8}{'small pull ms':>15}{'overhead ms':>13}")
+    print(f"{'memcpy (torch, 1 thread)':<28}{memcpy:8.2f}")
+    print(f"{'raw TCP socket (loopback)':<28}{raw:8.2f}")
+    results = {}
+    for transport in args.transports.split(","):
+        seconds, small = bench_transport(transport, args.repeats, args.small_repeats)
+        results[transport] = gb / seconds
+        overhead = small - small_bytes / 1e9 / results[transport]
+        print(f"{'kvtransfer ' + transport:<28}{results[transport]:8.2f}{small * 1e3:15.2f}{overhead * 1e3:13.2f}",
+              flush=True)
+    best = max((v, k) for k, v in results.items() if k in ("shm", "ucx")) if {"shm", "ucx"} & set(results) else None
+    if "tcp" in results:
+        print(f"kv_tcp_vs_socket_ratio={results['tcp'] / raw:.2f}")
+    if best:
+        print(f"kv_best_vs_memcpy_ratio={best[0] / memcpy:.2f}")
+
+
+if __name__ == "__main__":
+    main()
