@@ -114,8 +114,10 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; for a finished prefill, free its pinned KV now."""
         if self.streams.pop(request_id, None) is not None:
             self.output_processor.abort(request_id)
+        if self.client is not None:
             self.client.send(Abort([request_id]))
 
     async def shutdown(self) -> None:

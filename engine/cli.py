@@ -48,7 +48,12 @@ def _make_tiny(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
+    add_engine_commands(sub)
+    return p
 
+
+def add_engine_commands(sub) -> None:
+    """`generate` and `make-tiny-model`: what needs only the engine."""
     g = sub.add_parser("generate", help="generate text from a prompt with the offline engine")
     g.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built-in random Llama)")
     g.add_argument("--prompt", required=True)
@@ -74,12 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-position-embeddings", type=int, default=2048)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_make_tiny)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = (parser or build_parser()).parse_args(argv)
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:

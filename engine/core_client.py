@@ -144,6 +144,7 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_tran
 
     from engine.engine_core import EngineCore
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbound = ctx.socket(zmq.PULL)
     inbound.connect(in_addr)

@@ -51,6 +51,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.counters: Counter = Counter()
         self._aborting_pulls: set[str] = set()
+        self._pull_started: dict[str, float] = {}
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s",
                     self.runner.num_blocks, config.cache.block_size, self.max_model_len,
                     self.runner.kernels.name)
@@ -107,6 +108,8 @@ class EngineCore:
             self.kv_transfer.start_pull(request.request_id, request.remote_kv,
                                         block_ids[first:num_prompt_blocks], first)
             self.counters["kv_pulls_started"] += 1
+            self.counters["kv_blocks_local_hits"] += first
+            self._pull_started[request.request_id] = time.monotonic()
         except Exception as e:  # a bad handle: recompute the prompt here instead
             logger.warning("KV pull for %s refused (%s): recomputing the prompt", request.request_id, e)
             self.counters["kv_recomputed_fallbacks"] += 1
@@ -114,6 +117,12 @@ class EngineCore:
 
     def _collect_transfer_events(self) -> None:
         events = self.kv_transfer.poll()
+        now = time.monotonic()
+        for rid in [*events.pulled, *events.pull_failed]:
+            started = self._pull_started.pop(rid, None)
+            if started is not None:
+                self.counters["kv_transfer_seconds_total"] += now - started
+                self.counters["kv_transfers_timed"] += 1
         for rid in events.pulled:
             if rid in self._aborting_pulls:
                 self._aborting_pulls.discard(rid)
@@ -127,6 +136,7 @@ class EngineCore:
                 self._abort_after_pull(rid)
                 continue
             logger.warning("KV pull for %s failed (%s): recomputing the prompt", rid, reason)
+            self.counters["kv_pull_failures"] += 1
             self.counters["kv_recomputed_fallbacks"] += 1
             self.scheduler.finish_remote_kv(rid, success=False)
         for rid in events.freed:
@@ -164,10 +174,14 @@ class EngineCore:
             "kv_cache_usage": kv.usage, "num_pinned_blocks": s.num_pinned_blocks,
             "prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
+            # Work still owed: prompt tokens to compute plus tokens to generate (for routing).
+            "outstanding_tokens": sum(r.num_tokens - r.num_computed_tokens
+                                      + r.sampling_params.max_tokens - r.num_output_tokens
+                                      for r in s.requests.values()),
         }
         stats.update(self.counters)
         if self.kv_transfer is not None:
-            stats.update({f"kv_{k}": v for k, v in self.kv_transfer.stats().items()})
+            stats.update({f"connector_{k}": v for k, v in self.kv_transfer.stats().items()})
         return stats
 
     def shutdown(self) -> None:

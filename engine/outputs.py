@@ -31,6 +31,7 @@ class RequestOutput:
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
     # Per prompt token after the first: {token_id: logprob} (prompt token first, then top-n).
     prompt_logprobs: list | None = None
+    queue_time: float | None = None  # engine-side: arrival to first scheduled (first output only)
 
 
 def _entry(token_id: int, lp) -> dict[int, float]:
@@ -97,6 +98,7 @@ class OutputProcessor:
                 state.prompt_logprobs = [_entry(tok, lp) for tok, lp in
                                          zip(state.prompt_token_ids[1:], co.prompt_logprobs)]
             out.prompt_logprobs = state.prompt_logprobs
+            out.queue_time = co.queue_time
             outputs.append(out)
             if finished:
                 del self.states[co.request_id]

@@ -97,6 +97,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.num_preemptions = 0
+        self.queue_time: float | None = None  # arrival -> first scheduled, seconds
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per

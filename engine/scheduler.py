@@ -5,6 +5,7 @@ Pure Python (no torch): drive it in tests with fake model outputs.
 from __future__ import annotations
 
 import heapq
+import time
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,6 +51,21 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
     prompt_logprobs: list | None = None  # with the first token, when asked for
+    queue_time: float | None = None  # with the first token: seconds from arrival to first scheduled
+
+
+def check_stop(params, num_output_tokens: int, token: int, eos_token_id: int | None,
+               num_tokens: int, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Does `token` (the num_output_tokens-th output) end the request? (status, stop token id)"""
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    if num_output_tokens < params.min_tokens:
+        return None, None
+    if not params.ignore_eos and token == eos_token_id:
+        return RequestStatus.FINISHED_STOPPED, None
+    if token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token
+    return None, None
 
 
 class WaitingQueue:
@@ -203,6 +219,7 @@ class Scheduler:
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+                request.queue_time = time.monotonic() - request.arrival_time
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -259,8 +276,10 @@ class Scheduler:
             result = EngineCoreOutput(request.request_id, [token],
                                       new_logprobs=[lp] if lp is not None else None,
                                       num_cached_tokens=request.num_cached_tokens)
-            if request.prompt_logprobs is not None and request.num_output_tokens == 1:
-                result.prompt_logprobs = request.prompt_logprobs
+            if request.num_output_tokens == 1:
+                result.queue_time = request.queue_time
+                if request.prompt_logprobs is not None:
+                    result.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 request.status = status
                 result.finish_reason = status.finish_reason
@@ -273,18 +292,11 @@ class Scheduler:
         return results
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_out = request.num_output_tokens
-        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if num_out < params.min_tokens:
-            return None
-        if not params.ignore_eos and token == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
+        status, reason = check_stop(request.sampling_params, request.num_output_tokens, token,
+                                    request.eos_token_id, request.num_tokens, self.max_model_len)
+        if reason is not None:
+            request.stop_reason = reason
+        return status
 
     # -- remote KV and aborts --------------------------------------------------------
     def finish_remote_kv(self, request_id: str, success: bool) -> None:

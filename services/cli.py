@@ -1,0 +1,35 @@
+"""`pdserve`: one command line for the engine tools, the services, the router and the stack."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import cli as engine_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True)
+    engine_cli.add_engine_commands(sub)
+    try:
+        from services.engine_server import add_engine_parsers
+    except ImportError as e:
+        raise SystemExit(f"error: the gRPC code is not generated ({e}); run `make proto`") from None
+    add_engine_parsers(sub)
+    for module, hook in (("services.router.cli", "add_router_parser"), ("services.launcher", "add_up_parser")):
+        try:
+            mod = __import__(module, fromlist=[hook])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        getattr(mod, hook)(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return engine_cli.main(argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""protobuf <-> engine dataclasses: the one module that imports both."""
+from __future__ import annotations
+
+from engine.request import InvalidRequestError, SamplingParams
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+
+
+def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
+    """Validated SamplingParams; text stop strings are the router's, so engines drop them."""
+    if p.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
+    return SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k, min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
+        stop=() if for_engine else tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens)
+
+
+def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    p = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          min_p=s.min_p, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                          min_tokens=s.min_tokens, stop=list(s.stop),
+                          include_stop_str_in_output=s.include_stop_str_in_output,
+                          skip_special_tokens=s.skip_special_tokens)
+    if s.seed is not None:
+        p.seed = s.seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
+    return p
+
+
+def token_logprob(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:
+    """An engine logprob entry ({chosen: lp, top ids: lp...}) as a TokenLogprob."""
+    return pb.TokenLogprob(token_id=token_id, logprob=entry[token_id],
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items() if t != token_id]
+                           if len(entry) > 1 else [])
+
+
+def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_model_len: int) -> pb.LoadReport:
+    return pb.LoadReport(
+        engine_id=engine_id, role=role, num_running=stats.get("num_running", 0),
+        num_waiting=stats.get("num_waiting", 0), kv_cache_usage=stats.get("kv_cache_usage", 0.0),
+        num_pinned_blocks=stats.get("num_pinned_blocks", 0), num_blocks=stats.get("num_blocks", 0),
+        block_size=block_size, outstanding_tokens=stats.get("outstanding_tokens", 0),
+        max_model_len=max_model_len)
