@@ -1,0 +1,82 @@
+"""`pdserve router`: flags (each with a PDSERVE_ROUTER_* environment variable) and the process main."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from services.common.flags import add
+from services.router.config import RouterConfig, parse_addresses
+
+logger = logging.getLogger(__name__)
+ENV_PREFIX = "PDSERVE_ROUTER_"
+
+
+def _flag(p: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
+    add(p, flag, env_prefix=ENV_PREFIX, help=help, **kwargs)
+
+
+def add_router_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "router", help="OpenAI-compatible HTTP gateway + gRPC Generate front over prefill/decode instances",
+        description="Routes each request to a prefill and a decode instance (or, with --decode only, to "
+                    "colocated instances) and streams the result back over HTTP (OpenAI API) and gRPC.")
+    _flag(p, "--model", "checkpoint directory whose tokenizer, chat template and config the router uses, "
+          "or 'tiny' (the built-in tiny model)", default="tiny")
+    _flag(p, "--served-model-name", "the model name clients send and /v1/models lists (default: --model)")
+    _flag(p, "--host", "address the HTTP and gRPC fronts listen on", default="0.0.0.0")
+    _flag(p, "--port", "HTTP port (0: any free port)", default=8000, type=int)
+    _flag(p, "--grpc-port", "gRPC Generate port (0: any free port; -1: no gRPC front)", default=50050, type=int)
+    _flag(p, "--prefill", "prefill instances, host:port[,host:port...]", default="")
+    _flag(p, "--decode", "decode instances, host:port[,...]; with no --prefill they are colocated "
+          "instances that compute prompts themselves", default="")
+    _flag(p, "--policy", "routing policy", default="round_robin", choices=["round_robin", "least_load"])
+    _flag(p, "--api-key", "require 'Authorization: Bearer KEY' on /v1/* and on gRPC Generate "
+          "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
+    _flag(p, "--max-model-len", "context length limit (default: the smallest any instance reports, "
+          "else the checkpoint's max_position_embeddings)", type=int)
+    _flag(p, "--request-timeout", "seconds a request may take from arrival to its last token",
+          default=600.0, type=float)
+    _flag(p, "--prefill-timeout", "seconds one prefill attempt may take before it is retried elsewhere",
+          default=60.0, type=float)
+    _flag(p, "--max-attempts", "instances tried per request: prefill, and decode before its first token",
+          default=3, type=int)
+    _flag(p, "--health-check-interval", "seconds between grpc.health.v1 checks of every instance",
+          default=2.0, type=float)
+    _flag(p, "--load-poll-interval", "seconds between GetLoad polls (least_load policy)",
+          default=0.5, type=float)
+    _flag(p, "--drain-timeout", "seconds SIGTERM waits for in-flight requests", default=30.0, type=float)
+    p.set_defaults(func=run_router)
+    return p
+
+
+def config_from_args(args) -> RouterConfig:
+    return RouterConfig(
+        model=args.model, served_model_name=args.served_model_name or args.model,
+        prefill=parse_addresses(args.prefill), decode=parse_addresses(args.decode), host=args.host,
+        port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=args.api_key or None,
+        max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
+        prefill_timeout_s=args.prefill_timeout, max_attempts=args.max_attempts,
+        health_check_interval_s=args.health_check_interval, load_poll_interval_s=args.load_poll_interval,
+        drain_timeout_s=args.drain_timeout)
+
+
+async def serve(config: RouterConfig) -> int:
+    from services.router.server import Router
+
+    router = Router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    await stop.wait()
+    logger.info("router received a stop signal")
+    await router.stop()
+    return 0
+
+
+def run_router(args) -> int:
+    return asyncio.run(serve(config_from_args(args)))

@@ -1,0 +1,204 @@
+"""One request's trip through the fleet: prefill (retried elsewhere on failure) then a decode stream."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.router.errors import RouterError
+from services.router.instances import Instance, InstancePool
+from services.router.policy import RouteRequest, RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+Code = grpc.StatusCode
+# Worth another instance: the failure says something about that instance, not the request.
+RETRYABLE = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.UNKNOWN, Code.INTERNAL, Code.ABORTED,
+             Code.CANCELLED, Code.RESOURCE_EXHAUSTED}
+ABORT_TIMEOUT_S = 2.0
+
+
+@dataclass
+class TokenChunk:
+    """Tokens as the engines produced them; the first chunk may carry prompt logprobs."""
+    token_ids: list[int]
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob per token, when asked for
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    prompt_logprobs: list | None = None  # pb.TokenLogprob per prompt token after the first
+    num_cached_tokens: int = 0
+
+
+def _upstream_error(inst: Instance, e: grpc.aio.AioRpcError) -> RouterError:
+    if e.code() == Code.INVALID_ARGUMENT:
+        return RouterError(400, e.details() or "invalid request")
+    return RouterError(502, f"{inst.role} instance {inst.address} failed: {e.code().name}: {e.details()}",
+                       type="upstream_error")
+
+
+class Dispatcher:
+    def __init__(self, pool: InstancePool, policy: RoutingPolicy, metrics, *, disaggregated: bool,
+                 request_timeout_s: float, prefill_timeout_s: float, max_attempts: int) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.disaggregated = disaggregated
+        self.request_timeout_s = request_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+        self.max_attempts = max_attempts
+        self._background: set[asyncio.Task] = set()
+
+    def check_available(self) -> None:
+        """503 up front, before anything is streamed, when a role has no healthy instance."""
+        for role in ("prefill", "decode") if self.disaggregated else ("decode",):
+            if not self.pool.healthy(role):
+                raise RouterError(503, self.pool.unavailable_reason(role), code="no_healthy_instance")
+
+    def _pick(self, route: RouteRequest, exclude: list[Instance]) -> Instance:
+        candidates = [i for i in self.pool.healthy(route.role) if i not in exclude]
+        if not candidates:
+            reason = self.pool.unavailable_reason(route.role) if not exclude else (
+                f"no other healthy {route.role} instance to retry on")
+            raise RouterError(503, reason, code="no_healthy_instance")
+        inst = self.policy.select(candidates, route)
+        inst.routed_tokens += len(route.prompt_token_ids)
+        self.metrics.routing_decisions.labels(route.role, inst.address).inc()
+        return inst
+
+    def _can_retry(self, role: str, tried: list[Instance]) -> bool:
+        return len(tried) < self.max_attempts and any(
+            i.healthy and i not in tried for i in self.pool.instances(role))
+
+    def _failed(self, inst: Instance, request_id: str, e: grpc.aio.AioRpcError, retrying: bool) -> None:
+        if e.code() == Code.UNAVAILABLE:
+            self.pool.mark_unhealthy(inst, f"UNAVAILABLE: {e.details()}")
+        if retrying:
+            logger.warning("request %s: %s instance %s failed (%s: %s); retrying on another instance",
+                           request_id, inst.role, inst.address, e.code().name, e.details())
+            self.metrics.upstream_retries.labels(inst.role, inst.address, e.code().name).inc()
+
+    @staticmethod
+    def _remaining(deadline: float) -> float:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RouterError(504, "the request timed out", code="timeout")
+        return left
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: pb.SamplingParams) -> AsyncIterator[TokenChunk]:
+        """Yields token chunks until one has a finish_reason. Closing it early (a stop string, a
+        client gone) cancels the decode stream and aborts a prefill whose KV was not pulled."""
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        decode_route = RouteRequest(request_id, "decode", prompt_token_ids)
+        if not self.disaggregated:
+            req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=sampling)
+            async for chunk in self._decode(decode_route, req, deadline):
+                yield chunk
+            return
+        publish_kv = sampling.max_tokens > 1
+        pinned: Instance | None = None  # prefill instance holding KV that no decode has pulled yet
+        try:
+            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, publish_kv, deadline)
+            finish = resp.finish_reason or (None if publish_kv else "length")
+            if finish is None:
+                pinned = prefill
+            yield TokenChunk([resp.first_token_id],
+                             [resp.first_logprob] if resp.HasField("first_logprob") else [],
+                             finish_reason=finish, prompt_logprobs=list(resp.prompt_logprobs),
+                             num_cached_tokens=resp.num_cached_tokens)
+            if finish is not None:
+                return
+            req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=sampling, first_token_id=resp.first_token_id,
+                                   kv_handle=resp.kv_handle)
+            async for chunk in self._decode(decode_route, req, deadline):
+                pinned = None  # decode answered: it pulled the KV (or recomputed) and prefill freed it
+                yield chunk
+        finally:
+            if pinned is not None:
+                self._abort_later(pinned, request_id)
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
+                       publish_kv: bool, deadline: float) -> tuple[Instance, pb.PrefillResponse]:
+        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                sampling=sampling, publish_kv=publish_kv)
+        route = RouteRequest(request_id, "prefill", prompt_token_ids)
+        tried: list[Instance] = []
+        failures: list[str] = []
+        while True:
+            inst = self._pick(route, tried)
+            tried.append(inst)
+            timeout = min(self.prefill_timeout_s, self._remaining(deadline))
+            try:
+                return inst, await inst.prefill.Prefill(req, timeout=timeout)
+            except asyncio.CancelledError:
+                self._abort_later(inst, request_id)  # it may have pinned the KV already
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise _upstream_error(inst, e) from None
+                self._abort_later(inst, request_id)  # timed out or half-failed: free what it holds
+                failures.append(f"{inst.address}: {e.code().name}: {e.details()}")
+                retrying = self._can_retry("prefill", tried)
+                self._failed(inst, request_id, e, retrying)
+                self._remaining(deadline)
+                if not retrying:
+                    raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
+                                           f"{'; '.join(failures)}", code="upstream_failed") from None
+
+    async def _decode(self, route: RouteRequest, req: pb.DecodeRequest,
+                      deadline: float) -> AsyncIterator[TokenChunk]:
+        tried: list[Instance] = []
+        while True:
+            inst = self._pick(route, tried)
+            tried.append(inst)
+            call = inst.decode.Decode(req, timeout=self._remaining(deadline))
+            received = False
+            try:
+                async for msg in call:
+                    received = True
+                    yield TokenChunk(list(msg.token_ids), list(msg.logprobs),
+                                     finish_reason=msg.finish_reason or None,
+                                     stop_reason=msg.stop_reason or None,
+                                     prompt_logprobs=list(msg.prompt_logprobs) or None,
+                                     num_cached_tokens=msg.num_cached_tokens)
+                    if msg.finish_reason:
+                        return
+                raise RouterError(502, f"decode instance {inst.address} ended the stream without a "
+                                       "finish reason", type="upstream_error")
+            except grpc.aio.AioRpcError as e:
+                # Before the first token a decode failure is retried: nothing was shown yet, and
+                # the new instance pulls the same KV (or recomputes the prompt if it is gone).
+                if received or e.code() not in RETRYABLE:
+                    raise _upstream_error(inst, e) from None
+                retrying = self._can_retry("decode", tried)
+                self._failed(inst, req.request_id, e, retrying)
+                self._remaining(deadline)
+                if not retrying:
+                    raise _upstream_error(inst, e) from None
+            finally:
+                if not call.done():
+                    call.cancel()  # the decode engine sees the cancellation and aborts the request
+
+    def _abort_later(self, inst: Instance, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(inst, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, inst: Instance, request_id: str) -> None:
+        stub = inst.prefill if inst.role == "prefill" else inst.decode
+        try:
+            resp = await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            logger.debug("aborted %s on %s (found=%s)", request_id, inst, resp.found)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("abort of %s on %s failed: %s", request_id, inst, e.code().name)
+
+    async def drain(self) -> None:
+        """Waits for the aborts still on their way."""
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -1,0 +1,93 @@
+"""The public gRPC Generate service: the same flow as the HTTP gateway, streamed as GenerateResponse."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import re
+import uuid
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.router.errors import RouterError, bad_request
+from services.router.sampling import PreparedPrompt, prepare
+
+logger = logging.getLogger(__name__)
+ENDPOINT = "/pdserve.v1.Generate/Generate"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class GenerateService(pb_grpc.GenerateServicer):
+    def __init__(self, router) -> None:
+        self.router = router
+        self.model = router.model
+        self.metrics = router.metrics
+        self._api_key = router.config.api_key.encode() if router.config.api_key else None
+
+    def _check_auth(self, context) -> None:
+        if self._api_key is None:
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise RouterError(401, "missing or incorrect API key (metadata authorization: Bearer <key>)")
+
+    def _prepare(self, request: pb.GenerateRequest) -> PreparedPrompt:
+        if request.model and request.model != self.model.name:
+            raise RouterError(404, f"The model `{request.model}` does not exist.", param="model")
+        if request.request_id and not _REQUEST_ID.match(request.request_id):
+            raise bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]", "request_id")
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids, text = self.model.encode(request.text), request.text
+        elif kind == "token_ids":
+            ids, text = list(request.token_ids.ids), None
+        else:
+            raise bad_request("a prompt is required: text or token_ids", "prompt")
+        s = request.sampling
+        if s.HasField("prompt_logprobs"):  # GenerateResponse has no place for them
+            raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
+                              "with echo and logprobs", "prompt_logprobs")
+        # proto3 zeros mean "unset" where zero is not a usable value.
+        knobs = dict(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
+                     seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+                     stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                     min_tokens=s.min_tokens, logprobs=s.logprobs if s.HasField("logprobs") else None,
+                     include_stop_str_in_output=s.include_stop_str_in_output,
+                     skip_special_tokens=s.skip_special_tokens)
+        return prepare(self.model, ids, knobs, max_tokens=s.max_tokens or None, default_max_tokens=16,
+                       text=text)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        status = 500
+        try:
+            self._check_auth(context)
+            prompt = self._prepare(request)
+            self.router.dispatcher.check_available()
+            request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            num_tokens, num_cached = 0, None
+            chunks = self.router.generator.stream(request_id, prompt)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    num_tokens += len(chunk.token_ids)
+                    if num_cached is None:  # the prefill side's count, on the first chunk
+                        num_cached = chunk.num_cached_tokens
+                    out = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
+                                              logprobs=chunk.logprobs, request_id=request_id)
+                    if chunk.finish_reason is not None:
+                        out.finish_reason = chunk.finish_reason
+                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt.token_ids),
+                                                    completion_tokens=num_tokens,
+                                                    cached_tokens=num_cached))
+                    yield out
+            status = 200
+        except RouterError as e:
+            status = e.status
+            await context.abort(e.grpc_code, e.message)
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            status = 499
+            self.metrics.client_aborts.inc()
+            logger.info("Generate client went away; request aborted")
+            raise
+        finally:
+            self.metrics.requests.labels(ENDPOINT, str(status)).inc()

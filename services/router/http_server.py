@@ -1,0 +1,137 @@
+"""The HTTP gateway: routes, API-key auth, OpenAI-style errors, /v1/models, /health, /metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from services.router.errors import RouterError, bad_request
+from services.router.openai_protocol import parse_chat, parse_completion
+from services.router.openai_serving import CLIENT_CLOSED, OpenAIServing
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_BODY_BYTES = 64 << 20
+
+
+def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
+    return web.Response(status=e.status, body=_encode(e.body()), content_type="application/json",
+                        headers=headers)
+
+
+class HttpGateway:
+    def __init__(self, router) -> None:
+        self.router = router
+        self.model = router.model
+        self.metrics = router.metrics
+        self.serving = OpenAIServing(router.generator, router.model)
+        self._api_key = router.config.api_key.encode() if router.config.api_key else None
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_card)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self._api_key is None or not request.path.startswith("/v1/"):
+            return True
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        status = 500
+        try:
+            if not self._authorized(request):
+                raise RouterError(401, "Incorrect API key provided.", code="invalid_api_key")
+            response = await handler(request)
+            status = request.get("status", response.status)
+            return response
+        except RouterError as e:
+            status = e.status
+            return error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+            status = e.status
+            return error_response(RouterError(e.status, e.text if e.status != 413 else
+                                              f"request body over {MAX_BODY_BYTES} bytes"),
+                                  headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None)
+        except asyncio.CancelledError:  # aiohttp cancels the handler when its client disconnects
+            status = CLIENT_CLOSED
+            self.metrics.client_aborts.inc()
+            logger.info("client of %s %s disconnected; request aborted", request.method, request.path)
+            raise
+        except Exception:
+            logger.exception("unexpected error serving %s %s", request.method, request.path)
+            return error_response(RouterError(500, "internal server error", type="server_error"))
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    @staticmethod
+    async def _json(request: web.Request):
+        raw = await request.read()
+        try:
+            return _decode(raw)
+        except msgspec.DecodeError as e:
+            raise bad_request(f"malformed JSON body: {e}") from None
+
+    @staticmethod
+    def _request_id(request: web.Request, prefix: str) -> str:
+        given = request.headers.get("X-Request-Id", "")
+        return given if _REQUEST_ID.match(given) else f"{prefix}-{uuid.uuid4().hex}"
+
+    async def _serve(self, request: web.Request, parse, prefix: str, chat: bool) -> web.StreamResponse:
+        parsed = parse(await self._json(request), self.model)
+        self.router.dispatcher.check_available()
+        request_id = self._request_id(request, prefix)
+        headers = {"X-Request-Id": request_id}
+        if parsed.ignored_fields:
+            names = ", ".join(parsed.ignored_fields)
+            logger.warning("request %s: ignored unknown fields: %s", request_id, names)
+            headers["X-Ignored-Fields"] = names
+        return await self.serving.respond(request, parsed, request_id, chat, headers)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, "cmpl", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, "chatcmpl", chat=True)
+
+    def _card(self) -> dict:
+        m = self.model
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "pdserve",
+                "root": m.path, "parent": None, "max_model_len": m.max_model_len, "permission": []}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]}, dumps=lambda o: _encode(o).decode())
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model.name:
+            raise RouterError(404, f"The model `{name}` does not exist.", param="model",
+                              code="model_not_found")
+        return web.json_response(self._card(), dumps=lambda o: _encode(o).decode())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.router.draining:
+            raise RouterError(503, "the router is shutting down", code="draining")
+        self.router.dispatcher.check_available()
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.CONTENT_TYPE})

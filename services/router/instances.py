@@ -1,0 +1,145 @@
+"""Prefill and decode instances: persistent channels, health checks and load reports."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20),
+                   ("grpc.max_send_message_length", 256 << 20)]
+ROLES = ("prefill", "decode")
+
+
+class Instance:
+    """One engine instance as the router sees it: stubs over one channel, health, last load."""
+
+    def __init__(self, address: str, role: str) -> None:
+        assert role in ROLES, role
+        self.address = address
+        self.role = role
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.prefill = pb_grpc.PrefillStub(self.channel) if role == "prefill" else None
+        self.decode = pb_grpc.DecodeStub(self.channel) if role == "decode" else None
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+        self.checked = False
+        self.reason = "not checked yet"  # why it is unhealthy
+        self.load: pb.LoadReport | None = None
+        # Tokens routed here since the last load report: keeps least-load honest between polls.
+        self.routed_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"{self.role}@{self.address}"
+
+    @property
+    def load_score(self) -> int:
+        reported = self.load.outstanding_tokens if self.load is not None else 0
+        return reported + self.routed_tokens
+
+    async def check_health(self, timeout: float) -> tuple[bool, str]:
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return False, f"{e.code().name}: {e.details()}"
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return True, ""
+
+    async def get_load(self, timeout: float) -> pb.LoadReport:
+        stub = self.prefill if self.role == "prefill" else self.decode
+        return await stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+
+
+class InstancePool:
+    """Static discovery (flags) plus active health checks and, when asked, load polling.
+
+    A request that finds an instance unreachable marks it unhealthy at once (passive check);
+    the next active check brings it back.
+    """
+
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], metrics, *,
+                 health_interval_s: float, load_interval_s: float | None,
+                 on_load: Callable[[pb.LoadReport], None] | None = None) -> None:
+        self._addresses = {"prefill": prefill, "decode": decode}
+        self._instances: dict[str, list[Instance]] = {"prefill": [], "decode": []}
+        self._metrics = metrics
+        self._health_interval_s = health_interval_s
+        self._load_interval_s = load_interval_s  # None: one report per instance when it turns healthy
+        self._on_load = on_load
+        self._tasks: list[asyncio.Task] = []
+
+    def instances(self, role: str) -> list[Instance]:
+        return self._instances[role]
+
+    def healthy(self, role: str) -> list[Instance]:
+        return [i for i in self._instances[role] if i.healthy]
+
+    def unavailable_reason(self, role: str) -> str:
+        states = "; ".join(f"{i.address}: {i.reason}" for i in self._instances[role])
+        return f"no healthy {role} instance ({states or 'none configured'})"
+
+    async def start(self) -> None:
+        for role, addresses in self._addresses.items():
+            self._instances[role] = [Instance(a, role) for a in addresses]
+        await self.check_all()
+        self._tasks.append(asyncio.create_task(self._poll(self.check_all, self._health_interval_s)))
+        if self._load_interval_s is not None:
+            self._tasks.append(asyncio.create_task(self._poll(self.poll_loads, self._load_interval_s)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for role in ROLES:
+            await asyncio.gather(*(i.channel.close() for i in self._instances[role]))
+
+    async def _poll(self, fn, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # a poll must never die; log and go on
+                logger.exception("instance poll failed")
+
+    async def check_all(self) -> None:
+        timeout = max(0.05, min(1.0, self._health_interval_s))
+        everyone = self._instances["prefill"] + self._instances["decode"]
+        results = await asyncio.gather(*(i.check_health(timeout) for i in everyone))
+        for inst, (ok, reason) in zip(everyone, results):
+            was = inst.healthy
+            self._set_health(inst, ok, reason)
+            if ok and not was and self._load_interval_s is None:
+                await self._fetch_load(inst)
+
+    def mark_unhealthy(self, inst: Instance, reason: str) -> None:
+        self._set_health(inst, False, reason)
+
+    def _set_health(self, inst: Instance, ok: bool, reason: str) -> None:
+        if ok != inst.healthy or not inst.checked:
+            if ok:
+                logger.info("%s instance %s is healthy", inst.role, inst.address)
+            else:
+                logger.warning("%s instance %s is unhealthy: %s", inst.role, inst.address, reason)
+        inst.healthy, inst.reason, inst.checked = ok, reason, True
+        self._metrics.instance_healthy.labels(inst.role, inst.address).set(1 if ok else 0)
+
+    async def poll_loads(self) -> None:
+        await asyncio.gather(*(self._fetch_load(i) for role in ROLES for i in self.healthy(role)))
+
+    async def _fetch_load(self, inst: Instance) -> None:
+        try:
+            report = await inst.get_load(timeout=max(0.05, min(1.0, self._health_interval_s)))
+        except grpc.aio.AioRpcError as e:
+            logger.debug("GetLoad from %s failed: %s", inst, e.code().name)
+            return
+        inst.load, inst.routed_tokens = report, 0
+        if self._on_load is not None:
+            self._on_load(report)

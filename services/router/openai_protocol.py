@@ -1,0 +1,217 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) -> prompts ready to dispatch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.router.errors import RouterError, bad_request, unsupported
+from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, prepare
+from services.router.served_model import ServedModel
+
+_KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "a boolean"),
+          "str": ((str,), "a string"), "list": ((list,), "an array"), "dict": ((dict,), "an object")}
+
+COMMON_FIELDS = {
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
+    "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+
+
+@dataclass
+class ParsedRequest:
+    model: str
+    prompts: list[PreparedPrompt]
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) only
+    logprobs: int | None = None  # top logprobs per token (chat: top_logprobs once logprobs is true)
+    ignored_fields: list[str] = field(default_factory=list)
+
+
+class Body:
+    """Typed access to a JSON object; remembers the fields it does not know."""
+
+    def __init__(self, body, known: set[str]) -> None:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        self.body = body
+        self.ignored = sorted(k for k in body if k not in known)
+
+    def get(self, name: str, kind: str, default=None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        types, what = _KINDS[kind]
+        if isinstance(value, bool) and kind != "bool" or not isinstance(value, types):
+            raise bad_request(f"{name} must be {what}, got {type(value).__name__}: {value!r:.40}", name)
+        return float(value) if kind == "number" else value
+
+
+def _check_model(model: ServedModel, b: Body) -> str:
+    name = b.get("model", "str", model.name)
+    if name != model.name:
+        raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return name
+
+
+def _unsupported_features(b: Body) -> None:
+    if b.get("n", "int", 1) != 1:
+        raise unsupported("n other than 1", "n")
+    if b.get("best_of", "int", 1) != 1:
+        raise unsupported("best_of other than 1", "best_of")
+    if b.get("use_beam_search", "bool", False):
+        raise unsupported("beam search", "use_beam_search")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if b.get(name, "number", 0.0) != 0.0:
+            raise unsupported(name, name)
+    if b.get("repetition_penalty", "number", 1.0) != 1.0:
+        raise unsupported("repetition_penalty", "repetition_penalty")
+    if b.get("logit_bias", "dict"):
+        raise unsupported("logit_bias", "logit_bias")
+
+
+def _stop(b: Body) -> tuple[str, ...]:
+    stop = b.body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise bad_request("stop must be a string or an array of strings", "stop")
+
+
+def _knobs(b: Body) -> dict:
+    ids = b.get("stop_token_ids", "list", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
+    knobs = dict(temperature=b.get("temperature", "number", 1.0), top_p=b.get("top_p", "number", 1.0),
+                 top_k=b.get("top_k", "int", 0), min_p=b.get("min_p", "number", 0.0),
+                 seed=b.get("seed", "int"), stop=_stop(b), stop_token_ids=tuple(ids),
+                 ignore_eos=b.get("ignore_eos", "bool", False), min_tokens=b.get("min_tokens", "int", 0),
+                 include_stop_str_in_output=b.get("include_stop_str_in_output", "bool", False),
+                 skip_special_tokens=b.get("skip_special_tokens", "bool", True))
+    return knobs
+
+
+def _stream_flags(b: Body) -> tuple[bool, bool]:
+    stream = b.get("stream", "bool", False)
+    options = b.get("stream_options", "dict", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
+    return stream, stream and include_usage
+
+
+def _max_tokens(b: Body) -> int | None:
+    value = b.get("max_completion_tokens", "int")
+    return value if value is not None else b.get("max_tokens", "int")
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> list[tuple[list[int], str | None]]:
+    """prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
+    if isinstance(raw, str):
+        raw = [raw]
+    elif _is_token_ids(raw):
+        return [(raw, None)]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("prompt must be a string, an array of strings, an array of token ids or an "
+                          "array of token-id arrays (and not empty)", "prompt")
+    out = []
+    for item in raw:
+        if isinstance(item, str):
+            out.append((model.encode(item, add_special_tokens=add_special_tokens), item))
+        elif _is_token_ids(item):
+            out.append((item, None))
+        else:
+            raise bad_request("each prompt in the array must be a string or an array of token ids, "
+                              "all of one kind", "prompt")
+    return out
+
+
+def parse_completion(body, model: ServedModel) -> ParsedRequest:
+    b = Body(body, COMPLETION_FIELDS)
+    name = _check_model(model, b)
+    _unsupported_features(b)
+    if b.get("suffix", "str"):
+        raise unsupported("suffix", "suffix")
+    if "prompt" not in b.body:
+        raise bad_request("prompt is required", "prompt")
+    echo = b.get("echo", "bool", False)
+    logprobs = b.get("logprobs", "int")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    max_tokens = _max_tokens(b)
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1  # one token is computed (the engines need one) and dropped
+    knobs = _knobs(b)
+    knobs["logprobs"] = logprobs
+    knobs["prompt_logprobs"] = logprobs if echo else None
+    stream, include_usage = _stream_flags(b)
+    prompts = [prepare(model, ids, knobs, max_tokens=max_tokens, default_max_tokens=16, text=text)
+               for ids, text in completion_prompts(b.body["prompt"], model,
+                                                   b.get("add_special_tokens", "bool", True))]
+    return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored)
+
+
+def chat_messages(raw) -> list[dict]:
+    """Content as a string or a list of text parts (joined with newlines, as vLLM does)."""
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty array", "messages")
+    out = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise unsupported(f"content part of type {kind!r} (only text parts are)", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}]: a text part needs a string text", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
+                              "messages")
+        out.append({**msg, "content": content if content is not None else ""})
+    return out
+
+
+def parse_chat(body, model: ServedModel) -> ParsedRequest:
+    b = Body(body, CHAT_FIELDS)
+    name = _check_model(model, b)
+    _unsupported_features(b)
+    if b.get("tools", "list") and b.get("tool_choice", "str", "auto") != "none":
+        raise unsupported("tool calling", "tools")
+    if b.get("response_format", "dict", {"type": "text"}).get("type") != "text":
+        raise unsupported("response_format other than text", "response_format")
+    messages = chat_messages(b.body.get("messages"))
+    want_logprobs = b.get("logprobs", "bool", False)
+    top = b.get("top_logprobs", "int")
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    ids = model.chat_prompt(messages, b.get("add_generation_prompt", "bool", True),
+                            b.get("continue_final_message", "bool", False),
+                            b.get("chat_template_kwargs", "dict", {}))
+    knobs = _knobs(b)
+    knobs["logprobs"] = logprobs
+    stream, include_usage = _stream_flags(b)
+    prompt = prepare(model, ids, knobs, max_tokens=_max_tokens(b), default_max_tokens=None,
+                     param="messages")
+    return ParsedRequest(name, [prompt], stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored)

@@ -1,0 +1,162 @@
+"""POST /v1/completions and /v1/chat/completions: run the prompts, answer in JSON or SSE."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+
+from services.router.errors import RouterError
+from services.router.generation import TextChunk, TextGenerator
+from services.router.openai_format import (CompletionLogprobs, chat_chunk, chat_logprobs, completion_chunk,
+                                           usage, usage_chunk)
+from services.router.openai_protocol import ParsedRequest
+from services.router.sampling import PreparedPrompt
+from services.router.served_model import ServedModel
+from services.router.streams import merge
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+CLIENT_CLOSED = 499  # nginx's code for a client that went away: what the metrics count
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class Choice:
+    """One prompt's answer, accumulated (non-streaming) or turned into chunks (streaming)."""
+
+    def __init__(self, index: int, prompt: PreparedPrompt, req: ParsedRequest, model: ServedModel,
+                 chat: bool) -> None:
+        self.index, self.prompt, self.req, self.model, self.chat = index, prompt, req, model, chat
+        self.text = ""
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason = None
+        self.stop_reason = None
+        self.logprobs: dict | None = None
+        self.started = False
+        self._completion_lp = (CompletionLogprobs(model, req.logprobs)
+                               if req.logprobs is not None and not chat else None)
+
+    def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
+        p = self.prompt
+        text = p.text if p.text is not None else self.model.tokenizer.decode(
+            p.token_ids, skip_special_tokens=p.params.skip_special_tokens)
+        lp = None
+        if self._completion_lp is not None:
+            lp = self._completion_lp.build(p.token_ids, chunk.prompt_logprobs or [], prompt_first=True)
+        return text, lp
+
+    def add(self, chunk: TextChunk) -> tuple[str, dict | None]:
+        """Takes a chunk; returns the text and logprobs this choice shows for it."""
+        text, lp = "", None
+        if not self.started:
+            self.started = True
+            self.num_cached_tokens = chunk.num_cached_tokens
+            if self.req.echo:
+                text, lp = self._prompt_echo(chunk)
+        if not self.req.echo_only:
+            self.num_tokens += len(chunk.token_ids)
+            text += chunk.text
+            if self._completion_lp is not None:
+                lp = CompletionLogprobs.merge(lp, self._completion_lp.build(chunk.token_ids, chunk.logprobs))
+            elif self.chat and self.req.logprobs is not None:
+                lp = chat_logprobs(self.model, chunk.token_ids, chunk.logprobs, self.req.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+        self.text += text
+        if lp is not None:
+            self.logprobs = lp if self.logprobs is None else (
+                {"content": self.logprobs["content"] + lp["content"]} if self.chat
+                else CompletionLogprobs.merge(self.logprobs, lp))
+        return text, lp
+
+    def as_choice(self) -> dict:
+        if self.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
+                    "logprobs": self.logprobs, "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason}
+        return {"index": self.index, "text": self.text, "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+
+
+class OpenAIServing:
+    def __init__(self, generator: TextGenerator, model: ServedModel) -> None:
+        self.generator = generator
+        self.model = model
+
+    def _choices(self, req: ParsedRequest, chat: bool) -> list[Choice]:
+        return [Choice(i, p, req, self.model, chat) for i, p in enumerate(req.prompts)]
+
+    def _streams(self, request_id: str, req: ParsedRequest) -> list:
+        n = len(req.prompts)
+        return [self.generator.stream(request_id if n == 1 else f"{request_id}-{i}", p)
+                for i, p in enumerate(req.prompts)]
+
+    @staticmethod
+    def _usage(choices: list[Choice]) -> dict:
+        return usage(sum(len(c.prompt.token_ids) for c in choices), sum(c.num_tokens for c in choices),
+                     sum(c.num_cached_tokens for c in choices))
+
+    async def respond(self, request: web.Request, req: ParsedRequest, request_id: str,
+                      chat: bool, headers: dict) -> web.StreamResponse:
+        choices = self._choices(req, chat)
+        created = int(time.time())
+        chunks = merge(self._streams(request_id, req))
+        if not req.stream:
+            async with contextlib.aclosing(chunks):
+                async for i, chunk in chunks:
+                    choices[i].add(chunk)
+            body = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                    "created": created, "model": req.model, "choices": [c.as_choice() for c in choices],
+                    "usage": self._usage(choices)}
+            return web.Response(body=_encode(body), content_type="application/json", headers=headers)
+        async with contextlib.aclosing(chunks):
+            # The first chunk comes before the headers: a request that cannot be served at all
+            # (every prefill failed, a timeout) still gets its HTTP status.
+            first = await anext(chunks)
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            await response.prepare(request)
+            try:
+                await self._stream(response, first, chunks, choices, req, request_id, created, chat)
+            except RouterError as e:  # after the headers: the error is the last event
+                logger.warning("request %s failed mid-stream: %s", request_id, e.message)
+                request["status"] = e.status
+                await response.write(b"data: " + _encode(e.body()) + b"\n\n")
+            except ConnectionResetError:  # the client went away; closing `chunks` aborts upstream
+                request["status"] = CLIENT_CLOSED
+                self.generator.metrics.client_aborts.inc()
+                logger.info("request %s: client disconnected mid-stream; aborted", request_id)
+                return response
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream(self, response: web.StreamResponse, first, chunks, choices: list[Choice],
+                      req: ParsedRequest, request_id: str, created: int, chat: bool) -> None:
+        make = chat_chunk if chat else completion_chunk
+
+        async def send(i: int, chunk: TextChunk) -> None:
+            choice = choices[i]
+            if chat and not choice.started:
+                delta = {"role": "assistant", "content": ""}
+                await response.write(b"data: " + _encode(make(request_id, created, req.model, i, delta,
+                                                               None, None)) + b"\n\n")
+            text, lp = choice.add(chunk)
+            if not text and lp is None and chunk.finish_reason is None:
+                return
+            payload = {"content": text} if chat else text
+            if chat and not text and chunk.finish_reason is not None:
+                payload = {}
+            event = make(request_id, created, req.model, i, payload, lp, chunk.finish_reason,
+                         choice.stop_reason if chunk.finish_reason else None)
+            await response.write(b"data: " + _encode(event) + b"\n\n")
+
+        await send(*first)
+        async for i, chunk in chunks:
+            await send(i, chunk)
+        if req.include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            await response.write(b"data: " + _encode(usage_chunk(request_id, created, req.model, obj,
+                                                                  self._usage(choices))) + b"\n\n")

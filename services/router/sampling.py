@@ -1,0 +1,69 @@
+"""Checks one prompt and its sampling knobs against the model; builds the engines' SamplingParams."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import InvalidRequestError, SamplingParams
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.convert import sampling_to_proto
+from services.router.errors import bad_request
+from services.router.served_model import ServedModel
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class PreparedPrompt:
+    """One prompt ready to dispatch: the token ids, the engine-side params and their protobuf."""
+    token_ids: list[int]
+    params: SamplingParams  # what the router's detokenizer honours (stop strings, special tokens)
+    sampling: pb.SamplingParams  # what the engines get
+    text: str | None = None  # the prompt as text, when the client sent text (echo)
+
+
+def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None, param: str) -> int:
+    """Returns max_tokens (the room left when it is None); 400 when the request cannot fit."""
+    limit = model.max_model_len
+    if num_prompt >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                          f"prompt has {num_prompt} tokens; at least one must be left to generate. "
+                          "Please reduce the length of the prompt.", param, "context_length_exceeded")
+    if max_tokens is None:
+        return limit - num_prompt
+    if num_prompt + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+                          f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                          f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                          "or completion.", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens: int | None,
+            default_max_tokens: int | None, text: str | None = None, param: str = "prompt") -> PreparedPrompt:
+    """`knobs`: SamplingParams keyword arguments other than max_tokens, as the client sent them.
+
+    max_tokens None takes `default_max_tokens` (capped by the room left) or, if that is None
+    too, all the room left.
+    """
+    if not token_ids:
+        raise bad_request("the prompt is empty", param)
+    model.check_token_ids(token_ids, param)
+    if max_tokens is None:
+        room = check_context(model, len(token_ids), None, param)
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    else:
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        check_context(model, len(token_ids), max_tokens, param)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, **knobs)
+    except InvalidRequestError as e:
+        message = str(e)
+        raise bad_request(message, message.split(" ", 1)[0]) from None
+    except TypeError as e:  # a value of the wrong type reached a comparison
+        raise bad_request(f"invalid sampling parameters: {e}") from None
+    if any(not 0 <= t < model.vocab_size for t in params.stop_token_ids):
+        raise bad_request("stop_token_ids must be token ids of this model", "stop_token_ids")
+    # Stop strings travel too, but engines drop them: they are the router's to honour.
+    return PreparedPrompt(token_ids, params, sampling_to_proto(params), text)

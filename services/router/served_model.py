@@ -1,0 +1,66 @@
+"""The model as the router serves it: name, tokenizer, chat template, context length."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from engine.processor import load_tokenizer
+
+from services.router.errors import bad_request
+
+
+class ServedModel:
+    """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
+
+    def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None) -> None:
+        self.path = path
+        self.name = name
+        self.created = int(time.time())
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config = config.get("text_config", config)
+        self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer))
+        self._config_max_len = int(config.get("max_position_embeddings") or 2048)
+        self._override_max_len = max_model_len
+        self.reported_max_len: int | None = None  # the smallest an instance reported
+        self._token_strings: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self._override_max_len or self.reported_max_len or self._config_max_len
+
+    def on_load_report(self, report) -> None:
+        if report.max_model_len > 0 and (self.reported_max_len is None
+                                         or report.max_model_len < self.reported_max_len):
+            self.reported_max_len = report.max_model_len
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_string(self, token_id: int) -> str:
+        """The text of one token as logprobs show it (cached: the vocabulary is fixed)."""
+        s = self._token_strings.get(token_id)
+        if s is None:
+            s = self._token_strings[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
+                    continue_final_message: bool, template_kwargs: dict) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **template_kwargs)
+        except Exception as e:  # jinja errors, a model without a template, bad roles
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        # The template writes the special tokens it wants (BOS included), as in vLLM.
+        return self.encode(text, add_special_tokens=False)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)

@@ -1,0 +1,100 @@
+"""The router process: wires the pieces together, starts the HTTP and gRPC fronts, drains on stop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.router.config import RouterConfig
+from services.router.dispatcher import Dispatcher
+from services.router.generation import TextGenerator
+from services.router.grpc_front import GenerateService
+from services.router.http_server import HttpGateway
+from services.router.instances import InstancePool
+from services.router.metrics import RouterMetrics
+from services.router.policy import make_policy
+from services.router.served_model import ServedModel
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str) -> str:
+    if model == "tiny":
+        from engine.tiny import default_tiny_model
+        return default_tiny_model()
+    return model
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer=None) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.model = ServedModel(resolve_model_path(config.model), config.served_model_name,
+                                 config.max_model_len, tokenizer)
+        self.policy = make_policy(config.policy)
+        self.pool = InstancePool(
+            config.prefill, config.decode, self.metrics,
+            health_interval_s=config.health_check_interval_s,
+            load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports else None,
+            on_load=self.model.on_load_report)
+        self.dispatcher = Dispatcher(
+            self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
+            request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
+            max_attempts=config.max_attempts)
+        self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
+        self.draining = False
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._grpc_server: grpc.aio.Server | None = None
+        self._grpc_health: HealthServicer | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        await self.pool.start()
+        self._runner = web.AppRunner(HttpGateway(self).make_app(), handler_cancellation=True,
+                                     shutdown_timeout=c.drain_timeout_s, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port)
+        await site.start()
+        self.http_port = self._runner.addresses[0][1]
+        if c.grpc_port >= 0:
+            await self._start_grpc()
+        mode = "disaggregated" if c.disaggregated else "colocated"
+        logger.info("router serving %s (%s, %s policy; prefill=[%s] decode=[%s]) on http://%s:%d%s",
+                    self.model.name, mode, self.policy.name, ",".join(c.prefill), ",".join(c.decode),
+                    c.host, self.http_port, f" and gRPC {c.host}:{self.grpc_port}" if self.grpc_port else "")
+
+    async def _start_grpc(self) -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        pb_grpc.add_GenerateServicer_to_server(GenerateService(self), server)
+        self._grpc_health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, server)
+        names = (pb.DESCRIPTOR.services_by_name["Generate"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        await self._grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._grpc_server = server
+
+    async def stop(self) -> None:
+        """Stops accepting, lets in-flight requests finish (up to the drain timeout), closes."""
+        self.draining = True
+        logger.info("router draining in-flight requests (up to %.0fs)", self.config.drain_timeout_s)
+        stopping = []
+        if self._grpc_server is not None:
+            await self._grpc_health.enter_graceful_shutdown()
+            stopping.append(self._grpc_server.stop(self.config.drain_timeout_s))
+        if self._runner is not None:
+            stopping.append(self._runner.cleanup())
+        await asyncio.gather(*stopping)
+        await self.dispatcher.drain()
+        await self.pool.close()
+        logger.info("router stopped")

@@ -1,0 +1,206 @@
+"""Fake prefill/decode engines: the generated servicers on 127.0.0.1 (grpc.aio) over a toy model.
+
+The toy model is a fixed function of the tokens so far, so a test knows every answer. In-process
+fakes share a KV registry (decode "pulls" what prefill pinned); run as a script, a fake serves in
+its own process (to be killed with SIGKILL) and prints its port.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+
+FIRST_ORDINARY = 6  # the tiny tokenizer's special tokens are 0..5
+VOCAB = 977
+EOS = 1
+
+
+def next_token(ids: list[int]) -> int:
+    return FIRST_ORDINARY + (sum(ids[-3:]) * 31 + len(ids) * 7) % (VOCAB - FIRST_ORDINARY)
+
+
+def toy_logprob(token_id: int, k: int) -> pb.TokenLogprob:
+    """As the engines send it: the token's own logprob, then the other top-k tokens (here the
+    token is always the most likely, so k - 1 others)."""
+    lp = -((token_id % 7) + 1) / 8
+    return pb.TokenLogprob(token_id=token_id, logprob=lp,
+                           top=[pb.TopLogprob(token_id=(token_id + j) % VOCAB, logprob=lp - j) for j in range(1, k)])
+
+
+def toy_generate(prompt: list[int], n: int, stop_token_ids=()) -> tuple[list[int], str]:
+    """What the fakes produce: n tokens (or up to a stop token id) and the finish reason."""
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        tok = next_token(ids)
+        ids.append(tok)
+        out.append(tok)
+        if tok in stop_token_ids:
+            return out, "stop"
+    return out, "length"
+
+
+class KVRegistry:
+    """What in-process prefill fakes pinned, so a fake decode can pull it."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[bytes, "FakeEngine"] = {}
+
+
+class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
+    def __init__(self, role: str, registry: KVRegistry | None = None, *, name: str = "",
+                 prefill_delay: float = 0.0, token_delay: float = 0.0, fail: grpc.StatusCode | None = None,
+                 fail_times: int = 0, max_model_len: int = 2048) -> None:
+        self.role = role
+        self.name = name or role
+        self.registry = registry or KVRegistry()
+        self.prefill_delay = prefill_delay
+        self.token_delay = token_delay
+        self.fail, self.fail_times = fail, fail_times
+        self.max_model_len = max_model_len
+        self.requests: list = []
+        self.aborts: list[str] = []
+        self.cancelled: list[str] = []
+        self.pulled: list[str] = []
+        self.recomputed: list[str] = []
+        self.running: set[str] = set()
+        self.started = asyncio.Event()  # set when a request arrives
+        self.gone = asyncio.Event()  # set when a request is cancelled or aborted
+        self.gate: asyncio.Event | None = None  # when set up, prefill waits for it
+
+    async def _maybe_fail(self, context) -> None:
+        if self.fail is not None and self.fail_times != 0:
+            self.fail_times -= 1
+            await context.abort(self.fail, f"{self.name} was told to fail")
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        self.requests.append(request)
+        self.started.set()
+        await self._maybe_fail(context)
+        rid = request.request_id
+        self.running.add(rid)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.prefill_delay:
+                await asyncio.sleep(self.prefill_delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            self.gone.set()
+            raise
+        finally:
+            self.running.discard(rid)
+        s = request.sampling
+        prompt = list(request.prompt_token_ids)
+        first = next_token(prompt)
+        resp = pb.PrefillResponse(first_token_id=first, engine_id=self.name)
+        if s.HasField("logprobs"):
+            resp.first_logprob.CopyFrom(toy_logprob(first, s.logprobs))
+        if s.HasField("prompt_logprobs"):
+            resp.prompt_logprobs.extend(toy_logprob(t, s.prompt_logprobs) for t in prompt[1:])
+        if first in s.stop_token_ids:
+            resp.finish_reason = "stop"
+        elif s.max_tokens == 1:
+            resp.finish_reason = "length"
+        elif request.publish_kv:
+            resp.kv_handle = f"{self.name}:{rid}".encode()
+            self.registry.pinned[resp.kv_handle] = self
+        return resp
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        self.requests.append(request)
+        self.started.set()
+        await self._maybe_fail(context)
+        rid = request.request_id
+        s = request.sampling
+        prompt = list(request.prompt_token_ids)
+        if request.HasField("first_token_id"):
+            owner = self.registry.pinned.pop(request.kv_handle, None)
+            (self.pulled if owner is not None else self.recomputed).append(rid)
+            tokens, budget = prompt + [request.first_token_id], s.max_tokens - 1
+            prompt_logprobs = []
+        else:
+            tokens, budget = prompt, s.max_tokens
+            prompt_logprobs = ([toy_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
+                               if s.HasField("prompt_logprobs") else [])
+        out, finish = toy_generate(tokens, budget, tuple(s.stop_token_ids))
+        self.running.add(rid)
+        try:
+            for i, tok in enumerate(out):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                msg = pb.DecodeResponse(token_ids=[tok])
+                if s.HasField("logprobs"):
+                    msg.logprobs.append(toy_logprob(tok, s.logprobs))
+                if i == 0:
+                    msg.prompt_logprobs.extend(prompt_logprobs)
+                if i == len(out) - 1:
+                    msg.finish_reason = finish
+                    if finish == "stop":
+                        msg.stop_reason = str(tok)
+                yield msg
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            self.gone.set()
+            raise
+        finally:
+            self.running.discard(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        self.aborts.append(request.request_id)
+        self.gone.set()
+        handle = f"{self.name}:{request.request_id}".encode()
+        return pb.AbortResponse(found=self.registry.pinned.pop(handle, None) is not None)
+
+    async def GetLoad(self, request, context) -> pb.LoadReport:
+        return pb.LoadReport(engine_id=self.name, role=self.role, num_running=len(self.running),
+                             outstanding_tokens=100 * len(self.running), max_model_len=self.max_model_len)
+
+
+class FakeServer:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.health = HealthServicer()
+        self.server = grpc.aio.server()
+        add = pb_grpc.add_PrefillServicer_to_server if engine.role == "prefill" else pb_grpc.add_DecodeServicer_to_server
+        add(engine, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+
+    async def start(self) -> "FakeServer":
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.server.stop(grace)
+
+
+async def start_fake(role: str, registry: KVRegistry | None = None, **kwargs) -> FakeServer:
+    return await FakeServer(FakeEngine(role, registry, **kwargs)).start()
+
+
+async def _serve_forever(args) -> None:
+    server = await start_fake(args.role, prefill_delay=args.prefill_delay, token_delay=args.token_delay)
+    print(f"PORT {server.port}", flush=True)
+    await server.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--prefill-delay", type=float, default=0.0)
+    p.add_argument("--token-delay", type=float, default=0.0)
+    asyncio.run(_serve_forever(p.parse_args()))
+    sys.exit(0)

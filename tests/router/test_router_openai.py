@@ -1,0 +1,160 @@
+"""The official `openai` client drives the gateway: completions and chat, streamed and not."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from router_fakes import toy_generate
+
+
+@pytest.fixture
+def stack(make_stack):
+    return make_stack(prefill=2, decode=1)
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=stack.url, api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def expected_text(tokenizer, prompt_ids, n, **kw):
+    ids, finish = toy_generate(prompt_ids, n, **kw)
+    return tokenizer.decode(ids), ids, finish
+
+
+def test_completion_matches_the_engines_tokens(client, tokenizer):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0)
+    text, ids, _ = expected_text(tokenizer, tokenizer.encode(prompt), 7)
+    assert out.choices[0].text == text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert out.usage.completion_tokens == 7 and out.usage.total_tokens == out.usage.prompt_tokens + 7
+    assert out.model == "tiny" and out.object == "text_completion"
+
+
+def test_streamed_completion_concatenates_to_the_whole(client):
+    kwargs = dict(model="tiny", prompt="Hello world", max_tokens=9, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+
+def test_chat_completion_uses_the_chat_template(client, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)
+    text, _, _ = expected_text(tokenizer, prompt_ids, 5)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == text
+    assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 5
+
+
+def test_chat_content_parts_and_max_completion_tokens(client):
+    plain = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "one\ntwo"}], max_completion_tokens=4)
+    parts = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "one"},
+                                                             {"type": "text", "text": "two"}]}],
+        max_tokens=4)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.completion_tokens == 4
+
+
+def test_streamed_chat_with_usage_and_logprobs(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Count"}], max_tokens=6)
+    whole = client.chat.completions.create(logprobs=True, top_logprobs=2, **kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                 logprobs=True, top_logprobs=2, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    streamed_lps = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed_lps] == [t.logprob for t in whole.choices[0].logprobs.content]
+    assert len(whole.choices[0].logprobs.content) == 6
+    assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+
+
+def test_prompt_forms_and_several_choices(client, tokenizer):
+    ids = tokenizer.encode("green tree")
+    by_text = client.completions.create(model="tiny", prompt="green tree", max_tokens=3).choices[0].text
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=3).choices[0].text == by_text
+    out = client.completions.create(model="tiny", prompt=["green tree", "red sun", "green tree"], max_tokens=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.choices[0].text == by_text == out.choices[2].text
+    assert out.usage.completion_tokens == 9
+    out = client.completions.create(model="tiny", prompt=[ids, tokenizer.encode("red sun")], max_tokens=3)
+    assert out.choices[0].text == by_text and len(out.choices) == 2
+
+
+def test_several_prompts_stream_interleaved_by_index(client):
+    chunks = list(client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=4, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    single = [client.completions.create(model="tiny", prompt=p, max_tokens=4).choices[0].text for p in ["a b", "c d e"]]
+    assert [texts[0], texts[1]] == single
+
+
+def test_echo_with_prompt_logprobs_for_loglikelihood(client, tokenizer):
+    prompt = "the king and the queen"
+    ids = tokenizer.encode(prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    # max_tokens=0 with echo: the prompt and its logprobs only (what lm-eval's loglikelihood sends).
+    only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert only.choices[0].text == prompt
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert only.usage.completion_tokens == 0
+
+
+def test_stop_strings_end_the_text(client, tokenizer):
+    prompt = "Hello world"
+    full, _, _ = expected_text(tokenizer, tokenizer.encode(prompt), 12)
+    stop = full[5:8]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stop=[stop, "zzzz"])
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_stop_token_ids_reported_as_stop_reason(client, tokenizer):
+    ids = tokenizer.encode("Hello world")
+    _, toks, _ = expected_text(tokenizer, ids, 6)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=6, extra_body={"stop_token_ids": [toks[3]]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == toks[3]
+    assert out.usage.completion_tokens == 4
+
+
+def test_client_errors_come_back_as_openai_exceptions(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert "gpt-4" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", n=2)
+    assert "n" == e.value.param and "not supported" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=100000)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert client.completions.create(model="tiny", prompt="still serving", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_models_lists_the_served_model(client, stack):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == 2048
+    assert models[0].model_extra["root"] == stack.router.model.path
+    assert models[0].owned_by == "pdserve"
