@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20),
                    ("grpc.max_send_message_length", 256 << 20)]
 ROLES = ("prefill", "decode")
+CHECK_TIMEOUT_S = 2.0  # one health check or GetLoad: generous, a busy instance is not a dead one
 
 
 class Instance:
@@ -110,9 +111,8 @@ class InstancePool:
                 logger.exception("instance poll failed")
 
     async def check_all(self) -> None:
-        timeout = max(0.05, min(1.0, self._health_interval_s))
         everyone = self._instances["prefill"] + self._instances["decode"]
-        results = await asyncio.gather(*(i.check_health(timeout) for i in everyone))
+        results = await asyncio.gather(*(i.check_health(CHECK_TIMEOUT_S) for i in everyone))
         for inst, (ok, reason) in zip(everyone, results):
             was = inst.healthy
             self._set_health(inst, ok, reason)
@@ -136,7 +136,7 @@ class InstancePool:
 
     async def _fetch_load(self, inst: Instance) -> None:
         try:
-            report = await inst.get_load(timeout=max(0.05, min(1.0, self._health_interval_s)))
+            report = await inst.get_load(timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", inst, e.code().name)
             return

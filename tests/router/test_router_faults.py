@@ -1,0 +1,174 @@
+"""Faults: failed or killed prefill instances are retried elsewhere; clients that leave abort upstream."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+
+from conftest import wait_until
+from router_fakes import toy_generate
+
+FAKES = os.path.join(os.path.dirname(__file__), "router_fakes.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def completions(stack, n: int, **body):
+    """n concurrent non-streamed completions -> [(status, body)]."""
+    body = {"prompt": "Hello world", "max_tokens": 4, **body}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stack.post, "/v1/completions", body) for _ in range(n)]
+        return [(f.result()[0], f.result()[2]) for f in futures]
+
+
+def test_failing_prefill_is_retried_on_another(make_stack, tokenizer):
+    stack = make_stack(prefill=2, decode=1, prefill_kwargs=[
+        {"fail": grpc.StatusCode.UNAVAILABLE, "fail_times": -1}, {}])
+    results = completions(stack, 6)
+    expected = tokenizer.decode(toy_generate(tokenizer.encode("Hello world"), 4)[0])
+    assert all(status == 200 and body["choices"][0]["text"] == expected for status, body in results), results
+    retried = stack.metric("pdserve:router_upstream_retries_total",
+                           {"role": "prefill", "instance": stack.prefills[0].address, "code": "UNAVAILABLE"})
+    assert retried >= 1
+    assert len(stack.prefills[1].engine.requests) == 6
+
+
+def test_prefill_killed_with_requests_in_flight(make_stack):
+    stack = make_stack(prefill=2, decode=1)
+    doomed = stack.prefills[0]
+    doomed.engine.gate = asyncio.Event()  # its prefills hang until it dies
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stack.post, "/v1/completions", {"prompt": f"p {i}", "max_tokens": 3})
+                   for i in range(6)]
+        wait_until(lambda: len(doomed.engine.running) >= 2, what="requests in flight on the doomed prefill")
+        stack.lt.run(doomed.stop(0))
+        results = [f.result() for f in futures]
+    assert all(status == 200 for status, _, _ in results), results
+    assert stack.metric("pdserve:router_upstream_retries_total",
+                        {"role": "prefill", "instance": doomed.address, "code": "UNAVAILABLE"}) >= 2
+    wait_until(lambda: not stack.router.pool.instances("prefill")[0].healthy, what="the dead prefill unhealthy")
+    assert all(status == 200 for status, _ in completions(stack, 3))
+
+
+def test_prefill_process_sigkilled_mid_request(make_stack):
+    """A real process dies (SIGKILL, no goodbye): its in-flight prefills succeed on the other one."""
+    proc = subprocess.Popen([sys.executable, FAKES, "--role", "prefill", "--prefill-delay", "30"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        victim = f"127.0.0.1:{int(line.split()[1])}"
+        stack = make_stack(prefill=1, decode=1, extra_prefill=(victim,))
+        routed = {"role": "prefill", "instance": victim}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stack.post, "/v1/completions", {"prompt": f"q {i}", "max_tokens": 3})
+                       for i in range(4)]
+            wait_until(lambda: stack.metric("pdserve:router_routing_decisions_total", routed) >= 2,
+                       what="requests routed to the victim")
+            proc.send_signal(signal.SIGKILL)
+            results = [f.result() for f in futures]
+        assert all(status == 200 for status, _, _ in results), results
+        assert stack.metric("pdserve:router_upstream_retries_total", {**routed, "code": "UNAVAILABLE"}) >= 2
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def open_stream(stack, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json", "X-Request-Id": "leaver"})
+    return conn, conn.getresponse()
+
+
+def test_client_disconnect_mid_stream_aborts_decode(make_stack):
+    stack = make_stack(prefill=1, decode=1, decode_kwargs=[{"token_delay": 0.02}])
+    conn, resp = open_stream(stack, "/v1/completions", {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
+    assert resp.status == 200
+    events = 0
+    while events < 3:
+        events += resp.readline().startswith(b"data: ")
+    conn.sock.close()
+    conn.close()
+    decode = stack.decodes[0].engine
+    wait_until(lambda: "leaver" in decode.cancelled, what="the decode stream cancelled")
+    wait_until(lambda: stack.metric("pdserve:router_client_aborts_total") == 1, what="the abort counted")
+    assert decode.pulled == ["leaver"] and not stack.router.dispatcher._background
+    assert stack.metric("pdserve:router_requests_running") == 0
+
+
+def test_client_disconnect_during_prefill_aborts_prefill(make_stack):
+    stack = make_stack(prefill=1, decode=1)
+    prefill = stack.prefills[0].engine
+    prefill.gate = asyncio.Event()
+    for stream in (True, False):
+        prefill.gone.clear()
+        conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 5, "stream": stream}),
+                     headers={"Content-Type": "application/json", "X-Request-Id": f"gone-{stream}"})
+        wait_until(lambda: f"gone-{stream}" in prefill.running, what="the prefill running")
+        conn.close()
+        wait_until(lambda: f"gone-{stream}" in prefill.aborts and f"gone-{stream}" in prefill.cancelled,
+                   what="the prefill cancelled and aborted")
+    assert not stack.decodes[0].engine.requests  # decode never heard of them
+    assert stack.metric("pdserve:router_client_aborts_total") == 2
+
+
+def test_stop_string_cancels_the_decode_stream(make_stack, tokenizer):
+    stack = make_stack(prefill=1, decode=1, decode_kwargs=[{"token_delay": 0.01}])
+    ids = tokenizer.encode("Hello")
+    full = tokenizer.decode(toy_generate(ids, 8)[0])
+    status, _, body = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 400, "stop": full[4:7]},
+                                 {"X-Request-Id": "stopper"})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    wait_until(lambda: "stopper" in stack.decodes[0].engine.cancelled, what="the decode stream cancelled")
+
+
+def test_slow_prefill_times_out_and_is_retried(make_stack):
+    stack = make_stack(prefill=2, decode=1, prefill_timeout_s=0.3)
+    slow = stack.prefills[0]
+    slow.engine.gate = asyncio.Event()
+    results = completions(stack, 4)
+    assert all(status == 200 for status, _ in results), results
+    assert stack.metric("pdserve:router_upstream_retries_total",
+                        {"role": "prefill", "instance": slow.address, "code": "DEADLINE_EXCEEDED"}) >= 1
+    wait_until(lambda: len(slow.engine.aborts) >= 1, what="the timed-out prefill aborted")
+
+
+def test_request_timeout_is_504(make_stack):
+    stack = make_stack(prefill=1, decode=1, request_timeout_s=0.3)
+    stack.prefills[0].engine.gate = asyncio.Event()
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hi"})
+    assert status == 504 and body["error"]["code"] == "timeout"
+
+
+def test_decode_failing_before_its_first_token_is_retried(make_stack):
+    stack = make_stack(prefill=1, decode=2, decode_kwargs=[
+        {"fail": grpc.StatusCode.UNAVAILABLE, "fail_times": -1}, {}])
+    results = completions(stack, 4, max_tokens=5)
+    assert all(status == 200 and body["usage"]["completion_tokens"] == 5 for status, body in results), results
+    assert stack.metric("pdserve:router_upstream_retries_total",
+                        {"role": "decode", "instance": stack.decodes[0].address, "code": "UNAVAILABLE"}) >= 1
+
+
+def test_every_prefill_failing_is_503(make_stack):
+    stack = make_stack(prefill=2, decode=1, prefill_kwargs=[
+        {"fail": grpc.StatusCode.INTERNAL, "fail_times": -1}] * 2)
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert status == 503 and "prefill failed on 2 instance(s)" in body["error"]["message"], body
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True})
+    assert status == 503  # streaming too: the status comes before any event
+
+
+def test_engine_invalid_argument_is_400_not_retried(make_stack):
+    stack = make_stack(prefill=2, decode=1, prefill_kwargs=[
+        {"fail": grpc.StatusCode.INVALID_ARGUMENT, "fail_times": -1}] * 2)
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert status == 400 and "told to fail" in body["error"]["message"]
+    assert sum(len(p.engine.requests) for p in stack.prefills) == 1
