@@ -30,7 +30,7 @@ $(GENERATED): $(wildcard proto/pdserve/v1/*.proto) $(STAMP)
 	$(VPY) -m services.api.generate
 
 run: $(STAMP) $(GENERATED)
-	$(VENV)/bin/pdserve generate --model tiny --prompt "The quick brown fox" --max-tokens 32
+	$(VENV)/bin/pdserve up --model tiny --prefill 1 --decode 1 --demo
 
 test: $(STAMP) $(GENERATED)
 	$(VPY) -m pytest -q -p no:cacheprovider tests

@@ -139,12 +139,25 @@ class InprocClient:
         self._thread.join(timeout=10)
 
 
+def _die_with_parent() -> None:
+    """Linux: if the front end is killed outright, the engine core must not outlive it."""
+    try:
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_transfer_factory) -> None:
     import zmq
 
     from engine.engine_core import EngineCore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
     ctx = zmq.Context()
     inbound = ctx.socket(zmq.PULL)
     inbound.connect(in_addr)

@@ -1,0 +1,204 @@
+"""`pdserve up`: the whole stack on 127.0.0.1 (router + prefill and decode services)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+logger = logging.getLogger("pdserve.up")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    grpc_port: int | None = None
+
+
+def _grpc_serving(port: int, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Stack:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def spawn(self, name: str, argv: list[str], env: dict, grpc_port: int | None = None) -> Child:
+        cmd = [sys.executable, "-m", "services.cli", *argv]
+        proc = subprocess.Popen(cmd, env=env)
+        child = Child(name, proc, grpc_port)
+        self.children.append(child)
+        logger.info("started %s (pid %d)", name, proc.pid)
+        return child
+
+    def start(self) -> str:
+        a = self.args
+        env = dict(os.environ)
+        env["PDSERVE_KV_SECRET"] = a.kv_secret or secrets.token_hex(16)  # never on a command line
+        common = ["--model", a.model, "--host", "127.0.0.1"]
+        prefill, decode = [], []
+        roles = [("prefill", a.prefill), ("decode", a.decode)] if a.prefill > 0 else [("colocated", a.decode)]
+        for role, count in roles:
+            for i in range(count):
+                port = free_port()
+                argv = [role, *common, "--port", str(port), "--metrics-port", str(free_port()),
+                        "--engine-id", f"{role}-{i}", *a.engine_arg]
+                if role != "colocated":
+                    argv += ["--kv-transport", a.transport]
+                self.spawn(f"{role}-{i}", argv, env, port)
+                (prefill if role == "prefill" else decode).append(f"127.0.0.1:{port}")
+        self._wait(lambda: all(c.grpc_port is None or _grpc_serving(c.grpc_port) for c in self.children),
+                   "engine services to report SERVING")
+        http_port = a.port or free_port()
+        router = ["router", "--model", a.model, "--host", "127.0.0.1", "--port", str(http_port),
+                  "--decode", ",".join(decode), "--policy", a.policy]
+        if prefill:
+            router += ["--prefill", ",".join(prefill)]
+        if a.grpc_port:
+            router += ["--grpc-port", str(a.grpc_port)]
+        self.spawn("router", router, env)
+        url = f"http://127.0.0.1:{http_port}"
+        self._wait(lambda: _http_ok(f"{url}/health"), "the router")
+        return url
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        while not ready():
+            dead = [c for c in self.children if c.proc.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(0.25)
+
+    def watch(self) -> int:
+        """Until SIGTERM/SIGINT or a child dies."""
+        while not self.stopping:
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    logger.error("%s exited with code %d: stopping the stack", c.name, c.proc.returncode)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        for c in reversed(self.children):  # router first: no new requests
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 40
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time: killing it", c.name)
+                c.proc.kill()
+                c.proc.wait()
+        logger.info("stack stopped")
+
+
+def demo_request(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "The old king", "max_tokens": 24, "temperature": 0,
+                       "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("text", ""))
+                    print(choice.get("text", ""), end="", flush=True)
+    print()
+    return "".join(text)
+
+
+def run_up(args) -> int:
+    stack = Stack(args)
+
+    def on_signal(signum, frame):
+        stack.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        url = stack.start()
+        print(f"\npdserve is serving at {url}  (prefill x{args.prefill}, decode x{args.decode}, "
+              f"transport {args.transport})", flush=True)
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            model = json.load(r)["data"][0]["id"]
+        print("try:\n  curl " + f"{url}/v1/completions -H 'Content-Type: application/json' -d "
+              + "'" + json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16}) + "'\n", flush=True)
+        if args.demo:
+            print("demo completion (streamed): The old king", end="", flush=True)
+            demo_request(url)
+        print("serving; Ctrl-C to stop", flush=True)
+        code = stack.watch()
+    except RuntimeError as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        stack.stop()
+    return code
+
+
+def add_up_parser(sub) -> None:
+    from services.common.flags import add
+
+    p = sub.add_parser("up", help="start the whole stack on 127.0.0.1 and serve until Ctrl-C",
+                       description="Start the router and N prefill + M decode services as processes on "
+                                   "127.0.0.1, wait until all are healthy, print the URL, serve until "
+                                   "Ctrl-C / SIGTERM, then stop everything.")
+    add(p, "--prefill", type=int, default=1, env_prefix="PDSERVE_UP_",
+        help="prefill services (0: colocated services only)")
+    add(p, "--decode", type=int, default=1, env_prefix="PDSERVE_UP_", help="decode (or colocated) services")
+    add(p, "--model", default="tiny", env_prefix="PDSERVE_UP_", help="checkpoint directory, or 'tiny'")
+    add(p, "--transport", default="tcp", choices=["tcp", "shm", "ucx", "nccl"], env_prefix="PDSERVE_UP_",
+        help="KV transfer transport")
+    add(p, "--port", type=int, default=8000, env_prefix="PDSERVE_UP_", help="router HTTP port (0: any free)")
+    add(p, "--grpc-port", type=int, default=0, env_prefix="PDSERVE_UP_", help="router gRPC Generate port (0: off)")
+    add(p, "--policy", default="least_load", choices=["round_robin", "least_load"], env_prefix="PDSERVE_UP_",
+        help="routing policy")
+    add(p, "--kv-secret", default=None, env_prefix="PDSERVE_UP_", help="KV handle secret (default: random)")
+    add(p, "--startup-timeout", type=float, default=600.0, env_prefix="PDSERVE_UP_",
+        help="seconds to wait for every service to be healthy")
+    add(p, "--demo", action="store_true", env_prefix="PDSERVE_UP_",
+        help="send one streamed completion once serving")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="extra flag passed to every engine service, e.g. --engine-arg=--max-num-seqs=64")
+    p.set_defaults(func=run_up)

@@ -1,0 +1,84 @@
+"""Start real engine services as processes on 127.0.0.1 for tests (bounded waits, clean stop)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SECRET = "services-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, role: str, model: str, *extra: str, secret: str = SECRET, env: dict | None = None) -> None:
+        self.role = role
+        self.port = free_port()
+        self.metrics_port = free_port()
+        argv = [sys.executable, "-m", "services.cli", role, "--model", model, "--port", str(self.port),
+                "--metrics-port", str(self.metrics_port), "--engine-id", f"{role}-{self.port}", *extra]
+        environ = dict(os.environ, PDSERVE_KV_SECRET=secret, **(env or {}))
+        self.proc = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def serving(self) -> bool:
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_ready(self, timeout: float = 240) -> "Service":
+        deadline = time.monotonic() + timeout
+        while not self.serving():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited early:\n{self.proc.stdout.read()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} not SERVING after {timeout}s")
+            time.sleep(0.2)
+        return self
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of pid (from /proc), to check that nothing is orphaned."""
+    by_parent: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                by_parent.setdefault(int(fields[1]), []).append(int(entry))
+            except (OSError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for child in by_parent.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
