@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:
         raise SystemExit(f"error: the gRPC code is not generated ({e}); run `make proto`") from None
     add_engine_parsers(sub)
-    for module, hook in (("services.router.cli", "add_router_parser"), ("services.launcher", "add_up_parser")):
+    for module, hook in (("services.router.cli", "add_router_parser"), ("services.launcher", "add_up_parser"),
+                         ("bench.serve", "add_bench_parser"), ("services.planner.cli", "add_planner_parser")):
         try:
             mod = __import__(module, fromlist=[hook])
         except ModuleNotFoundError as e:
