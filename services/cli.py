@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = __import__(module, fromlist=[hook])
         except ModuleNotFoundError as e:
-            if e.name != module:
+            if not module.startswith(e.name or "\0"):
                 raise
             continue
         getattr(mod, hook)(sub)
