@@ -106,11 +106,11 @@ def loop_thread():
 @pytest.fixture
 def make_stack(loop_thread, tiny_model_path, tokenizer):
     """make_stack(prefill=1, decode=1, prefill_kwargs=[{...} per fake], decode_kwargs=..., **config);
-    `extra_prefill`: addresses of prefill instances served elsewhere (another process)."""
+    `extra_prefill`/`extra_decode`: addresses of instances served elsewhere (other processes)."""
     made = []
 
     def make(prefill: int = 1, decode: int = 1, prefill_kwargs=None, decode_kwargs=None,
-             extra_prefill: tuple = (), **config) -> Stack:
+             extra_prefill: tuple = (), extra_decode: tuple = (), **config) -> Stack:
         async def build():
             registry = KVRegistry()
             pk = prefill_kwargs or [{}] * prefill
@@ -118,7 +118,7 @@ def make_stack(loop_thread, tiny_model_path, tokenizer):
             prefills = [await start_fake("prefill", registry, name=f"prefill-{i}", **pk[i]) for i in range(prefill)]
             decodes = [await start_fake("decode", registry, name=f"decode-{i}", **dk[i]) for i in range(decode)]
             cfg = dict(model=tiny_model_path, served_model_name="tiny", host="127.0.0.1", port=0, grpc_port=0,
-                       prefill=(*extra_prefill, *(s.address for s in prefills)), decode=tuple(s.address for s in decodes),
+                       prefill=(*extra_prefill, *(s.address for s in prefills)), decode=(*extra_decode, *(s.address for s in decodes)),
                        health_check_interval_s=0.1, drain_timeout_s=5.0)
             cfg.update(config)
             router = Router(RouterConfig(**cfg), tokenizer=tokenizer)
