@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +19,10 @@ import time
 import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.router.instances import Instance
 
 from conftest import wait_until
 
@@ -33,11 +34,11 @@ MAX_TOKENS = 12
 
 
 class EngineProcess:
-    """One engine service in its own process group (its engine core dies with it)."""
+    """One engine service in its own process group (its engine core dies with it), watched through
+    the router's own Instance (health checks, GetLoad) on the test loop."""
 
-    def __init__(self, role: str, model: str) -> None:
-        self.role = role
-        import socket
+    def __init__(self, role: str, model: str, lt) -> None:
+        self.role, self.lt = role, lt
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -48,19 +49,16 @@ class EngineProcess:
              "--engine-id", f"{role}-{self.port}"],
             cwd=ROOT, env={**os.environ, "PDSERVE_KV_SECRET": "e2e-secret"}, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.instance = lt.run(self._instance())
+
+    async def _instance(self) -> Instance:
+        return Instance(self.address, role=self.role)
 
     def serving(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
-            try:
-                r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            except grpc.RpcError:
-                return False
-        return r.status == health_pb2.HealthCheckResponse.SERVING
+        return self.lt.run(self.instance.check_health(timeout=1.0))[0]
 
     def load(self) -> pb.LoadReport:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = (pb_grpc.PrefillStub if self.role == "prefill" else pb_grpc.DecodeStub)(channel)
-            return stub.GetLoad(pb.LoadRequest(), timeout=5)
+        return self.lt.run(self.instance.get_load(timeout=5.0))
 
     def signal(self, sig) -> None:
         try:
@@ -77,11 +75,12 @@ class EngineProcess:
                 pass
         self.signal(signal.SIGKILL)
         self.proc.wait(10)
+        self.lt.run(self.instance.channel.close())
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path):
-    procs = [EngineProcess(role, tiny_model_path) for role in ("prefill", "prefill", "decode")]
+def engines(tiny_model_path, loop_thread):
+    procs = [EngineProcess(role, tiny_model_path, loop_thread) for role in ("prefill", "prefill", "decode")]
     try:
         deadline = time.monotonic() + 300
         for p in procs:
