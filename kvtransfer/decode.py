@@ -192,13 +192,18 @@ class DecodeConnector(KVConnector):
 
     def _pull_on(self, conn: _Conn, pull: _Pull) -> None:
         n = len(pull.local_block_ids)
-        if n:
-            self._transfer(conn, pull, n)
+        if not n:  # every block was already here: only the release is left
+            self._settimeout(conn, pull.deadline)
+            wire.send_msg(conn.sock, wire.Release(pull.handle.to_bytes()))
+            wire.expect(conn.sock, wire.Ok)
+            return
+        self._transfer(conn, pull, n)
         if pull.cancelled.is_set():
             raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
+        # The prefill side pinned the blocks until our deadline: done before it, the copy read
+        # blocks that nobody could free or reuse meanwhile. Past it, nothing is guaranteed.
         self._settimeout(conn, pull.deadline)
         wire.send_msg(conn.sock, wire.Finish(pull.transfer_id, pull.handle.to_bytes(), release=True))
-        wire.expect(conn.sock, wire.Ok)
 
     def _transfer(self, conn: _Conn, pull: _Pull, n: int) -> None:
         layout = self._transport.layout

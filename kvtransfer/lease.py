@@ -19,10 +19,12 @@ class Lease:
     tag: bytes
     expiry: float  # on the table's monotonic clock; publish and extend set it
     pins: dict[int, float] = field(default_factory=dict)  # transfer id -> its deadline
+    ending: str | None = None  # released or aborted while a transfer was still reading the blocks
 
     def ends_at(self) -> float:
-        """A transfer in progress keeps the blocks until its own deadline, not longer."""
-        return max(self.expiry, max(self.pins.values(), default=0.0))
+        """A transfer in progress keeps the blocks until it ends or its deadline passes, not longer."""
+        pinned = max(self.pins.values(), default=0.0)
+        return pinned if self.ending else max(self.expiry, pinned)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ class LeaseTable:
     """Thread-safe: network threads pull/release, the engine thread publishes/aborts/drains.
 
     Freed blocks are queued, never handed back from a network thread: the owner drains them
-    on its own loop (`drain_freed`), so its block pool needs no lock.
+    on its own loop (`drain_freed`), so its block pool needs no lock. Blocks being read by a
+    transfer (pinned) are never freed under it: a release or abort then takes effect when the
+    transfer ends, or at its deadline. So a transfer that completes in time read valid blocks,
+    and no extra round trip is needed to confirm it.
     """
 
     def __init__(self, default_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
@@ -70,10 +75,20 @@ class LeaseTable:
             raise UnknownRequest(f"no published blocks for request {request_id!r} (freed or never published)")
         if not hmac.compare_digest(lease.tag, tag):
             raise AuthError(f"handle for request {request_id!r} is not the one this lease was issued with")
+        if lease.ending:
+            raise UnknownRequest(f"blocks of request {request_id!r} were {lease.ending}")
         if self._clock() >= lease.ends_at():
             self._free(lease, EXPIRED)
             raise LeaseExpired(f"lease of request {request_id!r} expired")
         return lease
+
+    def _end(self, lease: Lease, reason: str) -> None:
+        now = self._clock()
+        lease.pins = {t: deadline for t, deadline in lease.pins.items() if deadline > now}
+        if lease.pins:
+            lease.ending = lease.ending or reason
+        else:
+            self._free(lease, lease.ending or reason)
 
     def _free(self, lease: Lease, reason: str) -> None:
         del self._leases[lease.request_id]
@@ -93,6 +108,8 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is not None:
                 lease.pins.pop(transfer_id, None)
+                if lease.ending:
+                    self._end(lease, lease.ending)
 
     def check(self, request_id: str, tag: bytes) -> Lease:
         with self._lock:
@@ -107,13 +124,13 @@ class LeaseTable:
 
     def release(self, request_id: str, tag: bytes) -> None:
         with self._lock:
-            self._free(self._live(request_id, tag), RELEASED)
+            self._end(self._live(request_id, tag), RELEASED)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is not None:
-                self._free(lease, ABORTED)
+            if lease is not None and not lease.ending:
+                self._end(lease, ABORTED)
             return lease is not None
 
     def expire(self) -> int:
@@ -121,7 +138,7 @@ class LeaseTable:
         with self._lock:
             expired = [lease for lease in self._leases.values() if now >= lease.ends_at()]
             for lease in expired:
-                self._free(lease, EXPIRED)
+                self._free(lease, lease.ending or EXPIRED)
             return len(expired)
 
     def drain_freed(self) -> list[FreedBlocks]:

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,18 +45,39 @@ class _Pair:
                 self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
         return self.group
 
-    def move(self, buf: torch.Tensor, send: bool, chunk: int, deadline: float) -> None:
+    def start(self, buf: torch.Tensor, send: bool, chunk: int, deadline: float) -> Callable[[], None]:
+        """Post one send/recv; returns the wait for it (gloo and NCCL report a dead peer, a lost
+        store and a timeout all as RuntimeError)."""
         try:
             group = self.join(deadline)
+            work = group.send([buf], 1 - self.rank, chunk) if send else group.recv([buf], 1 - self.rank, chunk)
+        except RuntimeError as e:
+            raise self._error(e, deadline) from None
+
+        def wait() -> None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TransferTimeout("transfer deadline passed")
-            work = group.send([buf], 1 - self.rank, chunk) if send else group.recv([buf], 1 - self.rank, chunk)
-            work.wait(timedelta(seconds=remaining))
-        except RuntimeError as e:  # gloo/NCCL/the store report a dead peer and a timeout alike
-            if time.monotonic() >= deadline or "timed out" in str(e).lower():
-                raise TransferTimeout(f"{self.backend} transfer passed its deadline") from None
-            raise PeerLost(f"{self.backend} peer lost: {e}") from None
+                raise TransferTimeout(f"{self.backend} transfer passed its deadline")
+            try:
+                work.wait(timedelta(seconds=remaining))
+            except RuntimeError as e:
+                raise self._error(e, deadline) from None
+
+        return wait
+
+    def close(self) -> None:
+        """Tear the group down now: left to the garbage collector, gloo's threads can abort the process."""
+        if self.group is not None:
+            try:
+                self.group.abort()
+            except RuntimeError:
+                pass
+            self.group = None
+
+    def _error(self, e: RuntimeError, deadline: float) -> Exception:
+        if time.monotonic() >= deadline or "timed out" in str(e).lower():
+            return TransferTimeout(f"{self.backend} transfer passed its deadline")
+        return PeerLost(f"{self.backend} peer lost: {e}")
 
 
 class NcclPrefillTransport(PrefillTransport):
@@ -83,7 +104,11 @@ class NcclPrefillTransport(PrefillTransport):
         deadline = time.monotonic() + timeout_s
         chunks = iter(range(1 << 20))
         peer.staging.send(self.kernels, self.kv_caches, block_ids,
-                          lambda buf: peer.move(buf, True, next(chunks), deadline))
+                          lambda buf: peer.start(buf, True, next(chunks), deadline))
+
+    def close_peer(self, peer: Any) -> None:
+        if peer is not None:
+            peer.close()
 
     def close(self) -> None:
         self._store = None
@@ -111,4 +136,8 @@ class NcclDecodeTransport(DecodeTransport):
                     remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
         chunks = iter(range(1 << 20))
         peer.staging.recv(self.kernels, self.kv_caches, local_block_ids,
-                          lambda buf: peer.move(buf, False, next(chunks), deadline))
+                          lambda buf: peer.start(buf, False, next(chunks), deadline))
+
+    def close_peer(self, peer: Any) -> None:
+        if peer is not None:
+            peer.close()

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from kvtransfer import wire
-from kvtransfer.connector import KVConnector, PrefillTransport, TransferEvents
+from kvtransfer.connector import KVConnector, PrefillTransport, TransferEvents, no_delay
 from kvtransfer.errors import AuthError, BlockRangeError, KVTransferError, LeaseExpired, ProtocolError, UnknownRequest
 from kvtransfer.handle import MAX_BLOCKS, KVHandle
 from kvtransfer.lease import EXPIRED, RELEASED, LeaseTable
@@ -134,7 +134,7 @@ class PrefillConnector(KVConnector):
                 self._count("rejected_peers")
                 sock.close()
                 continue
-            thread = threading.Thread(target=self._serve, args=(sock,), name="kv-prefill-conn", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(no_delay(sock),), name="kv-prefill-conn", daemon=True)
             with self._lock:
                 self._conns[sock] = thread
             thread.start()
@@ -187,24 +187,22 @@ class PrefillConnector(KVConnector):
             if isinstance(msg, wire.Pull):
                 self._serve_pull(peer, sock, msg, pinned)
                 return
-            try:
-                reply = self._control(msg)  # a Finish is checked while its transfer still pins the lease
-            finally:
-                if isinstance(msg, wire.Finish) and msg.transfer_id in pinned:
+            if isinstance(msg, wire.Finish):  # one way: the puller does not wait for an answer
+                if msg.transfer_id in pinned:
                     self.leases.unpin(pinned.pop(msg.transfer_id), msg.transfer_id)
+                if msg.release:
+                    handle = self._verified(msg.handle)
+                    self.leases.release(handle.request_id, handle.tag)
+                return
+            reply = self._control(msg)
         except KVTransferError as e:
             self._count("refused")
-            wire.send_msg(sock, wire.Error(e.code, str(e)))
+            if not isinstance(msg, wire.Finish):
+                wire.send_msg(sock, wire.Error(e.code, str(e)))
             return
         wire.send_msg(sock, reply)
 
     def _control(self, msg: wire.Message) -> wire.Message:
-        if isinstance(msg, wire.Finish):
-            handle = self._verified(msg.handle)
-            self.leases.check(handle.request_id, handle.tag)  # the copy counts only if we still held the blocks
-            if msg.release:
-                self.leases.release(handle.request_id, handle.tag)
-            return wire.Ok()
         if isinstance(msg, wire.Extend):
             handle = self._verified(msg.handle)
             remaining = self.leases.extend(handle.request_id, handle.tag, min(msg.seconds, MAX_TRANSFER_TIMEOUT_S))

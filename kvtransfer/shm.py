@@ -18,7 +18,7 @@ import torch
 from kvtransfer.connector import DecodeTransport, PrefillTransport
 from kvtransfer.errors import BlockRangeError, ProtocolError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.staging import block_views, cache_views
+from kvtransfer.staging import cache_views
 
 
 def _tensors(buf: Any, layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
@@ -29,21 +29,25 @@ def _tensors(buf: Any, layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
             for i in range(layout.num_layers)]
 
 
-def copy_views(src: list[memoryview], dst: list[memoryview], deadline: float) -> None:
-    """Copy a byte stream cut one way into the same stream cut another way (runs of consecutive
-    block ids merge differently on each side). memoryview slicing keeps the per-piece cost at
-    about a microsecond, so random block ids still copy near memcpy speed."""
-    j, b = 0, (dst[0] if dst else memoryview(bytearray()))
-    for i, a in enumerate(src):
-        if i % 256 == 0 and time.monotonic() > deadline:
+def copy_blocks(src: Sequence[memoryview], src_blocks: int, src_ids: Sequence[int],
+                dst: Sequence[memoryview], dst_blocks: int, dst_ids: Sequence[int],
+                half_block_bytes: int, deadline: float) -> None:
+    """dst block dst_ids[j] = src block src_ids[j], every layer, K and V: one memcpy per piece
+    (runs consecutive on both sides merged). Slicing memoryviews costs about a microsecond and
+    is bounds-checked, so random block ids still copy near memcpy speed, safely."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    h = half_block_bytes
+    for src_layer, dst_layer in zip(src, dst):
+        if time.monotonic() > deadline:
             raise TransferTimeout("shm copy passed its deadline")
-        while len(a):
-            if not len(b):
-                j += 1
-                b = dst[j]
-            n = min(len(a), len(b))
-            b[:n] = a[:n]
-            a, b = a[n:], b[n:]
+        for src_base, dst_base in ((0, 0), (src_blocks * h, dst_blocks * h)):  # K, then V
+            for s, d, n in runs:
+                dst_layer[dst_base + d * h:dst_base + (d + n) * h] = src_layer[src_base + s * h:src_base + (s + n) * h]
 
 
 class ShmPrefillTransport(PrefillTransport):
@@ -140,5 +144,5 @@ class ShmDecodeTransport(DecodeTransport):
         remote_flat, remote_blocks = peer
         if any(not 0 <= b < remote_blocks for b in remote_block_ids):
             raise BlockRangeError(f"remote block ids outside the peer's {remote_blocks} blocks")
-        copy_views(block_views(remote_flat, self.layout, remote_blocks, remote_block_ids),
-                   block_views(self._flat, self.layout, self.num_blocks, local_block_ids), deadline)
+        copy_blocks(remote_flat, remote_blocks, remote_block_ids, self._flat, self.num_blocks, local_block_ids,
+                    self.layout.half_block_bytes, deadline)

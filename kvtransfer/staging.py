@@ -51,39 +51,61 @@ def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int) -> Iterato
         yield l0, min(l0 + step, layout.num_layers)
 
 
+Wait = Callable[[], None]
+
+
 class Staging:
-    """A reusable, grow-only staging buffer (one per connection: transfers on it are serial)."""
+    """Two reusable, grow-only staging buffers (one pair per connection: its transfers are serial).
+
+    Chunks are pipelined: while one buffer is on the wire, the other is being gathered (sender)
+    or scattered (receiver), so copies and transfer overlap instead of adding up.
+    """
 
     def __init__(self, layout: KVLayout, device: torch.device | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.layout = layout
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
-        self._buf = torch.empty(0, dtype=layout.torch_dtype, device=self.device)
+        self._bufs = [torch.empty(0, dtype=layout.torch_dtype, device=self.device) for _ in range(2)]
 
-    def view(self, num_layers: int, num_blocks: int) -> torch.Tensor:
+    def view(self, slot: int, num_layers: int, num_blocks: int) -> torch.Tensor:
         lo = self.layout
         shape = (num_layers, 2, num_blocks, lo.block_size, lo.num_kv_heads, lo.head_dim)
-        numel = 1
-        for s in shape:
-            numel *= s
-        if self._buf.numel() < numel:
-            self._buf = torch.empty(numel, dtype=lo.torch_dtype, device=self.device)
-        return self._buf[:numel].view(shape)
+        numel = num_layers * 2 * num_blocks * lo.block_size * lo.num_kv_heads * lo.head_dim
+        if self._bufs[slot].numel() < numel:
+            self._bufs[slot] = torch.empty(numel, dtype=lo.torch_dtype, device=self.device)
+        return self._bufs[slot][:numel].view(shape)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def send(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-             send: Callable[[torch.Tensor], None]) -> None:
-        """Gather each chunk of layers into the buffer and hand it to `send`."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        for l0, l1 in layer_chunks(self.layout, len(block_ids), self.chunk_bytes):
-            buf = self.view(l1 - l0, len(block_ids))
+             start_send: Callable[[torch.Tensor], Wait]) -> None:
+        """Gather each chunk of layers into a buffer and start sending it; `start_send` returns
+        a function that waits for that send to complete."""
+        ids, in_flight = self._ids(block_ids), []
+        for k, (l0, l1) in enumerate(layer_chunks(self.layout, len(block_ids), self.chunk_bytes)):
+            if len(in_flight) == 2:
+                in_flight.pop(0)()  # this slot's previous chunk must be gone before we overwrite it
+            buf = self.view(k % 2, l1 - l0, len(block_ids))
             kernels.gather_blocks(kv_caches[l0:l1], ids, out=buf)
-            send(buf)
+            in_flight.append(start_send(buf))
+        for wait in in_flight:
+            wait()
 
     def recv(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-             recv: Callable[[torch.Tensor], None]) -> None:
-        """Let `recv` fill each chunk, then scatter it into the blocks."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        for l0, l1 in layer_chunks(self.layout, len(block_ids), self.chunk_bytes):
-            buf = self.view(l1 - l0, len(block_ids))
-            recv(buf)
+             start_recv: Callable[[torch.Tensor], Wait]) -> None:
+        """Keep the next chunk's receive posted while scattering the current one."""
+        ids = self._ids(block_ids)
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+
+        def post(k: int) -> tuple[torch.Tensor, Wait]:
+            buf = self.view(k % 2, chunks[k][1] - chunks[k][0], len(block_ids))
+            return buf, start_recv(buf)
+
+        current = post(0)
+        for k, (l0, l1) in enumerate(chunks):
+            buf, wait = current
+            wait()
+            if k + 1 < len(chunks):
+                current = post(k + 1)
             kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)

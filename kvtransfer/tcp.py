@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,13 +19,11 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.staging import DEFAULT_CHUNK_BYTES, Staging, as_bytes, block_views, cache_views
 
 IOV_MAX = 1024
-SOCKET_BUFFER_BYTES = 4 << 20
+BATCH_BYTES = 4 << 20  # iovecs handed to one sendmsg/recvmsg_into call
 
 
-def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+def _done() -> None:
+    pass
 
 
 def _set_deadline(sock: socket.socket, deadline: float) -> None:
@@ -52,7 +50,7 @@ def _batch(views: list[memoryview], i: int) -> list[memoryview]:
     """The next views worth about one socket buffer: more would be re-imported by the kernel
     (and re-exported by Python) on every partial send or receive, for nothing."""
     j, size = i, 0
-    while j < len(views) and j - i < IOV_MAX and size < SOCKET_BUFFER_BYTES:
+    while j < len(views) and j - i < IOV_MAX and size < BATCH_BYTES:
         size += len(views[j])
         j += 1
     return views[i:j]
@@ -120,7 +118,6 @@ class TcpPrefillTransport(PrefillTransport):
         self.mode.register(kv_caches)
 
     def open_peer(self, sock: socket.socket, client_info: dict) -> tuple[Any, dict, list[int]]:
-        tune(sock)
         return self.mode.peer_state(), {}, []
 
     def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
@@ -129,8 +126,11 @@ class TcpPrefillTransport(PrefillTransport):
         if self.mode.direct:
             send_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, block_ids), deadline)
         else:
-            peer.send(self.kernels, self.kv_caches, block_ids,
-                      lambda buf: send_views(sock, [as_bytes(buf.cpu())], deadline))
+            def start(buf: torch.Tensor) -> Callable[[], None]:
+                send_views(sock, [as_bytes(buf.cpu())], deadline)  # a socket send is done when it returns
+                return _done
+
+            peer.send(self.kernels, self.kv_caches, block_ids, start)
 
 
 class TcpDecodeTransport(DecodeTransport):
@@ -146,7 +146,6 @@ class TcpDecodeTransport(DecodeTransport):
         self.mode.register(kv_caches)
 
     def open_peer(self, sock: socket.socket, server_info: dict, fds: list[int]) -> Any:
-        tune(sock)
         return self.mode.peer_state()
 
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
@@ -155,10 +154,11 @@ class TcpDecodeTransport(DecodeTransport):
             recv_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, local_block_ids), deadline)
             return
 
-        def recv(buf: torch.Tensor) -> None:
+        def start(buf: torch.Tensor) -> Callable[[], None]:
             host = buf if buf.device.type == "cpu" else torch.empty_like(buf, device="cpu")
             recv_views(sock, [as_bytes(host)], deadline)
             if host is not buf:
                 buf.copy_(host)
+            return _done
 
-        peer.recv(self.kernels, self.kv_caches, local_block_ids, recv)
+        peer.recv(self.kernels, self.kv_caches, local_block_ids, start)

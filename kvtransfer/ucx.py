@@ -12,7 +12,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,20 +50,28 @@ class UcxWorker:
             addr = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(address, dtype=np.uint8))
             return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, addr, False)
 
-    def transfer(self, ep: Any, buf: torch.Tensor, tag: int, send: bool, sock: socket.socket, deadline: float) -> None:
-        """Send or receive one buffer; the control socket is watched so a dead peer fails fast."""
-        flat = buf.reshape(-1).view(torch.uint8)
+    def start(self, ep: Any, buf: torch.Tensor, tag: int, send: bool, sock: socket.socket,
+              deadline: float) -> Callable[[], None]:
+        """Post a send or receive of one buffer; returns the wait for it. The wait watches the
+        control socket too, so a dead peer fails fast even without UCX error handling."""
+        if send and buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()  # the gather must land before UCX reads
+        flat = buf.reshape(-1).view(torch.uint8)  # the memory stays alive in the Staging buffers
         arr = Array(flat if flat.is_cuda else flat.numpy())
         with self.lock:
             req = (ep.tag_send if send else ep.tag_recv)(arr, ucx_api.UCXXTag(tag))
-        while not req.completed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeout("UCX transfer passed its deadline")
-            readable, _, _ = select.select([sock], [], [], min(remaining, 0.0005))
-            if readable and not sock.recv(1, socket.MSG_PEEK):
-                raise PeerLost("peer closed the control connection during a UCX transfer")
-        req.check_error()
+
+        def wait() -> None:
+            while not req.completed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout("UCX transfer passed its deadline")
+                readable, _, _ = select.select([sock], [], [], min(remaining, 0.0005))
+                if readable and not sock.recv(1, socket.MSG_PEEK):
+                    raise PeerLost("peer closed the control connection during a UCX transfer")
+            req.check_error()
+
+        return wait
 
     def close(self) -> None:
         self.worker.stop_progress_thread()
@@ -125,12 +133,10 @@ class UcxPrefillTransport(PrefillTransport):
         deadline = time.monotonic() + timeout_s
         chunks = iter(range(1 << 12))
 
-        def send(buf: torch.Tensor) -> None:
-            if buf.is_cuda:
-                torch.cuda.current_stream(buf.device).synchronize()  # the gather must land before UCX reads
-            self.side.ucx.transfer(peer.ep, buf, _tag(transfer_id, next(chunks)), True, sock, deadline)
+        def start(buf: torch.Tensor) -> Callable[[], None]:
+            return self.side.ucx.start(peer.ep, buf, _tag(transfer_id, next(chunks)), True, sock, deadline)
 
-        self.side.run(peer, lambda: peer.staging.send(self.kernels, self.kv_caches, block_ids, send))
+        self.side.run(peer, lambda: peer.staging.send(self.kernels, self.kv_caches, block_ids, start))
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)
@@ -157,10 +163,10 @@ class UcxDecodeTransport(DecodeTransport):
                     remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
         chunks = iter(range(1 << 12))
 
-        def recv(buf: torch.Tensor) -> None:
-            self.side.ucx.transfer(peer.ep, buf, _tag(transfer_id, next(chunks)), False, sock, deadline)
+        def start(buf: torch.Tensor) -> Callable[[], None]:
+            return self.side.ucx.start(peer.ep, buf, _tag(transfer_id, next(chunks)), False, sock, deadline)
 
-        self.side.run(peer, lambda: peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, recv))
+        self.side.run(peer, lambda: peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, start))
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)

@@ -59,7 +59,7 @@ class PullReady(msgspec.Struct, tag="pull_ready"):
 
 
 class Finish(msgspec.Struct, tag="finish"):
-    """Sent by the puller after its copy: the lease must still be held for the copy to count."""
+    """One way, puller -> prefill, after its copy: unpins the blocks and (usually) releases them."""
     transfer_id: int
     handle: _Bytes
     release: bool = True

@@ -30,24 +30,31 @@ def _drained(stats, freed) -> bool:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefill_killed_mid_transfer(transport, make_decode):
-    peer = PrefillPeer(transport, stall="hang")
+    peer = PrefillPeer(transport, stall="hang")  # stops right after granting the pull
     try:
         peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5)
         decode, caches = make_decode(transport, LAYOUT, timeout_s=15.0)
         handle = peer.publish(LAYOUT, "doomed", list(range(40)), 320)
         others = blocks_bytes(caches, list(range(100, 140)))
         start = time.monotonic()
-        decode.start_pull("doomed", handle, list(range(40)))
-        assert peer.stalled.wait(15), "the prefill never started sending"
+        decode.start_pull("doomed", handle, list(range(40, 80)))
+        assert peer.stalled.wait(15), "the prefill never granted the pull"
         peer.kill()
         events = wait_events(decode, ["doomed"], timeout=20)
     finally:
         peer.kill()
-    assert isinstance(events.failed["doomed"], (PeerLost, TransferTimeout)), events.failed
     assert time.monotonic() - start < 15.0  # within the pull's deadline
     assert decode.num_inflight == 0  # the reserved blocks are the engine's again
     assert blocks_bytes(caches, list(range(100, 140))) == others
-    assert decode.stats()["failed"] == 1
+    if transport == "shm":
+        # the decode side reads the granted (pinned) blocks itself, from a mapping that
+        # outlives the prefill process: the pull completes, with the right bytes
+        assert events.finished == ["doomed"]
+        expected = reference_caches(LAYOUTS[LAYOUT], PREFILL_BLOCKS, 5)
+        assert blocks_bytes(caches, list(range(40, 80))) == blocks_bytes(expected, list(range(40)))
+    else:
+        assert isinstance(events.failed["doomed"], (PeerLost, TransferTimeout)), events.failed
+        assert decode.stats()["failed"] == 1
 
 
 def test_lease_expiry_frees_blocks_when_decode_never_pulls(tcp_prefill):
@@ -176,7 +183,7 @@ def test_abort_on_either_side_frees_the_blocks(make_decode):
     peer = PrefillPeer("tcp", stall="hang")
     try:
         peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5)
-        decode, _ = make_decode("tcp", LAYOUT)
+        decode, _ = make_decode("tcp", LAYOUT, timeout_s=2.0)  # the hung transfer pins its blocks until then
         # prefill side: the client went away before decode pulled
         gone = peer.publish(LAYOUT, "client-gone", [1, 2], 16)
         assert peer.call("abort", LAYOUT, "client-gone")

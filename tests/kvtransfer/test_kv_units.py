@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -102,6 +103,25 @@ def test_lease_table_lifecycle():
     assert table.num_leases == 0
 
 
+def test_blocks_being_read_are_never_freed_under_the_reader():
+    clock = Clock()
+    table = LeaseTable(default_ttl_s=30, clock=clock)
+    table.add("a", (1, 2), b"t")
+    table.add("b", (3,), b"t")
+    table.pin("a", b"t", transfer_id=7, seconds=5)
+    table.pin("b", b"t", transfer_id=8, seconds=5)
+    assert table.abort("a")  # the client went away mid-transfer
+    table.release("b", b"t")
+    assert table.drain_freed() == [] and table.num_published_blocks == 3
+    with pytest.raises(UnknownRequest):  # but nobody may start reading them again
+        table.pin("a", b"t", 9, 5)
+    table.unpin("a", 7)  # the transfer ended: now the blocks go back
+    clock.now += 6  # the other transfer never ended: its deadline frees them
+    table.expire()
+    assert [(f.request_id, f.reason) for f in table.drain_freed()] == [("a", "aborted"), ("b", "released")]
+    assert table.num_published_blocks == 0
+
+
 def test_wire_refuses_oversized_and_foreign_frames():
     a, b = socket.socketpair()
     with a, b:
@@ -157,4 +177,27 @@ def test_staged_path_through_the_kernel_interface():
         decode.start_pull("staged", handle, [60, 0, 1, 2, 30, 31])
         assert wait_events(decode, ["staged"]).finished == ["staged"]
         assert blocks_bytes(dst, [60, 0, 1, 2, 30, 31]) == blocks_bytes(src, [5, 9, 2, 40, 41, 42])
+        deadline = time.monotonic() + 10
+        while prefill.num_published_blocks and time.monotonic() < deadline:  # the release is one way
+            time.sleep(0.002)
         assert prefill.get_finished().finished == ["staged"] and prefill.num_published_blocks == 0
+
+
+def test_allowed_peers_and_nothing_to_pull():
+    layout = KVLayout(2, 1, 8, 4, "float32")
+    with create_connector("tcp", "prefill", layout, secret=SECRET, engine_id="p",
+                          allowed_peers=["192.0.2.1"]) as walled, \
+            create_connector("tcp", "prefill", layout, secret=SECRET, engine_id="q") as prefill, \
+            create_connector("tcp", "decode", layout, secret=SECRET, engine_id="d", timeout_s=5) as decode:
+        for connector in (walled, prefill):
+            connector.worker.allocate_kv_caches(8)
+        decode.worker.allocate_kv_caches(8)
+        refused = walled.publish("r", [1], 4)
+        decode.start_pull("r", refused, [0])
+        assert isinstance(wait_events(decode, ["r"]).failed["r"], wire.PeerLost)  # 127.0.0.1 is not allowed
+        assert walled.stats()["rejected_peers"] == 1
+        # every block already cached on the decode side: an empty pull just releases the lease
+        cached = prefill.publish("cached", [1, 2], 8)
+        decode.start_pull("cached", cached, [], first_block=2).result(timeout=5)
+        assert prefill.get_finished().finished == ["cached"]
+        assert decode.stats()["bytes_received"] == 0 and prefill.stats().get("bytes_sent", 0) == 0
