@@ -11,7 +11,7 @@ STAMP := $(VENV)/.pdserve-installed
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv proto run test test-fast bench-engine bench-kvtransfer bench-kernels-gpu lint clean
+.PHONY: venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,12 @@ bench-kvtransfer: $(STAMP)
 
 bench-kernels-gpu: $(STAMP)
 	$(VPY) bench/kernels_gpu.py
+
+bench-pd: $(STAMP) $(GENERATED)
+	$(VPY) bench/pd_bench.py
+
+bench-router: $(STAMP) $(GENERATED)
+	$(VPY) bench/router_bench.py
 
 clean:
 	rm -rf $(VENV) build .cache

@@ -1,0 +1,72 @@
+"""Processes for serving benchmarks: pinned to cores, health-waited, stopped cleanly."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], cores: set[int] | None = None, env: dict | None = None,
+                 log_dir: str | None = None) -> None:
+        self.name = name
+        log = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
+        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def pdserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def wait_until(ready, procs: list[Proc], what: str, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited during start-up (code {p.proc.returncode})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
