@@ -28,7 +28,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--served-model-name", "the model name clients send and /v1/models lists (default: --model)")
     _flag(p, "--host", "address the HTTP and gRPC fronts listen on", default="0.0.0.0")
     _flag(p, "--port", "HTTP port (0: any free port)", default=8000, type=int)
-    _flag(p, "--grpc-port", "gRPC Generate port (0: any free port; -1: no gRPC front)", default=50050, type=int)
+    _flag(p, "--grpc-port", "gRPC Generate port (0: any free port; -1: no gRPC front)", default=50050,
+          type=int)
     _flag(p, "--prefill", "prefill instances, host:port[,host:port...]", default="")
     _flag(p, "--decode", "decode instances, host:port[,...]; with no --prefill they are colocated "
           "instances that compute prompts themselves", default="")

@@ -6,10 +6,11 @@ import grpc
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
           502: "upstream_error", 503: "service_unavailable", 504: "timeout"}
-_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-               404: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
-               422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-               502: grpc.StatusCode.UNAVAILABLE, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+Code = grpc.StatusCode
+# Bad input of any kind is INVALID_ARGUMENT over gRPC, as the API promises.
+_GRPC_CODES = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 404: Code.INVALID_ARGUMENT,
+               413: Code.INVALID_ARGUMENT, 422: Code.INVALID_ARGUMENT, 429: Code.RESOURCE_EXHAUSTED,
+               502: Code.UNAVAILABLE, 503: Code.UNAVAILABLE, 504: Code.DEADLINE_EXCEEDED}
 
 
 class RouterError(Exception):
@@ -26,7 +27,7 @@ class RouterError(Exception):
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
-        return _GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL)
+        return _GRPC_CODES.get(self.status, Code.INTERNAL)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -12,6 +15,10 @@ from services.router.dispatcher import Dispatcher
 from services.router.errors import RouterError
 from services.router.sampling import PreparedPrompt
 from services.router.served_model import ServedModel
+
+
+# What a client may name its request (HTTP X-Request-Id, gRPC request_id).
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass
@@ -32,11 +39,16 @@ class TextGenerator:
         self.dispatcher = dispatcher
         self.model = model
         self.metrics = metrics
+        self._id_prefix = secrets.token_hex(6)  # this router's; a counter is cheaper than uuid4
+        self._ids = itertools.count()
+
+    def new_request_id(self, kind: str) -> str:
+        return f"{kind}-{self._id_prefix}{next(self._ids):x}"
 
     async def stream(self, request_id: str, prompt: PreparedPrompt) -> AsyncIterator[TextChunk]:
         """Ends with a chunk that has a finish_reason; closing it early aborts the request."""
         m = self.metrics
-        detok = IncrementalDetokenizer(self.model.tokenizer, prompt.params)
+        detok = IncrementalDetokenizer(self.model.codec, prompt.params)
         start = last = time.monotonic()
         first = True
         m.prompt_tokens.inc(len(prompt.token_ids))

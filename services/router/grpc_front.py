@@ -5,16 +5,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import re
-import uuid
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.router.errors import RouterError, bad_request
+from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, prepare
 
 logger = logging.getLogger(__name__)
 ENDPOINT = "/pdserve.v1.Generate/Generate"
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class GenerateService(pb_grpc.GenerateServicer):
@@ -35,7 +33,7 @@ class GenerateService(pb_grpc.GenerateServicer):
     def _prepare(self, request: pb.GenerateRequest) -> PreparedPrompt:
         if request.model and request.model != self.model.name:
             raise RouterError(404, f"The model `{request.model}` does not exist.", param="model")
-        if request.request_id and not _REQUEST_ID.match(request.request_id):
+        if request.request_id and not REQUEST_ID.match(request.request_id):
             raise bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]", "request_id")
         kind = request.WhichOneof("prompt")
         if kind == "text":
@@ -64,7 +62,7 @@ class GenerateService(pb_grpc.GenerateServicer):
             self._check_auth(context)
             prompt = self._prepare(request)
             self.router.dispatcher.check_available()
-            request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            request_id = request.request_id or self.router.generator.new_request_id("gen")
             num_tokens, num_cached = 0, None
             chunks = self.router.generator.stream(request_id, prompt)
             async with contextlib.aclosing(chunks):

@@ -4,20 +4,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
-import uuid
 
 import msgspec
 from aiohttp import web
 
 from services.router.errors import RouterError, bad_request
+from services.router.generation import REQUEST_ID
 from services.router.openai_protocol import parse_chat, parse_completion
 from services.router.openai_serving import CLIENT_CLOSED, OpenAIServing
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_BODY_BYTES = 64 << 20
 
 
@@ -89,10 +87,9 @@ class HttpGateway:
         except msgspec.DecodeError as e:
             raise bad_request(f"malformed JSON body: {e}") from None
 
-    @staticmethod
-    def _request_id(request: web.Request, prefix: str) -> str:
+    def _request_id(self, request: web.Request, kind: str) -> str:
         given = request.headers.get("X-Request-Id", "")
-        return given if _REQUEST_ID.match(given) else f"{prefix}-{uuid.uuid4().hex}"
+        return given if REQUEST_ID.match(given) else self.router.generator.new_request_id(kind)
 
     async def _serve(self, request: web.Request, parse, prefix: str, chat: bool) -> web.StreamResponse:
         parsed = parse(await self._json(request), self.model)
@@ -116,21 +113,25 @@ class HttpGateway:
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "pdserve",
                 "root": m.path, "parent": None, "max_model_len": m.max_model_len, "permission": []}
 
+    @staticmethod
+    def _json_response(obj) -> web.Response:
+        return web.Response(body=_encode(obj), content_type="application/json")
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card()]}, dumps=lambda o: _encode(o).decode())
+        return self._json_response({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != self.model.name:
             raise RouterError(404, f"The model `{name}` does not exist.", param="model",
                               code="model_not_found")
-        return web.json_response(self._card(), dumps=lambda o: _encode(o).decode())
+        return self._json_response(self._card())
 
     async def health(self, request: web.Request) -> web.Response:
         if self.router.draining:
             raise RouterError(503, "the router is shutting down", code="draining")
         self.router.dispatcher.check_available()
-        return web.json_response({"status": "ok"})
+        return self._json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),

@@ -117,8 +117,9 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> list[tuple[list[int], str | None]]:
-    """prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
+def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> list[tuple]:
+    """prompt: a string, a list of strings, a list of token ids or a list of token-id lists
+    -> [(token ids, the text or None)]."""
     if isinstance(raw, str):
         raw = [raw]
     elif _is_token_ids(raw):

@@ -41,7 +41,7 @@ class Choice:
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
         p = self.prompt
-        text = p.text if p.text is not None else self.model.tokenizer.decode(
+        text = p.text if p.text is not None else self.model.decode(
             p.token_ids, skip_special_tokens=p.params.skip_special_tokens)
         lp = None
         if self._completion_lp is not None:

@@ -118,7 +118,8 @@ def make_stack(loop_thread, tiny_model_path, tokenizer):
             prefills = [await start_fake("prefill", registry, name=f"prefill-{i}", **pk[i]) for i in range(prefill)]
             decodes = [await start_fake("decode", registry, name=f"decode-{i}", **dk[i]) for i in range(decode)]
             cfg = dict(model=tiny_model_path, served_model_name="tiny", host="127.0.0.1", port=0, grpc_port=0,
-                       prefill=(*extra_prefill, *(s.address for s in prefills)), decode=(*extra_decode, *(s.address for s in decodes)),
+                       prefill=(*extra_prefill, *(s.address for s in prefills)),
+                       decode=(*extra_decode, *(s.address for s in decodes)),
                        health_check_interval_s=0.1, drain_timeout_s=5.0)
             cfg.update(config)
             router = Router(RouterConfig(**cfg), tokenizer=tokenizer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 
 import grpc
@@ -70,9 +71,18 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
         self.pulled: list[str] = []
         self.recomputed: list[str] = []
         self.running: set[str] = set()
-        self.started = asyncio.Event()  # set when a request arrives
-        self.gone = asyncio.Event()  # set when a request is cancelled or aborted
         self.gate: asyncio.Event | None = None  # when set up, prefill waits for it
+
+    @contextlib.contextmanager
+    def _in_flight(self, rid: str):
+        self.running.add(rid)
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.running.discard(rid)
 
     async def _maybe_fail(self, context) -> None:
         if self.fail is not None and self.fail_times != 0:
@@ -81,21 +91,13 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         self.requests.append(request)
-        self.started.set()
         await self._maybe_fail(context)
         rid = request.request_id
-        self.running.add(rid)
-        try:
+        with self._in_flight(rid):
             if self.gate is not None:
                 await self.gate.wait()
             if self.prefill_delay:
                 await asyncio.sleep(self.prefill_delay)
-        except asyncio.CancelledError:
-            self.cancelled.append(rid)
-            self.gone.set()
-            raise
-        finally:
-            self.running.discard(rid)
         s = request.sampling
         prompt = list(request.prompt_token_ids)
         first = next_token(prompt)
@@ -115,7 +117,6 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context):
         self.requests.append(request)
-        self.started.set()
         await self._maybe_fail(context)
         rid = request.request_id
         s = request.sampling
@@ -130,8 +131,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
             prompt_logprobs = ([toy_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
                                if s.HasField("prompt_logprobs") else [])
         out, finish = toy_generate(tokens, budget, tuple(s.stop_token_ids))
-        self.running.add(rid)
-        try:
+        with self._in_flight(rid):
             for i, tok in enumerate(out):
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
@@ -145,16 +145,9 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
                     if finish == "stop":
                         msg.stop_reason = str(tok)
                 yield msg
-        except asyncio.CancelledError:
-            self.cancelled.append(rid)
-            self.gone.set()
-            raise
-        finally:
-            self.running.discard(rid)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         self.aborts.append(request.request_id)
-        self.gone.set()
         handle = f"{self.name}:{request.request_id}".encode()
         return pb.AbortResponse(found=self.registry.pinned.pop(handle, None) is not None)
 
@@ -168,8 +161,10 @@ class FakeServer:
         self.engine = engine
         self.health = HealthServicer()
         self.server = grpc.aio.server()
-        add = pb_grpc.add_PrefillServicer_to_server if engine.role == "prefill" else pb_grpc.add_DecodeServicer_to_server
-        add(engine, self.server)
+        if engine.role == "prefill":
+            pb_grpc.add_PrefillServicer_to_server(engine, self.server)
+        else:
+            pb_grpc.add_DecodeServicer_to_server(engine, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{self.port}"
@@ -180,8 +175,8 @@ class FakeServer:
         return self
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
+        states = health_pb2.HealthCheckResponse
+        await self.health.set("", states.SERVING if serving else states.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         await self.server.stop(grace)
