@@ -107,10 +107,13 @@ class Dispatcher:
             finish = resp.finish_reason or (None if publish_kv else "length")
             if finish is None:
                 pinned = prefill
+            # A stop token id as the very first token: the prefill answer does not say which.
+            stop_reason = (str(resp.first_token_id) if finish == "stop"
+                           and resp.first_token_id in sampling.stop_token_ids else None)
             yield TokenChunk([resp.first_token_id],
                              [resp.first_logprob] if resp.HasField("first_logprob") else [],
-                             finish_reason=finish, prompt_logprobs=list(resp.prompt_logprobs),
-                             num_cached_tokens=resp.num_cached_tokens)
+                             finish_reason=finish, stop_reason=stop_reason,
+                             prompt_logprobs=list(resp.prompt_logprobs), num_cached_tokens=resp.num_cached_tokens)
             if finish is not None:
                 return
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,

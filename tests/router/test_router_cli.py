@@ -14,7 +14,7 @@ import pytest
 
 from services.router.cli import add_router_parser, config_from_args
 
-from conftest import wait_until
+from router_harness import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.router.instances import Instance
 
-from conftest import wait_until
+from router_harness import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The quick brown fox", "Once upon a time in a small village by the sea",

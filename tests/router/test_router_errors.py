@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import wait_until
+from router_harness import wait_until
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 
 import grpc
 
-from conftest import wait_until
+from router_harness import wait_until
 from router_fakes import toy_generate
 
 FAKES = os.path.join(os.path.dirname(__file__), "router_fakes.py")

@@ -158,3 +158,27 @@ def test_models_lists_the_served_model(client, stack):
     assert models[0].model_extra["max_model_len"] == 2048
     assert models[0].model_extra["root"] == stack.router.model.path
     assert models[0].owned_by == "pdserve"
+
+
+def test_colocated_mode_sends_prompts_to_decode_instances(make_stack, tokenizer):
+    stack = make_stack(prefill=0, decode=2)
+    with openai.OpenAI(base_url=stack.url, api_key="x", max_retries=0) as client:
+        ids = tokenizer.encode("Hello world")
+        out = client.completions.create(model="tiny", prompt=ids, max_tokens=5, echo=True, logprobs=1)
+        assert out.choices[0].text == tokenizer.decode(ids) + tokenizer.decode(toy_generate(ids, 5)[0])
+        assert out.choices[0].logprobs.token_logprobs[0] is None
+        assert len(out.choices[0].logprobs.token_logprobs) == len(ids) + 5
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+    requests = [r for d in stack.decodes for r in d.engine.requests]
+    assert len(requests) == 2 and not any(r.HasField("first_token_id") for r in requests)
+
+
+def test_one_token_or_a_first_stop_token_needs_no_decode(client, stack, tokenizer):
+    ids = tokenizer.encode("Hello world")
+    first = toy_generate(ids, 1)[0]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 1
+    assert not any(r.publish_kv for p in stack.prefills for r in p.engine.requests)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"stop_token_ids": first})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == first[0]
+    assert not stack.decodes[0].engine.requests

@@ -9,7 +9,7 @@ import pytest
 
 from services.router.policy import LeastLoad, RoundRobin, RouteRequest, RoutingPolicy, make_policy
 
-from conftest import wait_until
+from router_harness import wait_until
 
 
 def route(role="prefill"):
