@@ -1,0 +1,1 @@
+"""The planner: an autoscaler that sizes the prefill and the decode Deployments separately."""
