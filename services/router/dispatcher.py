@@ -175,6 +175,8 @@ class Dispatcher:
                 raise RouterError(502, f"decode instance {inst.address} ended the stream without a "
                                        "finish reason", type="upstream_error")
             except grpc.aio.AioRpcError as e:
+                if e.code() == Code.DEADLINE_EXCEEDED:
+                    self._remaining(deadline)  # the request's own deadline: 504
                 # Before the first token a decode failure is retried: nothing was shown yet, and
                 # the new instance pulls the same KV (or recomputes the prompt if it is gone).
                 if received or e.code() not in RETRYABLE:

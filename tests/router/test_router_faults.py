@@ -141,10 +141,13 @@ def test_slow_prefill_times_out_and_is_retried(make_stack):
 
 
 def test_request_timeout_is_504(make_stack):
-    stack = make_stack(prefill=1, decode=1, request_timeout_s=0.3)
+    stack = make_stack(prefill=1, decode=1, request_timeout_s=0.5, decode_kwargs=[{"token_delay": 0.05}])
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, {"X-Request-Id": "slow"})
+    assert status == 504 and body["error"]["code"] == "timeout"  # mid-decode
+    wait_until(lambda: "slow" in stack.decodes[0].engine.cancelled, what="the decode cancelled")
     stack.prefills[0].engine.gate = asyncio.Event()
     status, _, body = stack.post("/v1/completions", {"prompt": "Hi"})
-    assert status == 504 and body["error"]["code"] == "timeout"
+    assert status == 504 and body["error"]["code"] == "timeout"  # mid-prefill
 
 
 def test_decode_failing_before_its_first_token_is_retried(make_stack):
