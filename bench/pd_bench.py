@@ -64,7 +64,8 @@ def start_pdserve(name: str, model: str, logs: str, disaggregated: bool, engine_
         addrs.setdefault(role, []).append(f"127.0.0.1:{port}")
     wait_until(lambda: all(grpc_serving(a) for v in addrs.values() for a in v), cfg.procs, f"{name} engines")
     http = free_port()
-    router = ["router", "--model", model, "--host", "127.0.0.1", "--port", str(http), "--policy", "least_load"]
+    router = ["router", "--model", model, "--host", "127.0.0.1", "--port", str(http), "--policy", "least_load",
+              "--grpc-port", "-1"]
     if disaggregated:
         router += ["--prefill", addrs["prefill"][0], "--decode", addrs["decode"][0]]
     else:

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                                                    "--num-threads", "1"), {1}, env, BUILD))
         wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
         procs.append(Proc("router", pdserve_cmd("router", "--model", "tiny", "--served-model-name", "bench",
-                                                "--host", "127.0.0.1", "--port", str(http), "--decode",
+                                                "--host", "127.0.0.1", "--port", str(http), "--grpc-port", "-1", "--decode",
                                                 f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
         url = f"http://127.0.0.1:{http}"
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         http = free_port()
         procs.append(Proc("router-alone", pdserve_cmd(
             "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1",
-            "--port", str(http), "--prefill", f"127.0.0.1:{ports[0]}", "--decode", f"127.0.0.1:{ports[1]}"),
+            "--port", str(http), "--grpc-port", "-1", "--prefill", f"127.0.0.1:{ports[0]}", "--decode", f"127.0.0.1:{ports[1]}"),
             {0}, env, BUILD))
         url = f"http://127.0.0.1:{http}"
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")

@@ -86,8 +86,7 @@ class Stack:
                   "--decode", ",".join(decode), "--policy", a.policy]
         if prefill:
             router += ["--prefill", ",".join(prefill)]
-        if a.grpc_port:
-            router += ["--grpc-port", str(a.grpc_port)]
+        router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
         self.spawn("router", router, env)
         url = f"http://127.0.0.1:{http_port}"
         self._wait(lambda: _http_ok(f"{url}/health"), "the router")
