@@ -37,14 +37,16 @@ def _transport_classes(transport: str) -> tuple[type, type]:
 
 
 def create_connector(transport: str, role: str, layout: KVLayout, *, secret: bytes, engine_id: str,
-                     host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
+                     host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                     lease_ttl_s: float = 30.0,
                      on_blocks_freed: Callable[[str, tuple[int, ...]], None] | None = None,
                      allowed_peers: Sequence[str] | None = None, num_workers: int = 4,
                      timeout_s: float = 30.0, kernel_backend: Any = None,
                      **transport_options: Any) -> "PrefillConnector | DecodeConnector":
     """Build one engine's connector.
 
-    prefill: serves pulls on host:port (port 0 = any) and signs handles with `secret`;
+    prefill: serves pulls on host:port (port 0 = any; handles name advertise_host, default
+    host) and signs handles with `secret`; leases last `lease_ttl_s` unless extended;
     decode: pulls with `num_workers` threads, each pull bounded by `timeout_s` by default.
     `transport_options` go to the transport (e.g. tcp's direct_io, chunk_bytes).
     Then register the KV caches: `connector.worker.register_kv_caches(caches)` (or let the
@@ -57,7 +59,8 @@ def create_connector(transport: str, role: str, layout: KVLayout, *, secret: byt
         from kvtransfer.prefill import PrefillConnector
 
         return PrefillConnector(prefill_cls(layout, kernel_backend, **transport_options), secret=secret,
-                                engine_id=engine_id, host=host, port=port, lease_ttl_s=lease_ttl_s,
+                                engine_id=engine_id, host=host, port=port, advertise_host=advertise_host,
+                                lease_ttl_s=lease_ttl_s,
                                 on_blocks_freed=on_blocks_freed, allowed_peers=allowed_peers)
     from kvtransfer.decode import DecodeConnector
 

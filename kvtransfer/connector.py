@@ -113,10 +113,11 @@ class Transport(ABC):
 class PrefillTransport(Transport):
     """Serves pulls. One `peer` object per authenticated control connection."""
 
-    def listen(self, host: str, port: int) -> tuple[socket.socket, str]:
-        """Bind the control socket; returns it and the endpoint string written into handles."""
+    def listen(self, host: str, port: int, advertise_host: str) -> tuple[socket.socket, str]:
+        """Bind the control socket; returns it and the endpoint string written into handles
+        (`advertise_host`: the address peers reach, when binding 0.0.0.0)."""
         sock = socket.create_server((host, port), backlog=64)
-        return sock, f"tcp://{host}:{sock.getsockname()[1]}"
+        return sock, f"tcp://{advertise_host}:{sock.getsockname()[1]}"
 
     def open_peer(self, sock: socket.socket, client_info: dict) -> tuple[Any, dict, list[int]]:
         """Per-connection setup; returns (peer state, info for the client, fds to pass)."""

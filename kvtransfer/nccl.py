@@ -89,8 +89,8 @@ class NcclPrefillTransport(PrefillTransport):
         self.chunk_bytes = chunk_bytes
         self._store: Any = None
 
-    def listen(self, host: str, port: int) -> tuple[socket.socket, str]:
-        sock, endpoint = super().listen(host, port)
+    def listen(self, host: str, port: int, advertise_host: str) -> tuple[socket.socket, str]:
+        sock, endpoint = super().listen(host, port, advertise_host)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         return sock, endpoint
 

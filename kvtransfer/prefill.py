@@ -30,7 +30,8 @@ class PrefillConnector(KVConnector):
     role = "prefill"
 
     def __init__(self, transport: PrefillTransport, *, secret: bytes, engine_id: str,
-                 host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 lease_ttl_s: float = 30.0,
                  on_blocks_freed: Callable[[str, tuple[int, ...]], None] | None = None,
                  allowed_peers: Sequence[str] | None = None, max_connections: int = 64):
         if not secret:
@@ -46,7 +47,7 @@ class PrefillConnector(KVConnector):
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._closed = threading.Event()
-        self._listener, self.endpoint = transport.listen(host, port)
+        self._listener, self.endpoint = transport.listen(host, port, advertise_host or host)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-prefill-accept", daemon=True)
         self._accept_thread.start()
         log.info("kvtransfer prefill %s serving %s on %s", engine_id, transport.name, self.endpoint)
@@ -72,7 +73,8 @@ class PrefillConnector(KVConnector):
         return handle
 
     def abort(self, request_id: str) -> bool:
-        """Free a request's blocks now (e.g. the client went away); False if none were published."""
+        """Free a request's blocks (e.g. the client went away): now, or when a transfer reading
+        them ends; False if none were published."""
         return self.leases.abort(request_id)
 
     @property

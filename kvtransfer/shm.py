@@ -61,7 +61,7 @@ class ShmPrefillTransport(PrefillTransport):
         self._map: mmap.mmap | None = None
         self._size = 0
 
-    def listen(self, host: str, port: int) -> tuple[socket.socket, str]:
+    def listen(self, host: str, port: int, advertise_host: str) -> tuple[socket.socket, str]:
         name = f"pdserve-kv-{os.getpid()}-{os.urandom(6).hex()}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + name)  # abstract namespace: no file to leak

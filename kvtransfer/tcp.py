@@ -19,7 +19,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.staging import DEFAULT_CHUNK_BYTES, Staging, as_bytes, block_views, cache_views
 
 IOV_MAX = 1024
-BATCH_BYTES = 4 << 20  # iovecs handed to one sendmsg/recvmsg_into call
+BATCH_BYTES = 1 << 20  # iovecs handed to one sendmsg/recvmsg_into call
 
 
 def _done() -> None:
