@@ -140,9 +140,9 @@ class DecodeConnector(KVConnector):
             if self._closed:
                 return
             self._closed = True
-            pulls = list(self._inflight.values())
-        for pull in pulls:
-            pull.cancelled.set()
+            request_ids = list(self._inflight)
+        for request_id in request_ids:  # socket transfers stop at once, gloo/NCCL at their deadline
+            self.abort(request_id)
         self._executor.shutdown(wait=True, cancel_futures=False)
         with self._lock:
             conns = [c for idle in self._idle.values() for c in idle]

@@ -165,7 +165,7 @@ def test_unknown_peers_are_dropped(tcp_prefill, make_decode):
 def test_truncated_stream_is_an_error(make_decode):
     peer = PrefillPeer("tcp", stall="truncate", truncate_bytes=1000)
     try:
-        peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5, lease_ttl_s=0.5)
+        peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5, lease_ttl_s=2.0)
         decode, caches = make_decode("tcp", LAYOUT)
         handle = peer.publish(LAYOUT, "cut", [1, 2, 3], 24)
         untouched = blocks_bytes(caches, list(range(10, 50)))
