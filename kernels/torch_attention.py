@@ -89,21 +89,28 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tensor:
-    """Varlen causal attention through a padded batch (few rows: the prefill chunks)."""
-    t = query.shape[0]
-    dev = query.device
-    q_lens = qsl[1:] - qsl[:-1]
-    seq_lens = seq_lens.to(torch.long)
-    max_q = int(q_lens.max())
-    k, v = _gather_context(kv_cache, block_tables, int(seq_lens.max()))
-    qpos = torch.arange(max_q, device=dev)
-    valid_q = qpos[None, :] < q_lens[:, None]  # [B, Qmax]
-    q_idx = (qsl[:-1, None] + qpos[None, :]).clamp_(max=t - 1)
-    q = query[q_idx]  # [B, Qmax, H, D]
-    q_abs = (seq_lens - q_lens)[:, None] + qpos[None, :]
-    k_abs = torch.arange(k.shape[1], device=dev)
-    mask = k_abs[None, None, :] <= q_abs[:, :, None]  # causal; implies k < seq_len on valid rows
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    return o.transpose(1, 2)[valid_q].to(query.dtype)
+    """Varlen causal attention, one SDPA call per prefill row (a step holds few of them).
+
+    A fresh prompt (no earlier context) is plain causal attention: SDPA's is_causal path, with
+    no mask to build. A chunk after earlier context gets an explicit bottom-right causal mask.
+    """
+    out = torch.empty_like(query)
+    block_size = kv_cache.shape[2]
+    starts, lens = qsl.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        ids = block_tables[i, :-(-seq_len // block_size)].long()
+        k = kv_cache[0, ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvH, S, D]
+        v = kv_cache[1, ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+        q = query[start:end].transpose(0, 1)  # [H, Q, D]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1).to(query.dtype)
+    return out
