@@ -1,0 +1,297 @@
+{{/*
+One helper per concern. Role helpers take a context dict: root ($), role (router|prefill|decode|planner)
+and v (that role's values block).
+*/}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (default .Chart.Name .Values.nameOverride) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (default .Chart.Name .Values.nameOverride) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.componentName" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .root | trunc 55 | trimSuffix "-") .role }}
+{{- end }}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "pdserve.servedModelName" -}}
+{{- default (ternary "tiny" .Values.model.name (eq .Values.model.source "tiny")) .Values.model.servedModelName }}
+{{- end }}
+
+{{- define "pdserve.kvSecretName" -}}
+{{- default (printf "%s-kv" (include "pdserve.fullname" .)) .Values.kvTransfer.secret.existingSecret }}
+{{- end }}
+
+{{- define "pdserve.grpcPort" -}}
+{{- if eq .role "router" }}{{ .root.Values.router.grpcPort }}{{ else }}{{ index .root.Values.engine.grpcPorts .role }}{{ end }}
+{{- end }}
+
+{{/* "hpa", "planner" or "": who owns the role's replica count (then the Deployment leaves it unset). */}}
+{{- define "pdserve.scaledBy" -}}
+{{- $planner := .root.Values.planner }}
+{{- if .v.autoscaling.enabled }}hpa
+{{- else if and $planner.enabled (ne .role "router") (index $planner .role).enabled }}planner
+{{- end }}
+{{- end }}
+
+{{/* What values.schema.json cannot say. */}}
+{{- define "pdserve.validate" -}}
+{{- range $role := list "router" "prefill" "decode" }}
+{{- $a := (index $.Values $role).autoscaling }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "%s.autoscaling: minReplicas (%v) is above maxReplicas (%v)" $role $a.minReplicas $a.maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.planner.enabled (not (or .Values.planner.prefill.enabled .Values.planner.decode.enabled)) }}
+{{- fail "planner.enabled: the planner scales nothing: enable planner.prefill and/or planner.decode" }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $p := index $.Values.planner $role }}
+{{- if gt (int $p.minReplicas) (int $p.maxReplicas) }}
+{{- fail (printf "planner.%s: minReplicas (%v) is above maxReplicas (%v)" $role $p.minReplicas $p.maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The checkpoint as the pdserve CLI takes it. */}}
+{{- define "pdserve.modelPath" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "tiny" }}tiny
+{{- else if eq $m.source "huggingface" }}/models/model
+{{- else }}{{ printf "/models/%s" ($m.path | trimPrefix "/") | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+
+{{/* Requests and limits; extended resources (GPUs, RDMA NICs) get requests = limits. */}}
+{{- define "pdserve.resources" -}}
+{{- $res := deepCopy (default dict .v.resources) }}
+{{- $requests := default dict $res.requests }}
+{{- $limits := default dict $res.limits }}
+{{- if gt (int .v.accelerator.count) 0 }}
+{{- $_ := set $limits .v.accelerator.resourceName .v.accelerator.count }}
+{{- end }}
+{{- $rdma := .root.Values.kvTransfer.rdma }}
+{{- if and $rdma.enabled (has .role (list "prefill" "decode")) }}
+{{- $_ := set $limits $rdma.resourceName $rdma.count }}
+{{- end }}
+{{- range $name, $count := $limits }}
+{{- if contains "/" $name }}
+{{- $_ := set $requests $name $count }}
+{{- end }}
+{{- end }}
+{{- $_ := set $res "requests" $requests }}
+{{- $_ := set $res "limits" $limits }}
+{{- toYaml $res }}
+{{- end }}
+
+{{- define "pdserve.containerSecurityContext" -}}
+{{- $sc := deepCopy .root.Values.securityContext }}
+{{- if and .root.Values.kvTransfer.rdma.enabled (has .role (list "prefill" "decode")) }}
+{{- /* RDMA registers (pins) memory: IPC_LOCK lifts the memlock limit */}}
+{{- $caps := default dict $sc.capabilities }}
+{{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK") }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}
+
+{{/* Pod-level settings every role shares: scheduling, identity, security. */}}
+{{- define "pdserve.podSpec" -}}
+serviceAccountName: {{ include "pdserve.componentName" (dict "root" .root "role" (ternary "engine" .role (has .role (list "prefill" "decode")))) }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext: {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .v.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ . }}
+{{- end }}
+{{- with .v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .v.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .v.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.topologySpreadConstraints }}
+topologySpreadConstraints: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .v.affinity }}
+affinity: {{- toYaml .v.affinity | nindent 2 }}
+{{- else if and (eq .root.Values.kvTransfer.transport "shm") (has .role (list "prefill" "decode")) }}
+affinity: {{- include "pdserve.shmAffinity" . | trim | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* shm: one prefill and one decode per node, side by side (host network: one port each per node). */}}
+{{- define "pdserve.shmAffinity" -}}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels: {{- include "pdserve.selectorLabels" . | nindent 10 }}
+{{- if eq .role "decode" }}
+podAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels: {{- include "pdserve.selectorLabels" (dict "root" .root "role" "prefill") | nindent 10 }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.podAnnotations" -}}
+{{- $ann := deepCopy (default dict .v.podAnnotations) }}
+{{- if and .root.Values.metrics.podAnnotations (ne .role "planner") }}
+{{- $_ := set $ann "prometheus.io/scrape" "true" }}
+{{- $_ := set $ann "prometheus.io/path" "/metrics" }}
+{{- $_ := set $ann "prometheus.io/port" (toString (ternary .root.Values.router.httpPort .root.Values.engine.metricsPort (eq .role "router"))) }}
+{{- end }}
+{{- with $ann }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/* Writable places under a read-only root filesystem: caches (HF, Triton, torch, the CPU kernels), /tmp. */}}
+{{- define "pdserve.cacheEnv" -}}
+- name: HOME
+  value: /home/pdserve
+- name: XDG_CACHE_HOME
+  value: /home/pdserve/.cache
+- name: HF_HOME
+  value: /home/pdserve/.cache/huggingface
+- name: PDSERVE_CACHE_DIR
+  value: /home/pdserve/.cache/pdserve
+- name: TRITON_CACHE_DIR
+  value: /home/pdserve/.cache/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /home/pdserve/.cache/torchinductor
+{{- end }}
+
+{{- define "pdserve.volumeMounts" -}}
+{{- if ne .root.Values.model.source "tiny" }}
+- name: model
+  mountPath: /models
+  readOnly: true
+{{- end }}
+- name: cache
+  mountPath: /home/pdserve/.cache
+- name: tmp
+  mountPath: /tmp
+{{- if has .role (list "prefill" "decode") }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.volumes" -}}
+{{- $m := .root.Values.model }}
+{{- if eq $m.source "huggingface" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $m.downloadSizeLimit }}
+{{- else if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: Directory
+{{- end }}
+- name: cache
+  emptyDir: {}
+- name: tmp
+  emptyDir: {}
+{{- if has .role (list "prefill" "decode") }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .root.Values.kvTransfer.shm.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* huggingface: fetch the checkpoint before the server starts (the router needs only the tokenizer). */}}
+{{- define "pdserve.initContainers" -}}
+{{- $m := .root.Values.model }}
+{{- if eq $m.source "huggingface" }}
+- name: download-model
+  image: {{ include "pdserve.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      patterns = os.environ.get("ALLOW_PATTERNS")
+      path = snapshot_download(os.environ["MODEL_ID"], revision=os.environ["MODEL_REVISION"],
+                               local_dir="/models/model", allow_patterns=patterns.split(",") if patterns else None)
+      print(f"downloaded {os.environ['MODEL_ID']}@{os.environ['MODEL_REVISION']} to {path}", flush=True)
+  env:
+    - name: MODEL_ID
+      value: {{ $m.name | quote }}
+    - name: MODEL_REVISION
+      value: {{ $m.revision | quote }}
+    {{- if eq .role "router" }}
+    - name: ALLOW_PATTERNS
+      value: "*.json,*.jinja,*.txt,*.model,*.tiktoken"
+    {{- end }}
+    {{- with $m.hfTokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.hfTokenSecret.key }}
+    {{- end }}
+    {{- include "pdserve.cacheEnv" . | trim | nindent 4 }}
+  securityContext: {{- toYaml .root.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: /models
+    - name: cache
+      mountPath: /home/pdserve/.cache
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.probes" -}}
+{{- $check := "" }}
+{{- if eq .role "router" }}
+{{- $check = dict "httpGet" (dict "path" "/health" "port" "http") }}
+{{- else }}
+{{- $check = dict "grpc" (dict "port" (int (include "pdserve.grpcPort" .))) }}
+{{- end }}
+startupProbe: {{- toYaml (merge (deepCopy .v.probes.startup) $check) | nindent 2 }}
+readinessProbe: {{- toYaml (merge (deepCopy .v.probes.readiness) $check) | nindent 2 }}
+livenessProbe: {{- toYaml (merge (deepCopy .v.probes.liveness) $check) | nindent 2 }}
+{{- end }}
