@@ -99,17 +99,17 @@ class Planner:
         return out
 
     def _act(self, d: Decision, policy, now: float) -> None:
-        where = self.scaler.describe(d.role) if self.scaler else d.role
+        where = f" ({self.scaler.describe(d.role)})" if self.scaler else ""
         if self.config.dry_run:
-            logger.info("[dry-run] would scale %s %d -> %d (%s): %s", d.role, d.current, d.desired, where, d.reason)
+            logger.info("[dry-run] would scale %s %d -> %d%s: %s", d.role, d.current, d.desired, where, d.reason)
         else:
             try:
                 self.scaler.set_replicas(d.role, d.desired)
             except Exception as e:  # noqa: BLE001
-                logger.error("scaling %s %d -> %d (%s) failed: %s", d.role, d.current, d.desired, where, e)
+                logger.error("scaling %s %d -> %d%s failed: %s", d.role, d.current, d.desired, where, e)
                 self.metrics.errors.labels("kubernetes").inc()
                 return
-            logger.info("scaled %s %d -> %d (%s): %s", d.role, d.current, d.desired, where, d.reason)
+            logger.info("scaled %s %d -> %d%s: %s", d.role, d.current, d.desired, where, d.reason)
         policy.changed(now)
         self.decisions.append(d)
 

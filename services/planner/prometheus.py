@@ -22,27 +22,33 @@ class PrometheusSource:
         self.selector = selector.strip().strip("{}").strip().rstrip(",")
         self.timeout_s = timeout_s
 
-    def _sel(self, role: str) -> str:
-        return "{" + ",".join(x for x in (f'role="{role}"', self.selector) if x) + "}"
+    def _series(self, role: str, name: str) -> str:
+        # `pdserve:x` or `pdserve_x`: an OpenMetrics scrape of prometheus_client (>= 0.22) escapes the
+        # colon of the services' metric names to an underscore; a text-format scrape keeps it.
+        matchers = [f'__name__=~"pdserve[:_]{name}"', f'role="{role}"', self.selector]
+        return "{" + ",".join(m for m in matchers if m) + "}"
 
     def queries(self, role: str) -> dict[str, str]:
-        s, w = self._sel(role), self.window
+        w = self.window
+
+        def m(name: str) -> str:
+            return self._series(role, name)
 
         def p90(hist: str) -> str:
-            return f"histogram_quantile(0.9, sum by (le) (rate(pdserve:{hist}_bucket{s}[{w}])))"
+            return f"histogram_quantile(0.9, sum by (le) (rate({m(hist + '_bucket')}[{w}])))"
 
-        q = {"pods": f"count(pdserve:num_requests_running{s})",
-             "running": f"sum(avg_over_time(pdserve:num_requests_running{s}[{w}]))",
-             "waiting": f"sum(avg_over_time(pdserve:num_requests_waiting{s}[{w}]))",
-             "kv_cache_usage": f"avg(avg_over_time(pdserve:kv_cache_usage_perc{s}[{w}]))"}
+        q = {"pods": f"count({m('num_requests_running')})",
+             "running": f"sum(avg_over_time({m('num_requests_running')}[{w}]))",
+             "waiting": f"sum(avg_over_time({m('num_requests_waiting')}[{w}]))",
+             "kv_cache_usage": f"avg(avg_over_time({m('kv_cache_usage_perc')}[{w}]))"}
         if role == "prefill":
             # processed + the queue's growth: the demand even when prefill is saturated
-            q["prompt_tokens_per_s"] = (f"clamp_min(sum(rate(pdserve:prompt_tokens_total{s}[{w}])) + "
-                                        f"(sum(deriv(pdserve:outstanding_tokens{s}[{w}])) or vector(0)), 0)")
+            q["prompt_tokens_per_s"] = (f"clamp_min(sum(rate({m('prompt_tokens_total')}[{w}])) + "
+                                        f"(sum(deriv({m('outstanding_tokens')}[{w}])) or vector(0)), 0)")
             q["ttft_p90_s"] = p90("time_to_first_token_seconds")
         else:
             # one ITL observation per streamed token: the generated tokens/s, counted as they go
-            q["generation_tokens_per_s"] = f"sum(rate(pdserve:inter_token_latency_seconds_count{s}[{w}]))"
+            q["generation_tokens_per_s"] = f"sum(rate({m('inter_token_latency_seconds_count')}[{w}]))"
             q["itl_p90_s"] = p90("inter_token_latency_seconds")
         return q
 

@@ -38,12 +38,13 @@ def parse_metrics(text: str) -> Sample:
     sample = Sample()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in _GAUGES or s.name in _COUNTERS:
-                key = _GAUGES.get(s.name) or _COUNTERS[s.name]
+            name = s.name.replace("pdserve_", "pdserve:", 1)  # as an OpenMetrics exposition escapes it
+            if name in _GAUGES or name in _COUNTERS:
+                key = _GAUGES.get(name) or _COUNTERS[name]
                 sample.values[key] = sample.values.get(key, 0.0) + s.value
-            elif s.name in _HISTOGRAMS:
+            elif name in _HISTOGRAMS:
                 le = float(s.labels["le"])
-                b = sample.buckets.setdefault(_HISTOGRAMS[s.name], {})
+                b = sample.buckets.setdefault(_HISTOGRAMS[name], {})
                 b[le] = b.get(le, 0.0) + s.value
     return sample
 

@@ -2,7 +2,9 @@
 export, counters become rates and histograms quantiles as PromQL would compute them."""
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from services.metrics import ServiceMetrics
 from services.planner.scrape import ScrapeSource, histogram_quantile, parse_metrics
@@ -19,16 +21,18 @@ def test_histogram_quantile_interpolates_like_promql():
 class Engine:
     """The services' real metrics registry over a fake engine core's stats."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, openmetrics: bool) -> None:
         self.stats = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "outstanding_tokens": 0}
         self.metrics = ServiceMetrics(lambda: self.stats, "m", role, f"{role}-0")
+        self.openmetrics = openmetrics
 
-    def text(self) -> str:
-        return generate_latest(self.metrics.registry).decode()
+    def text(self) -> str:  # OpenMetrics (what Prometheus asks for) escapes `pdserve:` to `pdserve_`
+        return (generate_openmetrics if self.openmetrics else generate_latest)(self.metrics.registry).decode()
 
 
-def test_scrape_source_reads_the_services_metrics():
-    prefill, decode = Engine("prefill"), Engine("decode")
+@pytest.mark.parametrize("openmetrics", [False, True], ids=["text", "openmetrics"])
+def test_scrape_source_reads_the_services_metrics(openmetrics):
+    prefill, decode = Engine("prefill", openmetrics), Engine("decode", openmetrics)
     clock = [0.0]
     source = ScrapeSource(lambda role: [role], window_s=60, clock=lambda: clock[0])
     source.scrape = lambda target: parse_metrics({"prefill": prefill, "decode": decode}[target].text())
