@@ -38,7 +38,7 @@ def _pattern(caches: list[torch.Tensor]) -> None:
 def _prefill_child(conn, transport: str, num_blocks: int) -> None:
     connector = create_connector(transport, "prefill", KVLayout(**LAYOUT), secret=SECRET, engine_id="bench-prefill")
     _pattern(connector.worker.allocate_kv_caches(num_blocks))
-    conn.send(connector.endpoint)
+    conn.send("ready")
     while True:
         msg = conn.recv()
         if msg is None:
@@ -49,56 +49,67 @@ def _prefill_child(conn, transport: str, num_blocks: int) -> None:
     connector.close()
 
 
-def _pull(decode, handle: KVHandle, local_ids: list[int]) -> float:
-    """Start to finish of one pull (control round trips and the lease release included)."""
-    start = time.perf_counter()
-    decode.start_pull(handle.request_id, handle, local_ids).result(timeout=120)
-    elapsed = time.perf_counter() - start
-    decode.get_finished()
-    return elapsed
+def _decode_child(conn, transport: str, num_blocks: int) -> None:
+    """The decode engine's side, in its own process: no transport shares a GIL with another."""
+    decode = create_connector(transport, "decode", KVLayout(**LAYOUT), secret=SECRET, engine_id="bench-decode",
+                              timeout_s=120)
+    caches = decode.worker.allocate_kv_caches(num_blocks)
+    for cache in caches:
+        cache.fill_(0)  # touch the pages once, as a running engine would have
+    conn.send("ready")
+    checked = False
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        handle, local = KVHandle.from_bytes(msg[0]), msg[1]
+        # Start to finish of one pull: control round trips and the lease release included.
+        start = time.perf_counter()
+        decode.start_pull(handle.request_id, handle, local).result(timeout=120)
+        elapsed = time.perf_counter() - start
+        decode.get_finished()
+        if not checked:
+            _check(caches, local, list(handle.block_ids))
+            checked = True
+        conn.send(elapsed)
+    decode.close()
 
 
 class Session:
-    """One transport: a prefill process and a decode connector here, kept up across rounds."""
+    """One transport: a prefill process and a decode process, kept up across rounds."""
 
     def __init__(self, transport: str):
         self.layout = KVLayout(**LAYOUT)
         self.n = TOTAL_BYTES // self.layout.block_bytes
         self.pool = self.n + 32
         ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_child, args=(child, transport, self.pool), daemon=True)
-        self.proc.start()
-        self.conn.recv()  # the prefill is serving
-        self.decode = create_connector(transport, "decode", self.layout, secret=SECRET,
-                                       engine_id="bench-decode", timeout_s=120)
-        self.caches = self.decode.worker.allocate_kv_caches(self.pool)
-        for cache in self.caches:
-            cache.fill_(0)  # touch the pages once, as a running engine would have
+        self.procs, self.pipes = [], []
+        for target in (_prefill_child, _decode_child):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(child, transport, self.pool), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+            self.pipes.append(parent)
+        self.prefill, self.decode = self.pipes
+        self.prefill.recv()
+        self.decode.recv()  # both sides are up
         self.rng = random.Random(0)
         self.count = 0
-        remote, local = self._ids(self.n)
-        _pull(self.decode, self._publish(remote), local)  # warm-up: connection setup, staging buffers
-        _check(self.caches, local, remote)
-
-    def _ids(self, n: int) -> tuple[list[int], list[int]]:
-        return self.rng.sample(range(self.pool), n), self.rng.sample(range(self.pool), n)
-
-    def _publish(self, ids: list[int]) -> KVHandle:
-        self.count += 1
-        self.conn.send((f"req{self.count}", ids))
-        return KVHandle.from_bytes(self.conn.recv())
+        self.pull(self.n)  # warm-up (connection setup, staging buffers) and a check of the bytes
 
     def pull(self, n: int) -> float:
-        remote, local = self._ids(n)
-        return _pull(self.decode, self._publish(remote), local)
+        remote, local = self.rng.sample(range(self.pool), n), self.rng.sample(range(self.pool), n)
+        self.count += 1
+        self.prefill.send((f"req{self.count}", remote))
+        self.decode.send((self.prefill.recv(), local))
+        return self.decode.recv()
 
     def close(self) -> None:
-        self.decode.close()
-        self.conn.send(None)
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        for pipe, proc in zip(self.pipes[::-1], self.procs[::-1]):
+            pipe.send(None)
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _check(caches: list[torch.Tensor], local: list[int], remote: list[int]) -> None:

@@ -19,7 +19,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.staging import DEFAULT_CHUNK_BYTES, Staging, as_bytes, block_views, cache_views
 
 IOV_MAX = 1024
-BATCH_BYTES = 1 << 20  # iovecs handed to one sendmsg/recvmsg_into call
+MIN_BATCH, MAX_BATCH = 256 << 10, 16 << 20  # bytes of iovecs handed to one sendmsg/recvmsg_into
 
 
 def _done() -> None:
@@ -46,22 +46,27 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def _batch(views: list[memoryview], i: int) -> list[memoryview]:
-    """The next views worth about one socket buffer: more would be re-imported by the kernel
-    (and re-exported by Python) on every partial send or receive, for nothing."""
+def _batch(views: list[memoryview], i: int, nbytes: int) -> list[memoryview]:
+    """The next views worth about `nbytes`: Python re-exports (and the kernel re-imports) every
+    view on each call, so a call is offered about what the socket moved last time, not more."""
     j, size = i, 0
-    while j < len(views) and j - i < IOV_MAX and size < BATCH_BYTES:
+    while j < len(views) and j - i < IOV_MAX and size < nbytes:
         size += len(views[j])
         j += 1
     return views[i:j]
 
 
+def _next_batch(moved: int) -> int:
+    return min(max(2 * moved, MIN_BATCH), MAX_BATCH)
+
+
 def send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-    i = 0
+    i, want = 0, MIN_BATCH
     try:
         while i < len(views):
             _set_deadline(sock, deadline)
-            i = _advance(views, i, sock.sendmsg(_batch(views, i)))
+            n = sock.sendmsg(_batch(views, i, want))
+            i, want = _advance(views, i, n), _next_batch(n)
     except socket.timeout:
         raise TransferTimeout("timed out sending KV blocks") from None
     except OSError as e:
@@ -69,15 +74,15 @@ def send_views(sock: socket.socket, views: list[memoryview], deadline: float) ->
 
 
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-    i, total = 0, 0
+    i, total, want = 0, 0, MIN_BATCH
     try:
         while i < len(views):
             _set_deadline(sock, deadline)
-            n = sock.recvmsg_into(_batch(views, i))[0]
+            n = sock.recvmsg_into(_batch(views, i, want))[0]
             if n == 0:
                 raise PeerLost(f"stream truncated: peer closed after {total} bytes")
             total += n
-            i = _advance(views, i, n)
+            i, want = _advance(views, i, n), _next_batch(n)
     except socket.timeout:
         raise TransferTimeout(f"timed out receiving KV blocks after {total} bytes") from None
     except ConnectionError as e:

@@ -51,9 +51,9 @@ class UcxWorker:
             return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, addr, False)
 
     def start(self, ep: Any, buf: torch.Tensor, tag: int, send: bool, sock: socket.socket,
-              deadline: float) -> Callable[[], None]:
-        """Post a send or receive of one buffer; returns the wait for it. The wait watches the
-        control socket too, so a dead peer fails fast even without UCX error handling."""
+              deadline: float) -> tuple[Any, Callable[[], None]]:
+        """Post a send or receive of one buffer; returns the request and the wait for it. The
+        wait watches the control socket too, so a dead peer fails fast without UCX error handling."""
         if send and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the gather must land before UCX reads
         flat = buf.reshape(-1).view(torch.uint8)  # the memory stays alive in the Staging buffers
@@ -71,7 +71,7 @@ class UcxWorker:
                     raise PeerLost("peer closed the control connection during a UCX transfer")
             req.check_error()
 
-        return wait
+        return req, wait
 
     def close(self) -> None:
         self.worker.stop_progress_thread()
@@ -79,7 +79,15 @@ class UcxWorker:
 
 class _Peer:
     def __init__(self, ep: Any, staging: Staging):
-        self.ep, self.staging, self.broken = ep, staging, False
+        self.ep, self.staging = ep, staging
+        self.requests: list[Any] = []  # posted on this endpoint and maybe not completed
+
+    def track(self, req: Any) -> None:
+        self.requests = [r for r in self.requests if not r.completed] + [req]
+
+    @property
+    def idle(self) -> bool:
+        return all(r.completed for r in self.requests)
 
 
 def _tag(transfer_id: int, chunk: int) -> int:
@@ -87,29 +95,26 @@ def _tag(transfer_id: int, chunk: int) -> int:
 
 
 class _UcxSide:
-    """What both ends share: the worker, peers, and retiring endpoints safely."""
+    """What both ends share: the worker, and retiring endpoints safely."""
 
     def __init__(self, layout: KVLayout, chunk_bytes: int):
         self.ucx = UcxWorker(layout.device)
         self.chunk_bytes = chunk_bytes
-        # A receive that timed out may still be posted into its staging buffer; both stay
-        # referenced until the worker is gone so that UCX never writes into freed memory.
+        # Closing an endpoint cancels what was posted on it, but until those requests have
+        # completed UCX may still touch their staging buffers: keep such peers referenced.
         self.retired: list[_Peer] = []
 
-    def run(self, peer: _Peer, fn: Any) -> None:
-        try:
-            fn()
-        except BaseException:
-            peer.broken = True
-            raise
+    def start(self, peer: _Peer, buf: torch.Tensor, tag: int, send: bool, sock: socket.socket,
+              deadline: float) -> Callable[[], None]:
+        req, wait = self.ucx.start(peer.ep, buf, tag, send, sock, deadline)
+        peer.track(req)
+        return wait
 
     def close_peer(self, peer: _Peer | None) -> None:
-        if peer is None:
-            return
-        if peer.broken:
-            self.retired.append(peer)
-        else:
+        if peer is not None:
             peer.ep.close()
+            self.retired.append(peer)
+        self.retired = [p for p in self.retired if not p.idle]
 
     def close(self) -> None:
         self.ucx.close()
@@ -134,9 +139,9 @@ class UcxPrefillTransport(PrefillTransport):
         chunks = iter(range(1 << 12))
 
         def start(buf: torch.Tensor) -> Callable[[], None]:
-            return self.side.ucx.start(peer.ep, buf, _tag(transfer_id, next(chunks)), True, sock, deadline)
+            return self.side.start(peer, buf, _tag(transfer_id, next(chunks)), True, sock, deadline)
 
-        self.side.run(peer, lambda: peer.staging.send(self.kernels, self.kv_caches, block_ids, start))
+        peer.staging.send(self.kernels, self.kv_caches, block_ids, start)
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)
@@ -164,9 +169,9 @@ class UcxDecodeTransport(DecodeTransport):
         chunks = iter(range(1 << 12))
 
         def start(buf: torch.Tensor) -> Callable[[], None]:
-            return self.side.ucx.start(peer.ep, buf, _tag(transfer_id, next(chunks)), False, sock, deadline)
+            return self.side.start(peer, buf, _tag(transfer_id, next(chunks)), False, sock, deadline)
 
-        self.side.run(peer, lambda: peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, start))
+        peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, start)
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)
