@@ -9,6 +9,7 @@ import signal
 
 from services.common.flags import add
 from services.router.config import RouterConfig, parse_addresses
+from services.router.discovery import pod_namespace
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "PDSERVE_ROUTER_"
@@ -30,9 +31,27 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--port", "HTTP port (0: any free port)", default=8000, type=int)
     _flag(p, "--grpc-port", "gRPC Generate port (0: any free port; -1: no gRPC front)", default=50050,
           type=int)
-    _flag(p, "--prefill", "prefill instances, host:port[,host:port...]", default="")
-    _flag(p, "--decode", "decode instances, host:port[,...]; with no --prefill they are colocated "
-          "instances that compute prompts themselves", default="")
+    _flag(p, "--prefill", "prefill instances, host:port[,host:port...] (static discovery)", default="")
+    _flag(p, "--decode", "decode instances, host:port[,...] (static discovery); with no --prefill they are "
+          "colocated instances that compute prompts themselves", default="")
+    _flag(p, "--discovery", "where the instances come from: the --prefill/--decode lists (static), the DNS "
+          "records of headless Services (dns), or their EndpointSlices through the Kubernetes API "
+          "(kubernetes: follows pods as they come and go; needs get/list/watch on endpointslices)",
+          default="static", choices=["static", "dns", "kubernetes"])
+    _flag(p, "--prefill-service", "dns/kubernetes: the prefill pods' headless Service, NAME[:PORT] "
+          "(PORT overrides --service-port); none: colocated mode", default="")
+    _flag(p, "--decode-service", "dns/kubernetes: the decode (or colocated) pods' headless Service, NAME[:PORT]",
+          default="")
+    _flag(p, "--discovery-namespace", "dns/kubernetes: the Services' namespace (default: the pod's own; "
+          "else kubernetes uses 'default' and dns the resolver's search path)")
+    _flag(p, "--service-port", "dns/kubernetes: the instances' gRPC port, a number or (kubernetes) the "
+          "port's name in the EndpointSlices", default="grpc")
+    _flag(p, "--discovery-interval", "dns: seconds between resolutions of the Services' names",
+          default=5.0, type=float)
+    _flag(p, "--kubeconfig", "kubernetes: a kubeconfig file to use outside a pod (default: the pod's "
+          "service account, else ~/.kube/config)")
+    _flag(p, "--kube-api-url", "kubernetes: an API server URL to talk to without credentials "
+          "(kubectl proxy, tests)")
     _flag(p, "--policy", "routing policy", default="round_robin", choices=["round_robin", "least_load"])
     _flag(p, "--api-key", "require 'Authorization: Bearer KEY' on /v1/* and on gRPC Generate "
           "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
@@ -61,7 +80,10 @@ def config_from_args(args) -> RouterConfig:
         max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
         prefill_timeout_s=args.prefill_timeout, max_attempts=args.max_attempts,
         health_check_interval_s=args.health_check_interval, load_poll_interval_s=args.load_poll_interval,
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout, discovery=args.discovery, prefill_service=args.prefill_service,
+        decode_service=args.decode_service, namespace=args.discovery_namespace or pod_namespace(),
+        service_port=args.service_port, discovery_interval_s=args.discovery_interval,
+        kubeconfig=args.kubeconfig, kube_api_url=args.kube_api_url)
 
 
 async def serve(config: RouterConfig) -> int:

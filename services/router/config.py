@@ -21,12 +21,21 @@ def parse_addresses(value: str | list | tuple | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def parse_service(value: str, default_port: str) -> tuple[str, str]:
+    """'name[:port]' -> (name, port); the port is a number or a port name, default `default_port`."""
+    name, sep, port = value.strip().partition(":")
+    port = port if sep else default_port
+    if not name or not port or (port.isdigit() and not 0 < int(port) < 65536):
+        raise ValueError(f"a discovered Service must be name[:port], got {value!r}")
+    return name, port
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # checkpoint directory: the tokenizer, chat template and config.json come from it
     served_model_name: str
-    decode: tuple[str, ...]
-    prefill: tuple[str, ...] = ()  # empty: colocated mode (decode instances compute prompts)
+    decode: tuple[str, ...] = ()  # static discovery
+    prefill: tuple[str, ...] = ()  # empty (and no prefill_service): colocated mode
     host: str = "0.0.0.0"
     port: int = 8000
     grpc_port: int = 50050  # < 0: no gRPC front
@@ -39,10 +48,17 @@ class RouterConfig:
     health_check_interval_s: float = 2.0
     load_poll_interval_s: float = 0.5
     drain_timeout_s: float = 30.0
+    discovery: str = "static"  # static (the flags above) | dns | kubernetes (the Services below)
+    prefill_service: str = ""  # name[:port]; empty: colocated mode
+    decode_service: str = ""
+    namespace: str | None = None  # None: not known (kubernetes: "default"; dns: the resolver's search path)
+    service_port: str = "grpc"  # a port number, or (kubernetes) the port's name in the EndpointSlices
+    discovery_interval_s: float = 5.0  # dns: seconds between resolutions
+    kubeconfig: str | None = None  # kubernetes: None = in-cluster config, else ~/.kube/config
+    kube_api_url: str | None = None  # kubernetes: an unauthenticated API server (kubectl proxy, tests)
 
     def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("at least one --decode instance is needed (decode-only = colocated mode)")
+        self._check_discovery()
         if self.policy not in ("round_robin", "least_load"):
             raise ValueError(f"unknown routing policy {self.policy!r}; choose round_robin or least_load")
         if self.max_attempts < 1:
@@ -52,6 +68,36 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
+    def _check_discovery(self) -> None:
+        if self.discovery == "static":
+            if self.prefill_service or self.decode_service:
+                raise ValueError("--prefill-service/--decode-service need --discovery dns or kubernetes")
+            if not self.decode:
+                raise ValueError("at least one --decode instance is needed (decode-only = colocated mode)")
+            return
+        if self.discovery not in ("dns", "kubernetes"):
+            raise ValueError(f"unknown discovery {self.discovery!r}; choose static, dns or kubernetes")
+        if self.prefill or self.decode:
+            raise ValueError(f"--prefill/--decode list static instances; with --discovery {self.discovery} "
+                             "give --prefill-service/--decode-service")
+        if not self.decode_service:
+            raise ValueError(f"--discovery {self.discovery} needs --decode-service (with no "
+                             "--prefill-service its instances are colocated ones)")
+        if self.discovery_interval_s <= 0:
+            raise ValueError("discovery_interval_s must be > 0")
+        for role, (name, port) in self.services.items():
+            if self.discovery == "dns" and not port.isdigit():
+                raise ValueError(f"--discovery dns needs a port number for the {role} Service (DNS A/AAAA "
+                                 f"records carry none): --service-port N or --{role}-service {name}:N")
+            if self.discovery == "kubernetes" and "." in name:
+                raise ValueError(f"--{role}-service must be a Service name in --discovery-namespace, got {name!r}")
+
     @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill)
+        return bool(self.prefill or self.prefill_service)
+
+    @property
+    def services(self) -> dict[str, tuple[str, str]]:
+        """role -> (Service name, port number or name), for the roles found by discovery."""
+        named = {"prefill": self.prefill_service, "decode": self.decode_service}
+        return {role: parse_service(value, self.service_port) for role, value in named.items() if value}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Callable
 
@@ -31,6 +32,7 @@ class Instance:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
         self.checked = False
+        self.draining = False  # discovery removed it: no new requests, in-flight ones finish
         self.reason = "not checked yet"  # why it is unhealthy
         self.load: pb.LoadReport | None = None
         # Tokens routed here since the last load report: keeps least-load honest between polls.
@@ -49,6 +51,8 @@ class Instance:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             return False, f"{e.code().name}: {e.details()}"
+        except grpc.aio.UsageError as e:  # the channel closed under the check: it is draining
+            return False, str(e)
         if resp.status != health_pb2.HealthCheckResponse.SERVING:
             return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         return True, ""
@@ -59,7 +63,8 @@ class Instance:
 
 
 class InstancePool:
-    """Static discovery (flags) plus active health checks and, when asked, load polling.
+    """The instances (static from flags, or kept current by discovery through `update`) plus
+    active health checks and, when asked, load polling.
 
     A request that finds an instance unreachable marks it unhealthy at once (passive check);
     the next active check brings it back.
@@ -67,7 +72,8 @@ class InstancePool:
 
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], metrics, *,
                  health_interval_s: float, load_interval_s: float | None,
-                 on_load: Callable[[pb.LoadReport], None] | None = None) -> None:
+                 on_load: Callable[[pb.LoadReport], None] | None = None,
+                 drain_grace_s: float = 600.0, sources: dict[str, str] | None = None) -> None:
         self._addresses = {"prefill": prefill, "decode": decode}
         self._instances: dict[str, list[Instance]] = {"prefill": [], "decode": []}
         self._metrics = metrics
@@ -75,6 +81,11 @@ class InstancePool:
         self._load_interval_s = load_interval_s  # None: one report per instance when it turns healthy
         self._on_load = on_load
         self._tasks: list[asyncio.Task] = []
+        # Instances discovery removed: their channels close once in-flight calls end (or the grace).
+        self._drain_grace_s = drain_grace_s
+        self._draining: dict[Instance, asyncio.Task] = {}
+        self._checks: set[asyncio.Task] = set()
+        self._sources = sources or {}  # role -> where its instances come from, for messages
 
     def instances(self, role: str) -> list[Instance]:
         return self._instances[role]
@@ -84,7 +95,8 @@ class InstancePool:
 
     def unavailable_reason(self, role: str) -> str:
         states = "; ".join(f"{i.address}: {i.reason}" for i in self._instances[role])
-        return f"no healthy {role} instance ({states or 'none configured'})"
+        none = f"none found in {self._sources[role]}" if role in self._sources else "none configured"
+        return f"no healthy {role} instance ({states or none})"
 
     async def start(self) -> None:
         for role, addresses in self._addresses.items():
@@ -94,10 +106,32 @@ class InstancePool:
         if self._load_interval_s is not None:
             self._tasks.append(asyncio.create_task(self._poll(self.poll_loads, self._load_interval_s)))
 
+    def update(self, role: str, addresses: tuple[str, ...]) -> None:
+        """Discovery's new view of a role: new addresses join (checked at once), instances that are
+        gone stop receiving requests and drain: their in-flight calls finish, then the channel closes."""
+        current = {i.address: i for i in self._instances[role]}
+        added = [Instance(a, role) for a in addresses if a not in current]
+        for inst in (i for a, i in current.items() if a not in addresses):
+            inst.draining = True
+            with contextlib.suppress(KeyError):  # no series if it was never checked
+                self._metrics.instance_healthy.remove(role, inst.address)
+            logger.info("%s instance %s removed by discovery; draining its in-flight requests", role, inst.address)
+            self._draining[inst] = task = asyncio.create_task(inst.channel.close(self._drain_grace_s))
+            task.add_done_callback(lambda _, inst=inst: self._draining.pop(inst, None))
+        self._instances[role] = [i for i in self._instances[role] if not i.draining] + added
+        for inst in added:
+            logger.info("%s instance %s added by discovery", role, inst.address)
+        if added:  # checked now, not at the next interval: a new pod serves as soon as it can
+            task = asyncio.create_task(self._check(added))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
     async def close(self) -> None:
-        for task in self._tasks:
+        # The router has drained its requests by now: what still drains has nothing left to wait for.
+        background = self._tasks + list(self._checks) + list(self._draining.values())
+        for task in background:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         self._tasks.clear()
         for role in ROLES:
             await asyncio.gather(*(i.channel.close() for i in self._instances[role]))
@@ -111,9 +145,13 @@ class InstancePool:
                 logger.exception("instance poll failed")
 
     async def check_all(self) -> None:
-        everyone = self._instances["prefill"] + self._instances["decode"]
-        results = await asyncio.gather(*(i.check_health(CHECK_TIMEOUT_S) for i in everyone))
-        for inst, (ok, reason) in zip(everyone, results):
+        await self._check(self._instances["prefill"] + self._instances["decode"])
+
+    async def _check(self, instances: list[Instance]) -> None:
+        results = await asyncio.gather(*(i.check_health(CHECK_TIMEOUT_S) for i in instances))
+        for inst, (ok, reason) in zip(instances, results):
+            if inst.draining:
+                continue  # removed while it was being checked
             was = inst.healthy
             self._set_health(inst, ok, reason)
             if ok and not was and self._load_interval_s is None:
@@ -123,6 +161,8 @@ class InstancePool:
         self._set_health(inst, False, reason)
 
     def _set_health(self, inst: Instance, ok: bool, reason: str) -> None:
+        if inst.draining:
+            return  # gone from the pool (a late passive check): no log line, no metric
         if ok != inst.healthy or not inst.checked:
             if ok:
                 logger.info("%s instance %s is healthy", inst.role, inst.address)

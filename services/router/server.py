@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
+from services.router.discovery import make_discovery
 from services.router.dispatcher import Dispatcher
 from services.router.generation import TextGenerator
 from services.router.grpc_front import GenerateService
@@ -38,11 +39,13 @@ class Router:
         self.model = ServedModel(resolve_model_path(config.model), config.served_model_name,
                                  config.max_model_len, tokenizer)
         self.policy = make_policy(config.policy)
+        self.discovery = make_discovery(config)  # None: the static --prefill/--decode lists
+        sources = {r: self.discovery.describe(r) for r in self.discovery.services} if self.discovery else None
         self.pool = InstancePool(
             config.prefill, config.decode, self.metrics,
             health_interval_s=config.health_check_interval_s,
             load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports else None,
-            on_load=self.model.on_load_report)
+            on_load=self.model.on_load_report, drain_grace_s=config.request_timeout_s, sources=sources)
         self.dispatcher = Dispatcher(
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
@@ -58,6 +61,8 @@ class Router:
     async def start(self) -> None:
         c = self.config
         await self.pool.start()
+        if self.discovery is not None:
+            await self.discovery.start(self.pool.update)
         self._runner = web.AppRunner(HttpGateway(self).make_app(), handler_cancellation=True,
                                      shutdown_timeout=c.drain_timeout_s, access_log=None)
         await self._runner.setup()
@@ -67,8 +72,10 @@ class Router:
         if c.grpc_port >= 0:
             await self._start_grpc()
         mode = "disaggregated" if c.disaggregated else "colocated"
-        logger.info("router serving %s (%s, %s policy; prefill=[%s] decode=[%s]) on http://%s:%d%s",
-                    self.model.name, mode, self.policy.name, ",".join(c.prefill), ",".join(c.decode),
+        found = {r: ",".join(self.discovery.views.get(r, ()) if self.discovery else getattr(c, r))
+                 for r in ("prefill", "decode")}
+        logger.info("router serving %s (%s, %s policy, %s discovery; prefill=[%s] decode=[%s]) on http://%s:%d%s",
+                    self.model.name, mode, self.policy.name, c.discovery, found["prefill"], found["decode"],
                     c.host, self.http_port, f" and gRPC {c.host}:{self.grpc_port}" if self.grpc_port else "")
 
     async def _start_grpc(self) -> None:
@@ -96,5 +103,7 @@ class Router:
             stopping.append(self._runner.cleanup())
         await asyncio.gather(*stopping)
         await self.dispatcher.drain()
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.pool.close()
         logger.info("router stopped")
