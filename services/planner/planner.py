@@ -47,8 +47,9 @@ class PlannerMetrics:
         self.current.labels(d.role).set(d.current)
         self.desired.labels(d.role).set(d.desired)
         self.recommended.labels(d.role).set(d.recommended)
-        for name, value in (("pods", load.pods if load else 0), ("demand_tokens_per_s", demand),
-                            ("latency_p90_seconds", latency), ("kv_cache_usage", load.kv_cache_usage if load else None)):
+        signals = {"pods": load.pods if load else 0, "demand_tokens_per_s": demand, "latency_p90_seconds": latency,
+                   "kv_cache_usage": load.kv_cache_usage if load else None}
+        for name, value in signals.items():
             self.signal.labels(d.role, name).set(float("nan") if value is None else value)
         if d.direction != "hold":
             self.decisions.labels(d.role, d.direction, self.dry_run).inc()

@@ -65,3 +65,6 @@ def test_build_context_generates_the_grpc_code_and_serves_every_role(tmp_path):
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert {"prefill", "decode", "colocated", "router"} <= set(out.stdout.split())
+    planner = subprocess.run([sys.executable, "-m", "services.planner", "--help"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert planner.returncode == 0 and "--prefill-deployment" in planner.stdout, planner.stderr

@@ -144,6 +144,7 @@ def test_hpa_per_role_owns_the_replica_count_and_the_service_monitor_scrapes_eve
     for name, hpa in hpas.items():
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
         assert "replicas" not in deployments[name]["spec"]  # helm upgrade must not undo the HPA
+        assert deployments[name]["metadata"]["labels"]["pdserve.io/scaled-by"] == "hpa"
     assert hpas["pd-pdserve-decode"]["spec"]["minReplicas"] == 2
     metrics = {m["pods"]["metric"]["name"] for m in hpas["pd-pdserve-prefill"]["spec"]["metrics"]}
     assert "pdserve_prompt_tokens_per_second" in metrics
@@ -167,6 +168,8 @@ def test_planner_scales_only_its_deployments_and_the_router_lists_endpointslices
         role = name.rsplit("-", 1)[1]
         assert f"--{role}-deployment={name}" in planner["args"] and f"--{role}-service={name}" in planner["args"]
         assert "replicas" not in deployments[name]["spec"]
+        assert deployments[name]["metadata"]["labels"]["pdserve.io/scaled-by"] == "planner"
+    assert "pdserve.io/scaled-by" not in deployments["pd-pdserve-router"]["metadata"]["labels"]
     assert f"--namespace={NAMESPACE}" in planner["args"] and "--metrics-source=scrape" in planner["args"]
     router = deployments["pd-pdserve-router"]
     assert "--discovery=kubernetes" in container(router)["args"]

@@ -221,7 +221,8 @@ class Simulation:
         if role == "prefill":  # as the metrics show it: tokens processed + the queue's growth
             ttft = sorted(x for _, x in self._since(self.ttft, since))
             queue = [q for _, q in self._since(self.prefill_queue, since)] or [0]
-            rate = (sum(p for _, p in self._since(self.prompt_done, since)) + queue[-1] - queue[0]) / self.config.window_s
+            processed = sum(p for _, p in self._since(self.prompt_done, since))
+            rate = (processed + queue[-1] - queue[0]) / self.config.window_s
             return RoleLoad(pods=pods, prompt_tokens_per_s=rate,
                             ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))] if ttft else None)
         recent = [x[1:] for x in self._since(self.decode_samples, since)]  # gauges: avg_over_time

@@ -145,7 +145,8 @@ def test_planner_cli_discovers_pods_through_endpointslices_and_scales(kube):
         api = k8s.api_client(host=kube.url)
         assert k8s.endpointslice_addresses(api, NS, PREFILL, "metrics") == sorted(
             f"127.0.0.1:{p.port}" for p in pods[:2])
-        listed = [r for r in kube.requests() if r.url.path == f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"]
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
+        listed = [r for r in kube.requests() if r.url.path == path]
         assert listed[-1].params["labelSelector"] == f"kubernetes.io/service-name={PREFILL}"
 
         parser = argparse.ArgumentParser()
@@ -166,3 +167,8 @@ def test_planner_cli_discovers_pods_through_endpointslices_and_scales(kube):
     finally:
         for pod in pods:
             pod.close()
+
+
+def test_dns_discovery_lists_every_address_of_a_name():
+    assert "127.0.0.1:50051" in k8s.dns_addresses("localhost", 50051)
+    assert k8s.dns_addresses("no-such-service.invalid", 50051) == []

@@ -49,13 +49,13 @@ def stack(tiny_llama, tmp_path_factory):
 
 def planner_from_flags(prom_url: str):
     """Capacities far apart from what each phase puts on the other role: 500 prompt tokens/s per
-    prefill replica, 100 generated tokens/s per decode replica; latency targets out of the way
+    prefill replica, 20 generated tokens/s per decode replica; latency targets out of the way
     (this machine's CPU is shared)."""
     parser = argparse.ArgumentParser()
     add_planner_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args([
         "planner", "--dry-run", "--metrics-source", "prometheus", "--prometheus-url", prom_url,
-        "--interval", "1", "--window", "8", "--prefill-capacity", "500", "--decode-capacity", "100",
+        "--interval", "1", "--window", "8", "--prefill-capacity", "500", "--decode-capacity", "20",
         "--prefill-target-ttft", "60", "--decode-target-itl", "10", "--scale-up-cooldown", "0"])
     return build_planner(args)
 
