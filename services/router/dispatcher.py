@@ -202,6 +202,8 @@ class Dispatcher:
             logger.debug("aborted %s on %s (found=%s)", request_id, inst, resp.found)
         except grpc.aio.AioRpcError as e:
             logger.debug("abort of %s on %s failed: %s", request_id, inst, e.code().name)
+        except grpc.aio.UsageError:  # the instance left the pool and its channel is closing
+            logger.debug("abort of %s on %s skipped: channel closed", request_id, inst)
 
     async def drain(self) -> None:
         """Waits for the aborts still on their way."""
