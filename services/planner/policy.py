@@ -123,6 +123,11 @@ class RolePolicy:
         s = self.stability
         if self.started is None:
             self.started = now
+        t = self.targets
+        if not t.min_replicas <= current <= t.max_replicas:  # whatever the metrics say (none, at 0 replicas)
+            n = min(max(current, t.min_replicas), t.max_replicas)
+            return Decision(self.role, current, n, n, f"{current} replicas is outside [{t.min_replicas}, "
+                                                      f"{t.max_replicas}]")
         if load is None:
             return Decision(self.role, current, current, current, "no metrics: holding")
         if load.pods < current:  # replicas still starting
