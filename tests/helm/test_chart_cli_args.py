@@ -1,0 +1,39 @@
+"""Every command line the chart renders is one the pdserve CLIs accept: the router's, the
+engines' and the planner's own parsers and configs take the rendered args as they are."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from chart_tools import by_kind, container, render
+
+
+def parser(*hooks) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve")
+    sub = p.add_subparsers(dest="command", required=True)
+    for hook in hooks:
+        hook(sub)
+    return p
+
+
+@pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only"],
+                         ids=lambda v: v or "defaults")
+def test_rendered_args_parse_with_the_pdserve_clis(value_set):
+    from services.engine_server import add_engine_parsers
+    from services.planner.cli import add_planner_parser, config_from_args as planner_config
+    from services.router.cli import add_router_parser, config_from_args as router_config
+
+    cli = parser(add_engine_parsers, add_router_parser, add_planner_parser)
+    deployments = by_kind(render("3", value_set), "Deployment")
+    for name, deployment in deployments.items():
+        args = cli.parse_args(container(deployment)["args"])
+        role = name.rsplit("-", 1)[1]
+        assert args.command == role
+        if role == "router":
+            config = router_config(args)
+            assert config.disaggregated and config.discovery in ("dns", "kubernetes")
+        elif role == "planner":
+            assert set(planner_config(args).roles) == {"prefill", "decode"}
+        else:
+            assert args.metrics_port and args.kv_transport == ("ucx" if value_set == "gpu-ucx-rdma" else "tcp")
