@@ -11,7 +11,8 @@ STAMP := $(VENV)/.pdserve-installed
 TORCH_SPEC ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router clean
+.PHONY: venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router chart chart-golden image clean
+IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 venv: $(STAMP)
 
@@ -49,6 +50,17 @@ bench-pd: $(STAMP) $(GENERATED)
 
 bench-router: $(STAMP) $(GENERATED)
 	$(VPY) bench/router_bench.py
+
+# The Helm chart: its tests (render + lint with Helm 3 and 4, strict schema validation), then a package.
+chart: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests/helm
+	mkdir -p build/chart && $$($(VPY) helm/fetch_helm.py 3) package helm/pdserve -d build/chart
+
+chart-golden: $(STAMP)
+	PDSERVE_UPDATE_GOLDEN=1 $(VPY) -m pytest -q -p no:cacheprovider tests/helm/test_chart_golden.py
+
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) build .cache
