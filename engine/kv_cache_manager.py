@@ -10,6 +10,9 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: objec
     return hash((parent_hash, token_ids, extra))
 
 
+_NO_BLOCKS: list[int] = []  # shared, never mutated: "nothing new" on the fast path
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -57,7 +60,13 @@ class KVCacheManager:
         """Make room for num_new_tokens past the computed ones; None if blocks run out.
 
         Returns the ids of newly allocated blocks (prefix hits included)."""
-        blocks = self.req_to_blocks.get(request.request_id)
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is not None and not new_computed_blocks:
+            # Fast path (a decode step): room in the last block and no new full block to hash.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size and total // self.block_size <= self.num_cached_blocks[rid]:
+                return _NO_BLOCKS
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
             self.req_to_block_ids[request.request_id] = []

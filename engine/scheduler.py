@@ -41,7 +41,7 @@ class ModelOutput:
     prompt_logprobs: dict[str, list] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -52,6 +52,9 @@ class EngineCoreOutput:
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
     prompt_logprobs: list | None = None  # with the first token, when asked for
     queue_time: float | None = None  # with the first token: seconds from arrival to first scheduled
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.finished)
 
 
 def check_stop(params, num_output_tokens: int, token: int, eos_token_id: int | None,
@@ -156,19 +159,24 @@ class Scheduler:
         preempted_any = False
         scheduled_index: dict[str, int] = {}
 
+        running = self.running
+        allocate = self.kv.allocate_slots
+        scheduled, num_scheduled = out.scheduled, out.num_scheduled_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = len(request.all_token_ids) - request.num_computed_tokens
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
             while True:
-                new_ids = self.kv.allocate_slots(request, n)
+                new_ids = allocate(request, n)
                 if new_ids is not None:
                     break
                 victim = self._pick_victim()
-                self.running.remove(victim)
+                running.remove(victim)
                 if victim.request_id in scheduled_index:
                     budget += self._unschedule(out, scheduled_index, victim)
                 self._preempt(victim)
@@ -179,10 +187,10 @@ class Scheduler:
             if new_ids is None:
                 continue  # `request` itself was preempted; running[i] is now the next one
             if preempted_any:  # a victim before `request` shifts the list
-                i = self.running.index(request)
-            scheduled_index[request.request_id] = len(out.scheduled)
-            out.scheduled.append(request)
-            out.num_scheduled_tokens.append(n)
+                i = running.index(request)
+            scheduled_index[request.request_id] = len(scheduled)
+            scheduled.append(request)
+            num_scheduled.append(n)
             budget -= n
             i += 1
 
@@ -260,23 +268,25 @@ class Scheduler:
         k = 0
         any_finished = False
         prompt_lps = model_output.prompt_logprobs or {}
+        finished_states = _FINISHED
         for request, n in zip(out.scheduled, out.num_scheduled_tokens):
             if request.prompt_logprobs is not None and request.request_id in prompt_lps:
                 request.prompt_logprobs.extend(prompt_lps[request.request_id])
             request.num_computed_tokens += n
-            if request.num_computed_tokens < request.num_tokens:
+            tokens = request.all_token_ids
+            if request.num_computed_tokens < len(tokens):
                 continue  # a prefill chunk: nothing sampled yet
             token = sampled[k]
             lp = logprobs[k] if logprobs is not None else None
             k += 1
-            if request.is_finished():
+            if request.status in finished_states:
                 continue  # aborted while the step ran
-            request.append_token(token)
+            tokens.append(token)
             status = self._check_stop(request, token)
             result = EngineCoreOutput(request.request_id, [token],
                                       new_logprobs=[lp] if lp is not None else None,
                                       num_cached_tokens=request.num_cached_tokens)
-            if request.num_output_tokens == 1:
+            if len(tokens) - request.num_prompt_tokens == 1:
                 result.queue_time = request.queue_time
                 if request.prompt_logprobs is not None:
                     result.prompt_logprobs = request.prompt_logprobs
@@ -292,6 +302,12 @@ class Scheduler:
         return results
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_tokens = len(request.all_token_ids)
+        num_out = num_tokens - request.num_prompt_tokens
+        if (num_out < params.max_tokens and num_tokens < self.max_model_len and token != request.eos_token_id
+                and not params.stop_token_ids):
+            return None  # the common case, decided without the general function
         status, reason = check_stop(request.sampling_params, request.num_output_tokens, token,
                                     request.eos_token_id, request.num_tokens, self.max_model_len)
         if reason is not None:
