@@ -8,8 +8,10 @@ kernel interface and streamed chunk by chunk.
 from __future__ import annotations
 
 import socket
+import struct
 import time
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -19,18 +21,40 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.staging import DEFAULT_CHUNK_BYTES, Staging, as_bytes, block_views, cache_views
 
 IOV_MAX = 1024
-MIN_BATCH, MAX_BATCH = 256 << 10, 16 << 20  # bytes of iovecs handed to one sendmsg/recvmsg_into
+BATCH_BYTES = 4 << 20  # bytes of iovecs handed to one sendmsg / recvmsg_into call
 
 
 def _done() -> None:
     pass
 
 
-def _set_deadline(sock: socket.socket, deadline: float) -> None:
+def _kernel_timeout(sock: socket.socket, deadline: float) -> None:
+    """Bound the next blocking call by the deadline (SO_RCVTIMEO / SO_SNDTIMEO)."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TransferTimeout("transfer deadline passed")
-    sock.settimeout(remaining)
+    timeval = struct.pack("ll", int(remaining), int(remaining % 1 * 1e6) or 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+@contextmanager
+def _blocking(sock: socket.socket, deadline: float) -> Iterator[None]:
+    """The bulk phase runs the socket in blocking mode: one sendmsg then queues a whole batch
+    and one recvmsg_into(MSG_WAITALL) fills one, a few calls per transfer instead of one per
+    wakeup (Python's own timeouts make sockets non-blocking). The kernel enforces the deadline."""
+    previous = sock.gettimeout()
+    sock.settimeout(None)
+    try:
+        _kernel_timeout(sock, deadline)
+        yield
+    except BlockingIOError:  # EAGAIN from SO_*TIMEO with nothing moved
+        raise TransferTimeout("KV transfer passed its deadline") from None
+    finally:
+        zero = struct.pack("ll", 0, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, zero)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, zero)
+        sock.settimeout(previous)
 
 
 def _advance(views: list[memoryview], i: int, n: int) -> int:
@@ -46,45 +70,36 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def _batch(views: list[memoryview], i: int, nbytes: int) -> list[memoryview]:
-    """The next views worth about `nbytes`: Python re-exports (and the kernel re-imports) every
-    view on each call, so a call is offered about what the socket moved last time, not more."""
+def _batch(views: list[memoryview], i: int) -> list[memoryview]:
     j, size = i, 0
-    while j < len(views) and j - i < IOV_MAX and size < nbytes:
+    while j < len(views) and j - i < IOV_MAX and size < BATCH_BYTES:
         size += len(views[j])
         j += 1
     return views[i:j]
 
 
-def _next_batch(moved: int) -> int:
-    return min(max(2 * moved, MIN_BATCH), MAX_BATCH)
-
-
 def send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-    i, want = 0, MIN_BATCH
+    i = 0
     try:
-        while i < len(views):
-            _set_deadline(sock, deadline)
-            n = sock.sendmsg(_batch(views, i, want))
-            i, want = _advance(views, i, n), _next_batch(n)
-    except socket.timeout:
-        raise TransferTimeout("timed out sending KV blocks") from None
+        with _blocking(sock, deadline):
+            while i < len(views):
+                _kernel_timeout(sock, deadline)
+                i = _advance(views, i, sock.sendmsg(_batch(views, i)))
     except OSError as e:
         raise PeerLost(f"connection lost while sending KV blocks: {e}") from None
 
 
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-    i, total, want = 0, 0, MIN_BATCH
+    i, total = 0, 0
     try:
-        while i < len(views):
-            _set_deadline(sock, deadline)
-            n = sock.recvmsg_into(_batch(views, i, want))[0]
-            if n == 0:
-                raise PeerLost(f"stream truncated: peer closed after {total} bytes")
-            total += n
-            i, want = _advance(views, i, n), _next_batch(n)
-    except socket.timeout:
-        raise TransferTimeout(f"timed out receiving KV blocks after {total} bytes") from None
+        with _blocking(sock, deadline):
+            while i < len(views):
+                _kernel_timeout(sock, deadline)
+                n = sock.recvmsg_into(_batch(views, i), 0, socket.MSG_WAITALL)[0]
+                if n == 0:
+                    raise PeerLost(f"stream truncated: peer closed after {total} bytes")
+                total += n
+                i = _advance(views, i, n)
     except ConnectionError as e:
         raise PeerLost(f"connection lost after {total} bytes: {e}") from None
 
