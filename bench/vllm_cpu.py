@@ -116,8 +116,8 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=r["output_len"], min_tokens=r["output_len"],
                              ignore_eos=True) for r in workload]
     t0 = time.perf_counter()
-    # Prefix caching off: every pass repeats the same prompts (pdserve runs the same way).
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, enable_prefix_caching=False)
+    # engine_kwargs carries enable_prefix_caching (off unless --prefix-caching) and any --vllm-arg.
+    llm = LLM(model=spec["model"], dtype="float32", seed=0, **spec["engine_kwargs"])
     load_s = time.perf_counter() - t0
 
     def run_pass():
