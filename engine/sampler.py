@@ -45,6 +45,8 @@ class Sampler:
         """One token per row of logits; `requests` are engine Requests in row order."""
         params = [r.sampling_params for r in requests]
         logits = logits.float()
+        if any(p.min_tokens > r.num_output_tokens for r, p in zip(requests, params)):
+            logits = self._hide_stop_tokens(logits, requests, params)
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy for p in params):
@@ -83,6 +85,19 @@ class Sampler:
                 noise[i].exponential_(generator=self.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if greedy.any() else sampled
+
+    @staticmethod
+    def _hide_stop_tokens(logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
+        """Before min_tokens, EOS and stop token ids cannot be chosen (as vLLM does)."""
+        logits = logits.clone()
+        for i, (r, p) in enumerate(zip(requests, params)):
+            if p.min_tokens > r.num_output_tokens:
+                banned = list(p.stop_token_ids)
+                if r.eos_token_id is not None:
+                    banned.append(r.eos_token_id)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:

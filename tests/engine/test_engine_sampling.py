@@ -100,3 +100,14 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
         assert entry[token] == pytest.approx(float(ref[i, token]), abs=1e-4)
         assert len(entry) >= 2
     llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_min_tokens_hides_eos_until_reached():
+    sampler = Sampler()
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 10.0  # EOS is by far the most likely
+    req = Request("m", [1, 2], SamplingParams(temperature=0, max_tokens=5, min_tokens=2), eos_token_id=3)
+    assert sampler(logits, [req])[0][0] != 3
+    req.append_token(5)
+    req.append_token(6)  # min_tokens reached: EOS is allowed again
+    assert sampler(logits, [req])[0] == [3]
