@@ -191,10 +191,17 @@ def test_failed_pull_recomputes_and_stays_exact(model, prompts, expected):
 
         asyncio.run(main())
         import urllib.request
-        with urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        line = next(x for x in text.splitlines() if x.startswith("pdserve:kv_recomputed_fallbacks_total"))
-        assert float(line.rsplit(" ", 1)[1]) == 2.0
+
+        def fallbacks() -> float:
+            with urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            line = next(x for x in text.splitlines() if x.startswith("pdserve:kv_recomputed_fallbacks_total"))
+            return float(line.rsplit(" ", 1)[1])
+
+        deadline = time.monotonic() + 5  # engine counters reach the metrics within ~50 ms
+        while fallbacks() < 2.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fallbacks() == 2.0
     finally:
         prefill.stop()
         decode.stop()
