@@ -97,8 +97,8 @@ def row(name: str, s: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rates", default="0.15,0.3,0.45", help="request rates (req/s) to sweep")
-    ap.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
+    ap.add_argument("--rates", default="0.1,0.2,0.3", help="request rates (req/s) to sweep")
+    ap.add_argument("--num-prompts", type=int, default=12, help="requests per rate")
     ap.add_argument("--input-len", default="uniform:1024:2048")
     ap.add_argument("--output-len", default="uniform:64:128")
     ap.add_argument("--goodput", nargs="*", default=["ttft:4000", "tpot:100"], help="SLOs (ms)")
@@ -112,7 +112,10 @@ def main(argv=None) -> int:
     model = ensure_model()
     slos = parse_slos(args.goodput)
     rates = [float(r) for r in args.rates.split(",")]
-    workload = synthetic(args.num_prompts, args.input_len, args.output_len, vocab_size=4000, seed=0)
+    # Fresh prompts for every rate (and for the warm-up): no run may hit another's prefix cache.
+    workloads = {rate: synthetic(args.num_prompts, args.input_len, args.output_len, vocab_size=4000, seed=i + 1)
+                 for i, rate in enumerate(rates)}
+    warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
     print(f"model: random Llama {MODEL_SHAPE}, float32; {args.num_prompts} requests per rate, prompts "
           f"{args.input_len}, outputs {args.output_len}; SLOs {' '.join(args.goodput)} (ms)", flush=True)
     results: dict[str, dict[float, dict]] = {}
@@ -126,9 +129,9 @@ def main(argv=None) -> int:
             print(f"{name}: not measured ({type(e).__name__}: {e})", flush=True)
             continue
         try:
-            asyncio.run(run_benchmark(url, None, workload[:2], progress=False))  # warm-up
+            asyncio.run(run_benchmark(url, None, warmup, progress=False))
             for rate in rates:
-                s = asyncio.run(run_benchmark(url, None, workload, rate=rate, slos=slos, seed=1))
+                s = asyncio.run(run_benchmark(url, None, workloads[rate], rate=rate, slos=slos, seed=1))
                 s["label"] = name
                 results.setdefault(name, {})[rate] = s
                 print(f"  {name} @ {rate:g} req/s: " + row(name, s), flush=True)
