@@ -49,9 +49,12 @@ async def stream_completion(session, url, prompt, max_tokens) -> tuple[str, str]
     return "".join(text), whole
 
 
-async def idle(address: str, stub_cls) -> bool:
+async def load(address: str, stub_cls) -> pb.LoadReport:
     async with grpc.aio.insecure_channel(address) as ch:
-        r = await stub_cls(ch).GetLoad(pb.LoadRequest())
+        return await stub_cls(ch).GetLoad(pb.LoadRequest())
+
+
+def idle(r: pb.LoadReport) -> bool:
     return r.num_running == 0 and r.num_waiting == 0 and r.num_pinned_blocks == 0 and r.kv_cache_usage == 0.0
 
 
@@ -62,8 +65,9 @@ def test_http_gateway_disaggregated_token_exact(model, case):
     llm = LLM(model)
     expected = [llm.generate([p], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].outputs[0].text
                 for p, m in requests]
-    services = [Service("prefill", model, "--kv-transport", transport, "--max-num-batched-tokens", "64")
-                for _ in range(n_prefill)]
+    # A short lease: whatever a decode fails to release must still come back (the no-leak guarantee).
+    services = [Service("prefill", model, "--kv-transport", transport, "--max-num-batched-tokens", "64",
+                        "--kv-lease-ttl", "10") for _ in range(n_prefill)]
     services += [Service("decode", model, "--kv-transport", transport) for _ in range(n_decode)]
     port = free_port()
     router = None
@@ -95,9 +99,9 @@ def test_http_gateway_disaggregated_token_exact(model, case):
                 assert streamed == whole == exp
             for s in services:  # no request left, no block pinned or used, on any instance
                 stub = pb_grpc.PrefillStub if s.role == "prefill" else pb_grpc.DecodeStub
-                deadline = time.monotonic() + 10
-                while not await idle(s.address, stub):
-                    assert time.monotonic() < deadline, f"{s.role} {s.address} still holds KV"
+                deadline = time.monotonic() + 20
+                while not idle(report := await load(s.address, stub)):
+                    assert time.monotonic() < deadline, f"{s.role} {s.address} still holds KV: {report}"
                     await asyncio.sleep(0.05)
 
         asyncio.run(main())
