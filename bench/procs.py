@@ -28,13 +28,19 @@ class Proc:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 60) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """SIGTERM (the services drain), then SIGKILL if it has not exited within `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def pdserve_cmd(*args: str) -> list[str]:

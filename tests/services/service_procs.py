@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.procs import stop_process
 
 SECRET = "services-test-secret"
 
@@ -51,14 +52,7 @@ class Service:
         return self
 
     def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def kill(self) -> None:
         self.proc.kill()
