@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from kvtransfer import wire
 from kvtransfer.connector import DecodeTransport, KVConnector, TransferEvents
-from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, PeerLost, ProtocolError, TransferAborted,
-                               TransferTimeout)
+from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, LeaseExpired, PeerLost, ProtocolError,
+                               TransferAborted, TransferTimeout)
 from kvtransfer.handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ class DecodeConnector(KVConnector):
 
     `start_pull` validates what it can locally (tag, layout, block ranges) and raises at once;
     everything else is reported by `get_finished()`. A pull that reports failure has stopped
-    writing into its reserved blocks.
+    writing into its reserved blocks, and its handle is spent: the prefill side is told to
+    free the blocks (best effort; failing that, its lease expires).
     """
     role = "decode"
 
@@ -170,8 +171,6 @@ class DecodeConnector(KVConnector):
                 error = TransferAborted(f"request {pull.request_id!r} aborted during its pull")
             if conn is not None:
                 self._drop(conn)
-            if isinstance(error, TransferAborted):
-                self._abort_remote(pull)
         with self._lock:
             del self._inflight[pull.request_id]
             pull.sock = None
@@ -187,6 +186,10 @@ class DecodeConnector(KVConnector):
         if error is not None:
             log.info("kvtransfer pull of %s failed: %s", pull.request_id, error)
             pull.done.set_exception(error)
+            # Nobody pulls these blocks now (the engine recomputes instead): the prefill side
+            # gets them back at once, not when the lease expires. Best effort, after reporting.
+            if not isinstance(error, (LeaseExpired, AuthError)):
+                self._abort_remote(pull)
         else:
             pull.done.set_result(None)
 
@@ -219,7 +222,7 @@ class DecodeConnector(KVConnector):
     def _abort_remote(self, pull: _Pull) -> None:
         try:
             self._control(pull.handle, wire.Abort(pull.handle.to_bytes()), timeout_s=2.0)
-        except KVTransferError as e:
+        except Exception as e:  # noqa: BLE001 - best effort: the lease expires anyway
             log.debug("abort of %s not delivered: %s", pull.request_id, e)
 
     def _control(self, handle: KVHandle, msg: wire.Message, timeout_s: float | None = None) -> float:

@@ -152,7 +152,9 @@ class PrefillConnector(KVConnector):
         except (KVTransferError, _BrokenConnection) as e:  # the peer went away or broke the protocol
             if not authenticated:
                 self._count("rejected_peers")
-            log.debug("kvtransfer connection closed: %s", e)
+                log.warning("kvtransfer peer refused during the handshake: %s", e)
+            else:
+                log.debug("kvtransfer connection closed: %s", e)
         except Exception:  # noqa: BLE001 - a transport bug must not kill the server, only this connection
             log.exception("kvtransfer connection failed")
         finally:

@@ -10,7 +10,9 @@ import fcntl
 import mmap
 import os
 import socket
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -100,8 +102,21 @@ class ShmPrefillTransport(PrefillTransport):
             self._fd = -1
 
 
+@dataclass(eq=False)
+class _PeerMapping:
+    key: tuple[int, int, int]  # (device, inode, size) of the peer's memfd
+    layers: list[memoryview]
+    num_blocks: int
+    connections: int = 0
+
+
 class ShmDecodeTransport(DecodeTransport):
     name = "shm"
+
+    def __init__(self, layout: KVLayout, kernel_backend: Any = None):
+        super().__init__(layout, kernel_backend)
+        self._peers_lock = threading.Lock()
+        self._peers: dict[tuple[int, int, int], _PeerMapping] = {}
 
     def connect(self, endpoint: str, timeout_s: float) -> socket.socket:
         if not endpoint.startswith("unix:@"):
@@ -120,20 +135,40 @@ class ShmDecodeTransport(DecodeTransport):
         return 1
 
     def open_peer(self, sock: socket.socket, server_info: dict, fds: list[int]) -> Any:
+        """Map the peer's cache read-only, once per peer: every connection to the same prefill
+        (each brings its own fd of the same memfd) shares one mapping, so its pages are faulted
+        in once, by the pulls that read them, not per connection. (MAP_POPULATE of a whole
+        cache would allocate every page of it up front, holding the GIL for seconds.)"""
         try:
             if len(fds) != 1:
                 raise ProtocolError("the shm handshake must pass exactly one memfd")
             num_blocks, size = int(server_info.get("num_blocks", -1)), int(server_info.get("size", -1))
-            if num_blocks <= 0 or size != num_blocks * self.layout.block_bytes or os.fstat(fds[0]).st_size < size:
+            st = os.fstat(fds[0])
+            if num_blocks <= 0 or size != num_blocks * self.layout.block_bytes or st.st_size < size:
                 raise ProtocolError(f"shm peer announced {num_blocks} blocks in {size} bytes: inconsistent")
-            # MAP_POPULATE: map every page now, once per connection, not on each pull's first touch
-            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            key = (st.st_dev, st.st_ino, size)
+            with self._peers_lock:
+                peer = self._peers.get(key)
+                if peer is None:
+                    mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    layer_bytes = size // self.layout.num_layers
+                    view = memoryview(mapping)
+                    peer = self._peers[key] = _PeerMapping(
+                        key, [view[i * layer_bytes:(i + 1) * layer_bytes] for i in range(self.layout.num_layers)],
+                        num_blocks)
+                peer.connections += 1
+                return peer
         finally:
             for fd in fds:
                 os.close(fd)
-        layer_bytes = size // self.layout.num_layers
-        view = memoryview(mapping)
-        return [view[i * layer_bytes:(i + 1) * layer_bytes] for i in range(self.layout.num_layers)], num_blocks
+
+    def close_peer(self, peer: Any) -> None:
+        if peer is None:
+            return
+        with self._peers_lock:
+            peer.connections -= 1
+            if peer.connections == 0 and self._peers.get(peer.key) is peer:
+                del self._peers[peer.key]  # the mapping goes when the last view does
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
@@ -141,8 +176,7 @@ class ShmDecodeTransport(DecodeTransport):
 
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
                     remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
-        remote_flat, remote_blocks = peer
-        if any(not 0 <= b < remote_blocks for b in remote_block_ids):
-            raise BlockRangeError(f"remote block ids outside the peer's {remote_blocks} blocks")
-        copy_blocks(remote_flat, remote_blocks, remote_block_ids, self._flat, self.num_blocks, local_block_ids,
+        if any(not 0 <= b < peer.num_blocks for b in remote_block_ids):
+            raise BlockRangeError(f"remote block ids outside the peer's {peer.num_blocks} blocks")
+        copy_blocks(peer.layers, peer.num_blocks, remote_block_ids, self._flat, self.num_blocks, local_block_ids,
                     self.layout.half_block_bytes, deadline)

@@ -162,10 +162,11 @@ def test_unknown_peers_are_dropped(tcp_prefill, make_decode):
     tcp_prefill.wait_for(LAYOUT, _drained)
 
 
-def test_truncated_stream_is_an_error(make_decode):
+def test_truncated_stream_is_an_error_and_frees_the_blocks(make_decode):
     peer = PrefillPeer("tcp", stall="truncate", truncate_bytes=1000)
     try:
-        peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5, lease_ttl_s=2.0)
+        # A long lease: only the decode side's abort can free the blocks within the wait below.
+        peer.open(LAYOUT, LAYOUTS[LAYOUT], PREFILL_BLOCKS, seed=5, lease_ttl_s=300.0)
         decode, caches = make_decode("tcp", LAYOUT)
         handle = peer.publish(LAYOUT, "cut", [1, 2, 3], 24)
         untouched = blocks_bytes(caches, list(range(10, 50)))
@@ -173,8 +174,9 @@ def test_truncated_stream_is_an_error(make_decode):
         error = wait_events(decode, ["cut"]).failed["cut"]
         assert isinstance(error, PeerLost) and "truncated" in str(error)
         assert blocks_bytes(caches, list(range(10, 50))) == untouched
-        stats = peer.wait_for(LAYOUT, _drained)  # the lease outlives the broken pull, then expires
-        assert stats["failed"] == 1 and stats["expired"] == 1
+        # The failed pull spent the handle: the prefill gets its blocks back now, not at expiry.
+        stats = peer.wait_for(LAYOUT, _drained)
+        assert stats["failed"] == 1 and stats["aborted"] == 1 and stats["expired"] == 0
     finally:
         peer.close()
 

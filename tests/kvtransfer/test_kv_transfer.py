@@ -72,6 +72,12 @@ def test_32_concurrent_pulls_interleave(prefill, make_decode):
     expected = reference_caches(LAYOUTS[layout], PREFILL_BLOCKS, prefill.seeds[layout])
     assert blocks_bytes(caches, local) == blocks_bytes(expected, remote)
     prefill.wait_for(layout, lambda stats, freed: {f["request_id"] for f in freed} >= set(handles))
+    if prefill.transport == "shm":
+        # however many connections the pulls opened, the prefill's cache is mapped here once
+        # (mapping it per connection cost seconds of page faults under the GIL, per connection)
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[0] for line in f if "memfd:pdserve-kv" in line}
+        assert len(mapped) == 1, mapped
 
 
 def test_release_without_pull_and_lease_extension(prefill, make_decode):

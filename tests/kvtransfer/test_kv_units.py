@@ -195,7 +195,8 @@ def test_allowed_peers_and_nothing_to_pull():
         refused = walled.publish("r", [1], 4)
         decode.start_pull("r", refused, [0])
         assert isinstance(wait_events(decode, ["r"]).failed["r"], wire.PeerLost)  # 127.0.0.1 is not allowed
-        assert walled.stats()["rejected_peers"] == 1
+        # the pull, and the abort the decode side sends after it fails, are both turned away
+        assert walled.stats()["rejected_peers"] >= 1 and walled.num_published_blocks == 1
         # every block already cached on the decode side: an empty pull just releases the lease
         cached = prefill.publish("cached", [1, 2], 8)
         decode.start_pull("cached", cached, [], first_block=2).result(timeout=5)

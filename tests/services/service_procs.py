@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -29,9 +30,15 @@ class Service:
         argv = [sys.executable, "-m", "services.cli", role, "--model", model, "--port", str(self.port),
                 "--metrics-port", str(self.metrics_port), "--engine-id", f"{role}-{self.port}", *extra]
         environ = dict(os.environ, PDSERVE_KV_SECRET=secret, **(env or {}))
-        self.proc = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        # A file, not a pipe: nobody reads a pipe while the service runs, and a full one stalls it.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pdserve-{role}-", suffix=".log")
+        self.proc = subprocess.Popen(argv, env=environ, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.address = f"127.0.0.1:{self.port}"
+
+    def output(self, last: int = 60) -> str:
+        """The service's last log lines, for failure messages."""
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-last:])
 
     def serving(self) -> bool:
         with grpc.insecure_channel(self.address) as channel:
@@ -45,7 +52,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while not self.serving():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} exited early:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"{self.role} exited early:\n{self.output()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.role} not SERVING after {timeout}s")
             time.sleep(0.2)

@@ -75,6 +75,9 @@ def test_disaggregated_over_every_transport(model, prompts, expected, transport)
             await wait_for(lambda: _idle(decode.address, pb_grpc.DecodeStub))
 
         asyncio.run(main())
+    except BaseException:
+        print(f"--- prefill log ---\n{prefill.output()}\n--- decode log ---\n{decode.output()}")
+        raise
     finally:
         assert prefill.stop() == 0
         assert decode.stop() == 0
