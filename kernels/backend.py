@@ -51,7 +51,7 @@ def _torch() -> KernelBackend:
         gather_blocks=base.gather_blocks,
         scatter_blocks=base.scatter_blocks,
         rms_norm=base.rms_norm,
-        rotary_embedding=base.rotary_embedding,
+        rotary_embedding=torch_attention.rotary_embedding,
     )
 
 

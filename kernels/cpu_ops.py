@@ -32,7 +32,9 @@ def load():
         from torch.utils import cpp_extension
 
         root = os.environ.get("PDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
-        build = os.path.join(root, "cpu-ext", _cpu_tag())
+        with open(_SRC, "rb") as f:  # keyed by content: an upgrade never meets a stale build (ninja goes by mtime)
+            source = hashlib.sha1(f.read()).hexdigest()[:10]
+        build = os.path.join(root, "cpu-ext", f"{_cpu_tag()}-{source}")
         os.makedirs(build, exist_ok=True)
         return cpp_extension.load(
             name="pdserve_cpu_attention", sources=[_SRC], build_directory=build,

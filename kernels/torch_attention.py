@@ -114,3 +114,15 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tenso
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.rotary_embedding, one C++ pass over q and k (bit-identical in float32)."""
+    ext = cpu_ops.load() if query.device.type == "cpu" else None
+    if ext is None:
+        from kernels import reference
+
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+    q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
+    return q, k

@@ -23,7 +23,7 @@ def test_cpu_extension_builds():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 48])  # unrolled sizes, and a runtime one
 def test_decode_matches_reference(heads, kv_heads, head_dim):
     ctx = [1, 5, 16, 17, 129, 411]
     q, kv, qsl, lens, tables = make_case([1] * len(ctx), ctx, heads, kv_heads, head_dim)
@@ -49,3 +49,45 @@ def test_mixed_decode_and_prefill_batch():
     out = torch.full_like(q, float("nan"))
     torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_scores_spanning_the_float_range():
+    """Peaked softmaxes: most weights underflow to exactly 0 (exp below -87), one dominates."""
+    q, kv, qsl, lens, tables = make_case([1] * 3, [2, 37, 300], 8, 4, head_dim=32)
+    expected = reference.paged_decode_attention(q * 8, kv * 8, lens, tables, 1.0)
+    out = torch_attention.paged_decode_attention(q * 8, kv * 8, lens, tables, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rot_dim", [64, 32])  # full and partial rotation
+def test_rotary_is_bit_identical_to_reference_on_qkv_views(rot_dim):
+    g = torch.Generator().manual_seed(rot_dim)
+    t, heads, kv_heads, d = 37, 8, 2, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # strided views, as in the model
+    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
+    cos_sin = torch.randn(300, rot_dim, generator=g)
+    positions = torch.randint(0, 300, (t,), generator=g)
+    before = qkv.clone()
+    got = torch_attention.rotary_embedding(positions, q, k, cos_sin)
+    expected = reference.rotary_embedding(positions, q, k, cos_sin)
+    for a, b in zip(got, expected):
+        assert a.is_contiguous() and torch.equal(a, b)
+    assert torch.equal(qkv, before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotary_half_precision(dtype):
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(9, 4, 32, generator=g).to(dtype), torch.randn(9, 2, 32, generator=g).to(dtype)
+    positions, cos_sin = torch.arange(9), torch.randn(16, 32, generator=g)
+    for a, b in zip(torch_attention.rotary_embedding(positions, q, k, cos_sin),
+                    reference.rotary_embedding(positions, q, k, cos_sin)):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_rotary_refuses_positions_outside_the_cache():
+    q, k = torch.zeros(2, 4, 32), torch.zeros(2, 2, 32)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        torch_attention.rotary_embedding(torch.tensor([0, 16]), q, k, torch.zeros(16, 32))

@@ -1,10 +1,16 @@
-// Paged decode attention for CPUs: one pass over each sequence's KV blocks, straight from the
-// paged cache (no gather copy), online softmax per block, GQA heads of a KV head together.
+// Paged decode attention for CPUs: reads each sequence's KV blocks in place from the paged
+// cache (no gather copy). Per (sequence, KV head), two passes: the scores of every query head
+// of the GQA group against all of the sequence's K rows, one softmax, then P @ V. Each block's
+// rows are read from memory once and reused from L1 by every head of the group; head_dim is a
+// compile-time constant for the common sizes, so the inner loops are plain unrolled FMAs; exp is
+// a polynomial the compiler vectorises (libm's expf is not, under these flags).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -13,94 +19,128 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6
+// minimax polynomial (Cephes expf), relative error about 2e-7; 0 below the float range.
+#pragma omp declare simd notinbranch
+inline float exp_nonpos(float x) {
+  const float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const float xc = std::max(x, -87.0f);
+  const float n = std::floor(xc * kLog2e + 0.5f);
+  const float r = xc - n * kLn2Hi - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
 template <typename scalar_t, int64_t kD>
 void decode_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
                    const scalar_t* __restrict__ vc, const int32_t* __restrict__ seq_lens,
                    const int32_t* __restrict__ tables, scalar_t* __restrict__ out,
                    int64_t B, int64_t H, int64_t KVH, int64_t D_runtime, int64_t BS, int64_t max_blocks,
                    float scale) {
-  // kD > 0: head_dim known at compile time, so the inner loops unroll and vectorise fully.
   const int64_t D = kD > 0 ? kD : D_runtime;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // elements between consecutive tokens of one block
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(G * D), acc(G * D), scores(G * BS), m(G), l(G);
-    std::vector<float> kbuf(BS * D), vbuf(BS * D);
+    std::vector<float> qv(G * D), acc(G * D), scores(G * std::max<int64_t>(max_len, 1)), inv(G);
+    std::vector<float> buf(kFloat ? 0 : BS * D);  // one block of K or V rows, as float
+    // Rows t of a block: in place for float caches, else converted into buf (stride D).
+    auto rows = [&](const scalar_t* p, int64_t n, int64_t& stride) -> const float* {
+      if constexpr (kFloat) {
+        stride = row;
+        return p;
+      } else {
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(p[t * row + d]);
+        stride = D;
+        return buf.data();
+      }
+    };
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, h = idx % KVH;
       const int64_t len = seq_lens[b];
+      const int32_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* qs = q + (b * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qv[g * D + d] = to_f(qs[d]) * scale;
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int32_t* table = tables + b * max_blocks;
+      // Pass 1: scores[g][t] = q_g . k_t
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t n = std::min(BS, len - start);
-        const int64_t base = (static_cast<int64_t>(table[start / BS]) * BS) * row + h * D;
-        const float* kp;
-        const float* vp;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          kp = kc + base;
-          vp = vc + base;
-        } else {
-          for (int64_t t = 0; t < n; ++t)
-            for (int64_t d = 0; d < D; ++d) {
-              kbuf[t * D + d] = to_f(kc[base + t * row + d]);
-              vbuf[t * D + d] = to_f(vc[base + t * row + d]);
-            }
-          kp = kbuf.data();
-          vp = vbuf.data();
-        }
-        const int64_t stride = std::is_same_v<scalar_t, float> ? row : D;
-        // Scores of every head of the group against the block, K rows read once.
-        for (int64_t t = 0; t < n; ++t) {
-          const float* kt = kp + t * stride;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qv.data() + g * D;
+        int64_t stride;
+        const float* kp = rows(kc + static_cast<int64_t>(table[start / BS]) * BS * row + h * D, n, stride);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict__ qg = qv.data() + g * D;
+          float* __restrict__ sg = scores.data() + g * len + start;
+          for (int64_t t = 0; t < n; ++t) {
+            const float* __restrict__ kt = kp + t * stride;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
-            scores[g * BS + t] = s;
+            sg[t] = s;
           }
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * BS;
-          float block_max = sg[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sg[t]);
-          const float new_m = std::max(m[g], block_max);
-          const float corr = std::exp(m[g] - new_m);
-          float sum = 0.f;
+      }
+      // Softmax of each head's row.
+      for (int64_t g = 0; g < G; ++g) {
+        float* __restrict__ sg = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - new_m);
-            sum += sg[t];
-          }
-          l[g] = l[g] * corr + sum;
-          m[g] = new_m;
-          float* ag = acc.data() + g * D;
-          if (corr != 1.f) {
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-          }
+        for (int64_t t = 0; t < len; ++t) {
+          const float e = exp_nonpos(sg[t] - mx);
+          sg[t] = e;
+          sum += e;
         }
-        // P @ V, V rows read once for the whole group.
-        for (int64_t t = 0; t < n; ++t) {
-          const float* vt = vp + t * stride;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * BS + t];
-            float* ag = acc.data() + g * D;
+        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+      }
+      // Pass 2: acc_g = sum_t p_g[t] v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t n = std::min(BS, len - start);
+        int64_t stride;
+        const float* vp = rows(vc + static_cast<int64_t>(table[start / BS]) * BS * row + h * D, n, stride);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict__ pg = scores.data() + g * len + start;
+          float* __restrict__ ag = acc.data() + g * D;
+          if constexpr (kD > 0) {
+            float a[kD];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+            for (int64_t d = 0; d < kD; ++d) a[d] = ag[d];
+            for (int64_t t = 0; t < n; ++t) {
+              const float p = pg[t];
+              const float* __restrict__ vt = vp + t * stride;
+#pragma omp simd
+              for (int64_t d = 0; d < kD; ++d) a[d] += p * vt[d];
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < kD; ++d) ag[d] = a[d];
+          } else {
+            for (int64_t t = 0; t < n; ++t) {
+              const float p = pg[t];
+              const float* __restrict__ vt = vp + t * stride;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+            }
           }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         scalar_t* o = out + (b * H + h * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
       }
     }
   });
@@ -127,14 +167,90 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
              tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, BS,
              tables.size(1), static_cast<float>(scale));
     };
-    switch (D) {
+    switch (D) {  // the head sizes of common models get fully unrolled inner loops
+      case 32: run(decode_kernel<scalar_t, 32>); break;
       case 64: run(decode_kernel<scalar_t, 64>); break;
+      case 80: run(decode_kernel<scalar_t, 80>); break;
+      case 96: run(decode_kernel<scalar_t, 96>); break;
       case 128: run(decode_kernel<scalar_t, 128>); break;
+      case 256: run(decode_kernel<scalar_t, 256>); break;
       default: run(decode_kernel<scalar_t, 0>); break;
     }
   });
 }
 
+// Neox-style rotary embedding of query [T, heads, D] and key [T, kv_heads, D] (any strides:
+// they are usually views into the fused QKV output) into new contiguous tensors, rotating the
+// first rot_dim dims with cos_sin_cache [max_pos, rot_dim] (cos halves, then sin halves).
+// Products and sums are rounded one by one (no FMA contraction), as torch computes them, so
+// the result is bit-identical to kernels.reference for float32.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace {
+
+template <typename scalar_t, typename cs_t>
+void rotate(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t T, int64_t heads, int64_t D,
+            int64_t st, int64_t sh, const int64_t* __restrict__ pos, const cs_t* __restrict__ cs, int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const cs_t* row = cs + pos[t] * rot;
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = to_f(row[i]);
+        s[i] = to_f(row[half + i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* __restrict__ xh = x + t * st + h * sh;
+        scalar_t* __restrict__ yh = y + (t * heads + h) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(xh[i]), x2 = to_f(xh[half + i]);
+          const float a = x1 * c[i], b = x2 * s[i], u = x2 * c[i], v = x1 * s[i];
+          yh[i] = static_cast<scalar_t>(a - b);
+          yh[half + i] = static_cast<scalar_t>(u + v);
+        }
+        for (int64_t i = rot; i < D; ++i) yh[i] = xh[i];
+      }
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC pop_options
+
+std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
+                                            torch::Tensor cos_sin_cache) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) &&
+              query.size(2) == key.size(2), "query [T, heads, D] and key [T, kv_heads, D] expected");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key dtypes differ");
+  TORCH_CHECK(cos_sin_cache.dim() == 2, "cos_sin_cache [max_pos, rot_dim] expected");
+  const int64_t rot = cos_sin_cache.size(1), D = query.size(2);
+  TORCH_CHECK(rot % 2 == 0 && rot <= D, "rot_dim ", rot, " does not fit head_dim ", D);
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == query.scalar_type(),
+              "cos_sin_cache must be float32 or the query's dtype");
+  auto q = query.stride(2) == 1 ? query : query.contiguous();
+  auto k = key.stride(2) == 1 ? key : key.contiguous();
+  auto cs = cos_sin_cache.contiguous();
+  auto pos = positions.to(torch::kLong).contiguous();
+  auto q_out = torch::empty(q.sizes(), q.options());
+  auto k_out = torch::empty(k.sizes(), k.options());
+  const int64_t T = q.size(0), max_pos = cs.size(0);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < max_pos, "position ", p[t], " outside the rotary cache");
+  if (T == 0) return {q_out, k_out};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "rotary", [&] {
+    auto run = [&](auto* c) {
+      rotate(q.data_ptr<scalar_t>(), q_out.data_ptr<scalar_t>(), T, q.size(1), D, q.stride(0), q.stride(1), p, c, rot);
+      rotate(k.data_ptr<scalar_t>(), k_out.data_ptr<scalar_t>(), T, k.size(1), D, k.stride(0), k.stride(1), p, c, rot);
+    };
+    if (cs.scalar_type() == at::kFloat) run(cs.data_ptr<float>());
+    else run(cs.data_ptr<scalar_t>());
+  });
+  return {q_out, k_out};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding (CPU)");
 }
