@@ -89,14 +89,17 @@ class Sampler:
     @staticmethod
     def _hide_stop_tokens(logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         """Before min_tokens, EOS and stop token ids cannot be chosen (as vLLM does)."""
-        logits = logits.clone()
+        rows: list[int] = []
+        cols: list[int] = []
         for i, (r, p) in enumerate(zip(requests, params)):
             if p.min_tokens > r.num_output_tokens:
-                banned = list(p.stop_token_ids)
-                if r.eos_token_id is not None:
-                    banned.append(r.eos_token_id)
-                if banned:
-                    logits[i, banned] = float("-inf")
+                banned = [*p.stop_token_ids, *(() if r.eos_token_id is None else (r.eos_token_id,))]
+                rows += [i] * len(banned)
+                cols += banned
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")  # one indexed write for the batch
         return logits
 
     @staticmethod

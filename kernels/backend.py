@@ -45,7 +45,7 @@ def _torch() -> KernelBackend:
     base = _reference()
     return KernelBackend(
         name="torch",
-        store_kv=base.store_kv,
+        store_kv=torch_attention.store_kv,
         paged_attention=torch_attention.paged_attention,
         paged_decode_attention=torch_attention.paged_decode_attention,
         gather_blocks=base.gather_blocks,

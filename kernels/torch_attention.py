@@ -106,12 +106,17 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tenso
         k = kv_cache[0, ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvH, S, D]
         v = kv_cache[1, ids].flatten(0, 1)[:seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [H, Q, D]
+        if k.shape[0] != q.shape[0]:
+            # Repeat the KV heads rather than pass enable_gqa: with it, CPU SDPA takes its math
+            # path (mask, softmax, bmm: 3.5x slower here); 4-D, equal heads get the flash kernel.
+            k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+            v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
         if q_len == seq_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
         out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
 
@@ -126,3 +131,13 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
     return q, k
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kernels.reference.store_kv as one C++ copy per token (no index tensors built)."""
+    ext = cpu_ops.load() if kv_cache.device.type == "cpu" else None
+    if ext is None or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        from kernels import reference
+
+        return reference.store_kv(key, value, kv_cache, slot_mapping)
+    ext.store_kv(key, value, kv_cache, slot_mapping)

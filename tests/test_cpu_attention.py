@@ -91,3 +91,35 @@ def test_rotary_refuses_positions_outside_the_cache():
     q, k = torch.zeros(2, 4, 32), torch.zeros(2, 2, 32)
     with pytest.raises(RuntimeError, match="outside the rotary cache"):
         torch_attention.rotary_embedding(torch.tensor([0, 16]), q, k, torch.zeros(16, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_exactly_the_reference_slots(dtype):
+    g = torch.Generator().manual_seed(7)
+    t, kv_heads, d, blocks, bs = 23, 2, 32, 9, 16
+    qkv = torch.randn(t, (4 + 2 * kv_heads) * d, generator=g).to(dtype)
+    _, k, v = qkv.split([4 * d, kv_heads * d, kv_heads * d], dim=-1)
+    k, v = k.view(t, kv_heads, d), v.view(t, kv_heads, d)  # strided views, as in the model
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    slots[[3, 11]] = -1  # padding tokens are not written
+    got = torch.full((2, blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
+    expected = got.clone()
+    torch_attention.store_kv(k, v, got, slots)
+    reference.store_kv(k, v, expected, slots)
+    assert torch.equal(got.nan_to_num(123.0), expected.nan_to_num(123.0))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch_attention.store_kv(k[:1], v[:1], got, torch.tensor([blocks * bs]))
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 48])
+def test_decode_large_batch_matches_reference(head_dim):
+    """Batches of many sequences take the one-item-per-sequence kernel (small ones go per head)."""
+    ctx = [1 + (i * 37) % 300 for i in range(40)]
+    q, kv, qsl, lens, tables = make_case([1] * len(ctx), ctx, 8, 2, head_dim)
+    expected = reference.paged_decode_attention(q, kv, lens, tables, 0.1)
+    out = torch.full_like(q, float("nan"))
+    torch_attention.paged_decode_attention(q, kv, lens, tables, 0.1, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    half = torch_attention.paged_decode_attention(q.bfloat16(), kv.bfloat16(), lens, tables, 0.1)
+    torch.testing.assert_close(half.float(), reference.paged_decode_attention(
+        q.bfloat16(), kv.bfloat16(), lens, tables, 0.1).float(), atol=1.6e-2, rtol=1.6e-2)

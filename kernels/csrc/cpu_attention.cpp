@@ -1,9 +1,10 @@
 // Paged decode attention for CPUs: reads each sequence's KV blocks in place from the paged
-// cache (no gather copy). Per (sequence, KV head), two passes: the scores of every query head
-// of the GQA group against all of the sequence's K rows, one softmax, then P @ V. Each block's
-// rows are read from memory once and reused from L1 by every head of the group; head_dim is a
-// compile-time constant for the common sizes, so the inner loops are plain unrolled FMAs; exp is
-// a polynomial the compiler vectorises (libm's expf is not, under these flags).
+// cache (no gather copy). Two passes: the scores of every query head against all of the
+// sequence's K rows, one softmax per head, then P @ V; each block's rows are read from memory
+// once and reused from L1 by every query head that shares them (GQA). head_dim is a
+// compile-time constant for the common sizes, so the inner loops are plain unrolled FMAs; exp
+// is a polynomial the compiler vectorises (libm's expf is not, under these flags). Also here:
+// rotary embedding and store_kv, the model's other per-layer ops on CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,8 +42,10 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
+// One work item per (sequence, KV head): for batches too small to keep every thread busy with
+// whole sequences.
 template <typename scalar_t, int64_t kD>
-void decode_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
+void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
                    const scalar_t* __restrict__ vc, const int32_t* __restrict__ seq_lens,
                    const int32_t* __restrict__ tables, scalar_t* __restrict__ out,
                    int64_t B, int64_t H, int64_t KVH, int64_t D_runtime, int64_t BS, int64_t max_blocks,
@@ -146,6 +150,85 @@ void decode_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ 
   });
 }
 
+// One work item per sequence, all heads: each block's K (then V) rows are read once, front to
+// back (kv_heads x D contiguous per token), which streams better than a head's strided slice.
+template <typename scalar_t, int64_t kD>
+void decode_by_sequence(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
+                   const scalar_t* __restrict__ vc, const int32_t* __restrict__ seq_lens,
+                   const int32_t* __restrict__ tables, scalar_t* __restrict__ out,
+                   int64_t B, int64_t H, int64_t KVH, int64_t D_runtime, int64_t BS, int64_t max_blocks,
+                   float scale) {
+  const int64_t D = kD > 0 ? kD : D_runtime;
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(H * D), acc(H * D), scores(H * std::max<int64_t>(max_len, 1)), inv(H);
+    std::vector<float> buf(kFloat ? 0 : BS * row);
+    auto block = [&](const scalar_t* p, int64_t n) -> const float* {
+      if constexpr (kFloat) {
+        return p;
+      } else {
+        for (int64_t i = 0; i < n * row; ++i) buf[i] = to_f(p[i]);
+        return buf.data();
+      }
+    };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = seq_lens[b];
+      const int32_t* table = tables + b * max_blocks;
+      const scalar_t* qs = q + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qv[i] = to_f(qs[i]) * scale;
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t n = std::min(BS, len - start);
+        const float* kp = block(kc + static_cast<int64_t>(table[start / BS]) * BS * row, n);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t hq = 0; hq < H; ++hq) {
+            const float* __restrict__ kt = kp + t * row + (hq / G) * D;
+            const float* __restrict__ qg = qv.data() + hq * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
+            scores[hq * len + start + t] = s;
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < H; ++hq) {
+        float* __restrict__ sg = scores.data() + hq * len;
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          const float e = exp_nonpos(sg[t] - mx);
+          sg[t] = e;
+          sum += e;
+        }
+        inv[hq] = sum > 0.f ? 1.f / sum : 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t n = std::min(BS, len - start);
+        const float* vp = block(vc + static_cast<int64_t>(table[start / BS]) * BS * row, n);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t hq = 0; hq < H; ++hq) {
+            const float p = scores[hq * len + start + t];
+            const float* __restrict__ vt = vp + t * row + (hq / G) * D;
+            float* __restrict__ ag = acc.data() + hq * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+          }
+        }
+      }
+      scalar_t* o = out + b * H * D;
+      for (int64_t hq = 0; hq < H; ++hq)
+        for (int64_t d = 0; d < D; ++d) o[hq * D + d] = static_cast<scalar_t>(acc[hq * D + d] * inv[hq]);
+    }
+  });
+}
+
 }  // namespace
 
 // query [B, H, D]; kv_cache [2, num_blocks, block_size, kv_heads, D]; out [B, H, D].
@@ -167,15 +250,25 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
              tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, BS,
              tables.size(1), static_cast<float>(scale));
     };
-    switch (D) {  // the head sizes of common models get fully unrolled inner loops
-      case 32: run(decode_kernel<scalar_t, 32>); break;
-      case 64: run(decode_kernel<scalar_t, 64>); break;
-      case 80: run(decode_kernel<scalar_t, 80>); break;
-      case 96: run(decode_kernel<scalar_t, 96>); break;
-      case 128: run(decode_kernel<scalar_t, 128>); break;
-      case 256: run(decode_kernel<scalar_t, 256>); break;
-      default: run(decode_kernel<scalar_t, 0>); break;
-    }
+    auto by_dim = [&](auto tag) {  // the head sizes of common models get fully unrolled inner loops
+      constexpr bool kSeq = decltype(tag)::value;
+      auto pick = [&](auto d) {
+        constexpr int64_t kD = decltype(d)::value;
+        if constexpr (kSeq) run(decode_by_sequence<scalar_t, kD>);
+        else run(decode_by_head<scalar_t, kD>);
+      };
+      switch (D) {
+        case 32: pick(std::integral_constant<int64_t, 32>{}); break;
+        case 64: pick(std::integral_constant<int64_t, 64>{}); break;
+        case 80: pick(std::integral_constant<int64_t, 80>{}); break;
+        case 96: pick(std::integral_constant<int64_t, 96>{}); break;
+        case 128: pick(std::integral_constant<int64_t, 128>{}); break;
+        case 256: pick(std::integral_constant<int64_t, 256>{}); break;
+        default: pick(std::integral_constant<int64_t, 0>{}); break;
+      }
+    };
+    if (B >= 4 * at::get_num_threads()) by_dim(std::true_type{});
+    else by_dim(std::false_type{});
   });
 }
 
@@ -250,7 +343,38 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
   return {q_out, k_out};
 }
 
+// Write new K/V rows [T, kv_heads, D] (views into the fused QKV output are fine) into the
+// paged cache [2, num_blocks, block_size, kv_heads, D] at slot_mapping (negative: skip).
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache [2, blocks, block_size, kv_heads, D] expected");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "key/value dtype must be the cache's");
+  const int64_t T = key.size(0), row = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  TORCH_CHECK(key.numel() == T * row && value.numel() == T * row && slot_mapping.numel() == T,
+              "key/value rows do not match the cache's kv_heads x head_dim");
+  auto rows_of = [&](const torch::Tensor& x) {  // each token's kv_heads x D elements contiguous
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  auto k = rows_of(key), v = rows_of(value);
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " outside the cache's ", num_slots);
+  const int64_t elem = kv_cache.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + num_slots * row * elem;
+  const int64_t ks = k.stride(0) * elem, vs = v.stride(0) * elem, nbytes = row * elem;
+  for (int64_t t = 0; t < T; ++t) {
+    if (s[t] < 0) continue;
+    std::memcpy(kc + s[t] * nbytes, kp + t * ks, nbytes);
+    std::memcpy(vc + s[t] * nbytes, vp + t * vs, nbytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding (CPU)");
+  m.def("store_kv", &store_kv, "write K/V rows into the paged cache (CPU)");
 }
