@@ -42,6 +42,21 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
+// One softmax row, unnormalised: row <- exp(row - max(row)); returns 1 / sum (0 if empty).
+inline float exp_shifted(float* __restrict__ row, int64_t len) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, row[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    const float e = exp_nonpos(row[t] - mx);
+    row[t] = e;
+    sum += e;
+  }
+  return sum > 0.f ? 1.f / sum : 0.f;
+}
+
 // One work item per (sequence, KV head): for batches too small to keep every thread busy with
 // whole sequences.
 template <typename scalar_t, int64_t kD>
@@ -97,20 +112,7 @@ void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__
         }
       }
       // Softmax of each head's row.
-      for (int64_t g = 0; g < G; ++g) {
-        float* __restrict__ sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float e = exp_nonpos(sg[t] - mx);
-          sg[t] = e;
-          sum += e;
-        }
-        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
-      }
+      for (int64_t g = 0; g < G; ++g) inv[g] = exp_shifted(scores.data() + g * len, len);
       // Pass 2: acc_g = sum_t p_g[t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += BS) {
@@ -194,20 +196,7 @@ void decode_by_sequence(const scalar_t* __restrict__ q, const scalar_t* __restri
           }
         }
       }
-      for (int64_t hq = 0; hq < H; ++hq) {
-        float* __restrict__ sg = scores.data() + hq * len;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float e = exp_nonpos(sg[t] - mx);
-          sg[t] = e;
-          sum += e;
-        }
-        inv[hq] = sum > 0.f ? 1.f / sum : 0.f;
-      }
+      for (int64_t hq = 0; hq < H; ++hq) inv[hq] = exp_shifted(scores.data() + hq * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t n = std::min(BS, len - start);
