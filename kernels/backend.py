@@ -48,8 +48,8 @@ def _torch() -> KernelBackend:
         store_kv=torch_attention.store_kv,
         paged_attention=torch_attention.paged_attention,
         paged_decode_attention=torch_attention.paged_decode_attention,
-        gather_blocks=base.gather_blocks,
-        scatter_blocks=base.scatter_blocks,
+        gather_blocks=torch_attention.gather_blocks,
+        scatter_blocks=torch_attention.scatter_blocks,
         rms_norm=base.rms_norm,
         rotary_embedding=torch_attention.rotary_embedding,
     )

@@ -141,3 +141,36 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
         return reference.store_kv(key, value, kv_cache, slot_mapping)
     ext.store_kv(key, value, kv_cache, slot_mapping)
+
+
+def _copy_blocks_ext(kv_caches, staging):
+    ext = cpu_ops.load() if staging.device.type == "cpu" else None
+    if ext is None or not staging.is_contiguous() or any(
+            not c.is_contiguous() or c.dtype != staging.dtype or c.device != staging.device for c in kv_caches):
+        return None
+    return ext
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.reference.gather_blocks, one memcpy per (layer, K/V, block)."""
+    if out is None:
+        c = kv_caches[0]
+        out = torch.empty((len(kv_caches), 2, len(block_ids), *c.shape[2:]), dtype=c.dtype, device=c.device)
+    ext = _copy_blocks_ext(kv_caches, out)
+    if ext is None:
+        from kernels import reference
+
+        return reference.gather_blocks(kv_caches, block_ids, out=out)
+    ext.copy_blocks(list(kv_caches), out, block_ids, True)
+    return out
+
+
+def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> None:
+    """kernels.reference.scatter_blocks, one memcpy per (layer, K/V, block)."""
+    ext = _copy_blocks_ext(kv_caches, staging)
+    if ext is None:
+        from kernels import reference
+
+        return reference.scatter_blocks(staging, kv_caches, block_ids)
+    ext.copy_blocks(list(kv_caches), staging, block_ids, False)

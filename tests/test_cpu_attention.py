@@ -123,3 +123,20 @@ def test_decode_large_batch_matches_reference(head_dim):
     half = torch_attention.paged_decode_attention(q.bfloat16(), kv.bfloat16(), lens, tables, 0.1)
     torch.testing.assert_close(half.float(), reference.paged_decode_attention(
         q.bfloat16(), kv.bfloat16(), lens, tables, 0.1).float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gather_and_scatter_blocks_match_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(2, 40, 16, 2, 32, generator=g).to(dtype) for _ in range(3)]
+    ids = torch.tensor([7, 8, 9, 31, 0, 22, 39])  # a run, then scattered, unsorted
+    got = torch.full((3, 2, len(ids), 16, 2, 32), float("nan"), dtype=dtype)
+    torch_attention.gather_blocks(caches, ids, out=got)
+    assert torch.equal(got, reference.gather_blocks(caches, ids))
+    dest = [torch.randn(2, 40, 16, 2, 32, generator=g).to(dtype) for _ in range(3)]
+    expected = [c.clone() for c in dest]
+    torch_attention.scatter_blocks(got, dest, ids.flip(0))
+    reference.scatter_blocks(got, expected, ids.flip(0))
+    assert all(torch.equal(a, b) for a, b in zip(dest, expected))
+    with pytest.raises(RuntimeError, match="outside"):
+        torch_attention.scatter_blocks(got[:, :, :1].contiguous(), dest, torch.tensor([40]))
