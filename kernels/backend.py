@@ -50,7 +50,7 @@ def _torch() -> KernelBackend:
         paged_decode_attention=torch_attention.paged_decode_attention,
         gather_blocks=torch_attention.gather_blocks,
         scatter_blocks=torch_attention.scatter_blocks,
-        rms_norm=base.rms_norm,
+        rms_norm=torch_attention.rms_norm,
         rotary_embedding=torch_attention.rotary_embedding,
     )
 

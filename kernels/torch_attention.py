@@ -174,3 +174,15 @@ def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor], block_i
 
         return reference.scatter_blocks(staging, kv_caches, block_ids)
     ext.copy_blocks(list(kv_caches), staging, block_ids, False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.rms_norm in one C++ pass (the residual add fused)."""
+    ext = cpu_ops.load() if x.device.type == "cpu" else None
+    if ext is None or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        from kernels import reference
+
+        return reference.rms_norm(x, weight, eps, residual)
+    out, res = ext.rms_norm(x, weight.detach(), eps, residual)
+    return out, res

@@ -140,3 +140,19 @@ def test_gather_and_scatter_blocks_match_reference(dtype):
     assert all(torch.equal(a, b) for a, b in zip(dest, expected))
     with pytest.raises(RuntimeError, match="outside"):
         torch_attention.scatter_blocks(got[:, :, :1].contiguous(), dest, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, tol, with_residual):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 256, generator=g).to(dtype)
+    residual = torch.randn(70, 256, generator=g).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    got, got_res = torch_attention.rms_norm(x, weight, 1e-6, residual)
+    expected, expected_res = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(got_res, expected_res)  # the residual stream is exact
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    heads = x.view(70, 8, 32)[:, ::2]  # q/k-norm: per-head rows of a strided view
+    got, _ = torch_attention.rms_norm(heads, weight[:32], 1e-6)
+    torch.testing.assert_close(got.float(), reference.rms_norm(heads, weight[:32], 1e-6)[0].float(), atol=tol, rtol=tol)

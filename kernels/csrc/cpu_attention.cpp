@@ -398,9 +398,66 @@ void copy_blocks(std::vector<torch::Tensor> kv_caches, torch::Tensor staging, to
   });
 }
 
+// RMSNorm over the last dim, with the residual add fused: (weight * norm(x + residual), x + residual),
+// rounding where kernels.reference rounds (the sum, the normalised value, the product).
+namespace {
+
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* __restrict__ xp, const scalar_t* __restrict__ rp, const scalar_t* __restrict__ wp,
+                   scalar_t* __restrict__ op, scalar_t* __restrict__ sp, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = xp + r * D;
+      if (rp != nullptr) {
+        const scalar_t* rr = rp + r * D;
+        scalar_t* sr = sp + r * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const scalar_t v = static_cast<scalar_t>(to_f(xr[d]) + to_f(rr[d]));
+          sr[d] = v;
+          h[d] = to_f(v);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) h[d] = to_f(xr[d]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+      scalar_t* o = op + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const scalar_t normed = static_cast<scalar_t>(h[d] * inv);
+        o[d] = static_cast<scalar_t>(to_f(wp[d]) * to_f(normed));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D && weight.scalar_type() == x.scalar_type(), "weight [D] of x's dtype expected");
+  auto xc = x.contiguous();
+  auto w = weight.contiguous();
+  const bool add = residual.has_value();
+  if (add) TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "residual must match x");
+  auto rc = add ? residual->contiguous() : xc;
+  auto res_out = add ? torch::empty_like(xc) : xc;
+  auto out = torch::empty_like(xc);
+  const int64_t rows = D ? xc.numel() / D : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xc.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows(xc.data_ptr<scalar_t>(), add ? rc.data_ptr<scalar_t>() : nullptr, w.data_ptr<scalar_t>(),
+                  out.data_ptr<scalar_t>(), res_out.data_ptr<scalar_t>(), rows, D, static_cast<float>(eps));
+  });
+  return {out.view(x.sizes()), res_out.view(x.sizes())};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding (CPU)");
   m.def("store_kv", &store_kv, "write K/V rows into the paged cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with a fused residual add (CPU)");
   m.def("copy_blocks", &copy_blocks, "KV blocks between the caches and a staging buffer (CPU)");
 }
