@@ -3,12 +3,18 @@ from __future__ import annotations
 
 from engine.request import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; finds stop strings.
 
-    Decodes a short window (prefix_offset..end) each time, so multi-token characters and
-    tokenizers that merge spaces come out right, at O(window) per token.
+    With a fast (Rust) tokenizer, its DecodeStream; otherwise a short window of ids
+    (prefix_offset..end) decoded each time. Either way, multi-token characters and tokenizers
+    that merge spaces come out right, and the text ends equal to decoding all the ids at once.
     """
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> None:
@@ -23,29 +29,54 @@ class IncrementalDetokenizer:
         self.stopped_on: str | None = None
         self._emitted = 0
         self._checked = 0
+        # Fast tokenizers decode incrementally in Rust (one call of ~2 us per token); others
+        # decode a sliding window of ids twice per token.
+        rust = getattr(tokenizer, "_tokenizer", None)
+        self._rust = rust if DecodeStream is not None and rust is not None and hasattr(rust, "decoder") else None
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self._rust else None
+        self._held_back = False  # the stream's last step produced no text (maybe a partial character)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _append(self, tok: int) -> None:
+        if self._stream is not None:
+            piece = self._stream.step(self._rust, tok)
+            self._held_back = piece is None
+            if piece:
+                self.text += piece
+            return
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.text += full_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+
+    def _flush(self) -> None:
+        """The stream ends: bytes held back as an incomplete character come out as they decode."""
+        if self._stream is not None:
+            if self._held_back:
+                full = self._decode(self.token_ids)
+                if len(full) > len(self.text) and full.startswith(self.text):
+                    self.text = full
+            return
+        if self.read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix_text):]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
 
     def add_tokens(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Append tokens; return the new text that is safe to show (a stop string ends it)."""
         for tok in new_token_ids:
             self.token_ids.append(tok)
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full_text = self._decode(self.token_ids[self.prefix_offset:])
-            if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-                self.text += full_text[len(prefix_text):]
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.token_ids)
+            self._append(tok)
             if self.params.stop and self._check_stop():
                 break
         if self.stopped_on is not None:
             finished = True
-        elif finished and self.read_offset < len(self.token_ids):
-            # Flush bytes held back as an incomplete character: the stream ends here.
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix_text):]
-            self.prefix_offset = self.read_offset = len(self.token_ids)
+        elif finished:
+            self._flush()
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self.stop_buffer)
         delta = self.text[self._emitted:end]
         self._emitted = end

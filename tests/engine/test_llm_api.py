@@ -91,3 +91,24 @@ def test_logprobs_returned_per_token(llm):
     assert len(out.logprobs) == 4
     for tok, entry in zip(out.token_ids, out.logprobs):
         assert tok in entry and entry[tok] == max(entry.values()) and entry[tok] <= 0
+
+
+class _SlowTokenizer:
+    """Only `decode`: the detokenizer's window path, as for a tokenizer without a Rust core."""
+
+    def __init__(self, tokenizer):
+        self._inner = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("path", ["stream", "window"])
+def test_incremental_text_equals_decoding_all_ids(llm, path):
+    tok = llm.tokenizer if path == "stream" else _SlowTokenizer(llm.tokenizer)
+    ids = llm.tokenizer.encode("Summer garden — naïve café 日本語 🎉 ok.", add_special_tokens=False)
+    for cut in (len(ids), len(ids) - 1, len(ids) - 4):  # whole, and ending inside a character
+        detok = IncrementalDetokenizer(tok, SamplingParams(max_tokens=64))
+        deltas = [detok.add_tokens([t]) for t in ids[:cut - 1]] + [detok.add_tokens(ids[cut - 1:cut], finished=True)]
+        assert "".join(deltas) == detok.text == llm.tokenizer.decode(ids[:cut], skip_special_tokens=True)
+    assert (detok._stream is not None) == (path == "stream")
