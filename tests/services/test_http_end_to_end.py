@@ -65,9 +65,9 @@ def test_http_gateway_disaggregated_token_exact(model, case):
     llm = LLM(model)
     expected = [llm.generate([p], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].outputs[0].text
                 for p, m in requests]
-    # A short lease: whatever a decode fails to release must still come back (the no-leak guarantee).
-    services = [Service("prefill", model, "--kv-transport", transport, "--max-num-batched-tokens", "64",
-                        "--kv-lease-ttl", "10") for _ in range(n_prefill)]
+    # The default 30 s lease outlives the 20 s wait below: a block a decode fails to give back fails the test.
+    services = [Service("prefill", model, "--kv-transport", transport, "--max-num-batched-tokens", "64")
+                for _ in range(n_prefill)]
     services += [Service("decode", model, "--kv-transport", transport) for _ in range(n_decode)]
     port = free_port()
     router = None
@@ -105,6 +105,10 @@ def test_http_gateway_disaggregated_token_exact(model, case):
                     await asyncio.sleep(0.05)
 
         asyncio.run(main())
+    except BaseException:
+        for s in services:
+            print(f"--- {s.role} {s.address} log ---\n{s.output()}")
+        raise
     finally:
         if router is not None:
             router.terminate()
