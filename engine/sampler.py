@@ -57,7 +57,6 @@ class Sampler:
         return token_list, (self._logprobs(logprobs, token_list, params) if want_logprobs else None)
 
     def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
-        n = len(params)
         greedy = torch.tensor([p.greedy for p in params])
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         logits = logits / temps[:, None]

@@ -42,7 +42,6 @@ def _reference() -> KernelBackend:
 def _torch() -> KernelBackend:
     from kernels import torch_attention
 
-    base = _reference()
     return KernelBackend(
         name="torch",
         store_kv=torch_attention.store_kv,

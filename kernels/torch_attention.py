@@ -1,18 +1,24 @@
-"""Paged attention for CPUs: the engine's default path off CUDA.
+"""The engine's kernels on CPU: the default path off CUDA.
 
-Same signatures as kernels.reference. Decode rows (one query token) go to a C++ kernel that
-reads the paged cache in place (kernels/csrc, built on first use); without a compiler they
-fall back to the torch path. Prefill rows gather their context into a padded
-[batch, max_seq_len, kv_heads, head_dim] view for SDPA with a causal, length-aware mask.
-The cache must hold finite values everywhere (it is zero-initialised): padding slots are
-masked, and 0 * NaN would still poison the output.
+Same signatures as kernels.reference. Decode attention, rotary, RMSNorm, store_kv and block
+gather/scatter run as C++ (kernels/csrc/cpu_attention.cpp, built on first use); without a
+compiler, or for inputs the C++ does not take, each falls back to the reference. Prefill
+rows go to SDPA one row at a time (its flash kernel: causal for fresh prompts, an explicit
+bottom-right mask for chunks after earlier context). The cache must hold finite values
+everywhere (it is zero-initialised): padding slots are masked, and 0 * NaN would still
+poison the output.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, reference
+
+
+def _ext(t: torch.Tensor):
+    """The C++ module for a CPU tensor, else None (then the caller falls back)."""
+    return cpu_ops.load() if t.device.type == "cpu" else None
 
 
 def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -29,7 +35,7 @@ def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    ext = cpu_ops.load() if query.device.type == "cpu" else None
+    ext = _ext(query)
     if ext is not None:
         if out is None or not out.is_contiguous():
             result = torch.empty_like(query)
@@ -124,10 +130,8 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tenso
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.rotary_embedding, one C++ pass over q and k (bit-identical in float32)."""
-    ext = cpu_ops.load() if query.device.type == "cpu" else None
+    ext = _ext(query)
     if ext is None:
-        from kernels import reference
-
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
     return q, k
@@ -135,16 +139,14 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kernels.reference.store_kv as one C++ copy per token (no index tensors built)."""
-    ext = cpu_ops.load() if kv_cache.device.type == "cpu" else None
+    ext = _ext(kv_cache)
     if ext is None or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
-        from kernels import reference
-
         return reference.store_kv(key, value, kv_cache, slot_mapping)
     ext.store_kv(key, value, kv_cache, slot_mapping)
 
 
 def _copy_blocks_ext(kv_caches, staging):
-    ext = cpu_ops.load() if staging.device.type == "cpu" else None
+    ext = _ext(staging)
     if ext is None or not staging.is_contiguous() or any(
             not c.is_contiguous() or c.dtype != staging.dtype or c.device != staging.device for c in kv_caches):
         return None
@@ -159,8 +161,6 @@ def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
         out = torch.empty((len(kv_caches), 2, len(block_ids), *c.shape[2:]), dtype=c.dtype, device=c.device)
     ext = _copy_blocks_ext(kv_caches, out)
     if ext is None:
-        from kernels import reference
-
         return reference.gather_blocks(kv_caches, block_ids, out=out)
     ext.copy_blocks(list(kv_caches), out, block_ids, True)
     return out
@@ -170,8 +170,6 @@ def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor], block_i
     """kernels.reference.scatter_blocks, one memcpy per (layer, K/V, block)."""
     ext = _copy_blocks_ext(kv_caches, staging)
     if ext is None:
-        from kernels import reference
-
         return reference.scatter_blocks(staging, kv_caches, block_ids)
     ext.copy_blocks(list(kv_caches), staging, block_ids, False)
 
@@ -179,10 +177,8 @@ def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor], block_i
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.rms_norm in one C++ pass (the residual add fused)."""
-    ext = cpu_ops.load() if x.device.type == "cpu" else None
+    ext = _ext(x)
     if ext is None or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
-        from kernels import reference
-
         return reference.rms_norm(x, weight, eps, residual)
     out, res = ext.rms_norm(x, weight.detach(), eps, residual)
     return out, res

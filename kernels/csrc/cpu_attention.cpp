@@ -57,49 +57,57 @@ inline float exp_shifted(float* __restrict__ row, int64_t len) {
   return sum > 0.f ? 1.f / sum : 0.f;
 }
 
+// One decode call: pointers into the contiguous tensors, and the sizes derived from them.
+template <typename scalar_t>
+struct DecodeArgs {
+  const scalar_t* __restrict__ q;   // [B, H, D]
+  const scalar_t* __restrict__ kc;  // K blocks [num_blocks, BS, KVH, D]
+  const scalar_t* __restrict__ vc;  // V blocks, same shape
+  const int32_t* __restrict__ seq_lens;
+  const int32_t* __restrict__ tables;  // [B, max_blocks]
+  scalar_t* __restrict__ out;          // [B, H, D]
+  int64_t B, H, KVH, D, BS, max_blocks;
+  float scale;
+  int64_t G;        // query heads per KV head
+  int64_t row;      // elements between consecutive tokens of one block (KVH * D)
+  int64_t max_len;  // the longest sequence: per-thread score buffers are sized by it
+};
+
 // One work item per (sequence, KV head): for batches too small to keep every thread busy with
 // whole sequences.
 template <typename scalar_t, int64_t kD>
-void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
-                   const scalar_t* __restrict__ vc, const int32_t* __restrict__ seq_lens,
-                   const int32_t* __restrict__ tables, scalar_t* __restrict__ out,
-                   int64_t B, int64_t H, int64_t KVH, int64_t D_runtime, int64_t BS, int64_t max_blocks,
-                   float scale) {
-  const int64_t D = kD > 0 ? kD : D_runtime;
-  const int64_t G = H / KVH;
-  const int64_t row = KVH * D;  // elements between consecutive tokens of one block
+void decode_by_head(const DecodeArgs<scalar_t>& a) {
+  const int64_t D = kD > 0 ? kD : a.D;  // kD > 0: known at compile time, inner loops unrolled
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(G * D), acc(G * D), scores(G * std::max<int64_t>(max_len, 1)), inv(G);
-    std::vector<float> buf(kFloat ? 0 : BS * D);  // one block of K or V rows, as float
+  at::parallel_for(0, a.B * a.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(a.G * D), acc(a.G * D), scores(a.G * std::max<int64_t>(a.max_len, 1)), inv(a.G);
+    std::vector<float> buf(kFloat ? 0 : a.BS * D);  // one block of K or V rows, as float
     // Rows t of a block: in place for float caches, else converted into buf (stride D).
     auto rows = [&](const scalar_t* p, int64_t n, int64_t& stride) -> const float* {
       if constexpr (kFloat) {
-        stride = row;
+        stride = a.row;
         return p;
       } else {
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(p[t * row + d]);
+          for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(p[t * a.row + d]);
         stride = D;
         return buf.data();
       }
     };
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, h = idx % KVH;
-      const int64_t len = seq_lens[b];
-      const int32_t* table = tables + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qs = q + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qv[g * D + d] = to_f(qs[d]) * scale;
+      const int64_t b = idx / a.KVH, h = idx % a.KVH;
+      const int64_t len = a.seq_lens[b];
+      const int32_t* table = a.tables + b * a.max_blocks;
+      for (int64_t g = 0; g < a.G; ++g) {
+        const scalar_t* qs = a.q + (b * a.H + h * a.G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qv[g * D + d] = to_f(qs[d]) * a.scale;
       }
       // Pass 1: scores[g][t] = q_g . k_t
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t n = std::min(BS, len - start);
+      for (int64_t start = 0; start < len; start += a.BS) {
+        const int64_t n = std::min(a.BS, len - start);
         int64_t stride;
-        const float* kp = rows(kc + static_cast<int64_t>(table[start / BS]) * BS * row + h * D, n, stride);
-        for (int64_t g = 0; g < G; ++g) {
+        const float* kp = rows(a.kc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row + h * D, n, stride);
+        for (int64_t g = 0; g < a.G; ++g) {
           const float* __restrict__ qg = qv.data() + g * D;
           float* __restrict__ sg = scores.data() + g * len + start;
           for (int64_t t = 0; t < n; ++t) {
@@ -112,14 +120,14 @@ void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__
         }
       }
       // Softmax of each head's row.
-      for (int64_t g = 0; g < G; ++g) inv[g] = exp_shifted(scores.data() + g * len, len);
+      for (int64_t g = 0; g < a.G; ++g) inv[g] = exp_shifted(scores.data() + g * len, len);
       // Pass 2: acc_g = sum_t p_g[t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t n = std::min(BS, len - start);
+      for (int64_t start = 0; start < len; start += a.BS) {
+        const int64_t n = std::min(a.BS, len - start);
         int64_t stride;
-        const float* vp = rows(vc + static_cast<int64_t>(table[start / BS]) * BS * row + h * D, n, stride);
-        for (int64_t g = 0; g < G; ++g) {
+        const float* vp = rows(a.vc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row + h * D, n, stride);
+        for (int64_t g = 0; g < a.G; ++g) {
           const float* __restrict__ pg = scores.data() + g * len + start;
           float* __restrict__ ag = acc.data() + g * D;
           if constexpr (kD > 0) {
@@ -144,8 +152,8 @@ void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = out + (b * H + h * G + g) * D;
+      for (int64_t g = 0; g < a.G; ++g) {
+        scalar_t* o = a.out + (b * a.H + h * a.G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
       }
     }
@@ -155,39 +163,31 @@ void decode_by_head(const scalar_t* __restrict__ q, const scalar_t* __restrict__
 // One work item per sequence, all heads: each block's K (then V) rows are read once, front to
 // back (kv_heads x D contiguous per token), which streams better than a head's strided slice.
 template <typename scalar_t, int64_t kD>
-void decode_by_sequence(const scalar_t* __restrict__ q, const scalar_t* __restrict__ kc,
-                   const scalar_t* __restrict__ vc, const int32_t* __restrict__ seq_lens,
-                   const int32_t* __restrict__ tables, scalar_t* __restrict__ out,
-                   int64_t B, int64_t H, int64_t KVH, int64_t D_runtime, int64_t BS, int64_t max_blocks,
-                   float scale) {
-  const int64_t D = kD > 0 ? kD : D_runtime;
-  const int64_t G = H / KVH;
-  const int64_t row = KVH * D;
+void decode_by_sequence(const DecodeArgs<scalar_t>& a) {
+  const int64_t D = kD > 0 ? kD : a.D;
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(H * D), acc(H * D), scores(H * std::max<int64_t>(max_len, 1)), inv(H);
-    std::vector<float> buf(kFloat ? 0 : BS * row);
+  at::parallel_for(0, a.B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(a.H * D), acc(a.H * D), scores(a.H * std::max<int64_t>(a.max_len, 1)), inv(a.H);
+    std::vector<float> buf(kFloat ? 0 : a.BS * a.row);
     auto block = [&](const scalar_t* p, int64_t n) -> const float* {
       if constexpr (kFloat) {
         return p;
       } else {
-        for (int64_t i = 0; i < n * row; ++i) buf[i] = to_f(p[i]);
+        for (int64_t i = 0; i < n * a.row; ++i) buf[i] = to_f(p[i]);
         return buf.data();
       }
     };
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = seq_lens[b];
-      const int32_t* table = tables + b * max_blocks;
-      const scalar_t* qs = q + b * H * D;
-      for (int64_t i = 0; i < H * D; ++i) qv[i] = to_f(qs[i]) * scale;
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t n = std::min(BS, len - start);
-        const float* kp = block(kc + static_cast<int64_t>(table[start / BS]) * BS * row, n);
+      const int64_t len = a.seq_lens[b];
+      const int32_t* table = a.tables + b * a.max_blocks;
+      const scalar_t* qs = a.q + b * a.H * D;
+      for (int64_t i = 0; i < a.H * D; ++i) qv[i] = to_f(qs[i]) * a.scale;
+      for (int64_t start = 0; start < len; start += a.BS) {
+        const int64_t n = std::min(a.BS, len - start);
+        const float* kp = block(a.kc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
-          for (int64_t hq = 0; hq < H; ++hq) {
-            const float* __restrict__ kt = kp + t * row + (hq / G) * D;
+          for (int64_t hq = 0; hq < a.H; ++hq) {
+            const float* __restrict__ kt = kp + t * a.row + (hq / a.G) * D;
             const float* __restrict__ qg = qv.data() + hq * D;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -196,23 +196,23 @@ void decode_by_sequence(const scalar_t* __restrict__ q, const scalar_t* __restri
           }
         }
       }
-      for (int64_t hq = 0; hq < H; ++hq) inv[hq] = exp_shifted(scores.data() + hq * len, len);
+      for (int64_t hq = 0; hq < a.H; ++hq) inv[hq] = exp_shifted(scores.data() + hq * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t n = std::min(BS, len - start);
-        const float* vp = block(vc + static_cast<int64_t>(table[start / BS]) * BS * row, n);
+      for (int64_t start = 0; start < len; start += a.BS) {
+        const int64_t n = std::min(a.BS, len - start);
+        const float* vp = block(a.vc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
-          for (int64_t hq = 0; hq < H; ++hq) {
+          for (int64_t hq = 0; hq < a.H; ++hq) {
             const float p = scores[hq * len + start + t];
-            const float* __restrict__ vt = vp + t * row + (hq / G) * D;
+            const float* __restrict__ vt = vp + t * a.row + (hq / a.G) * D;
             float* __restrict__ ag = acc.data() + hq * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
           }
         }
       }
-      scalar_t* o = out + b * H * D;
-      for (int64_t hq = 0; hq < H; ++hq)
+      scalar_t* o = a.out + b * a.H * D;
+      for (int64_t hq = 0; hq < a.H; ++hq)
         for (int64_t d = 0; d < D; ++d) o[hq * D + d] = static_cast<scalar_t>(acc[hq * D + d] * inv[hq]);
     }
   });
@@ -234,11 +234,12 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode", [&] {
     const scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    auto run = [&](auto kernel) {
-      kernel(query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lens.data_ptr<int32_t>(),
-             tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, BS,
-             tables.size(1), static_cast<float>(scale));
-    };
+    const int32_t* lp = lens.data_ptr<int32_t>();
+    const DecodeArgs<scalar_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lp,
+                                    tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
+                                    B, H, KVH, D, BS, tables.size(1), static_cast<float>(scale),
+                                    H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
+    auto run = [&](auto kernel) { kernel(args); };
     auto by_dim = [&](auto tag) {  // the head sizes of common models get fully unrolled inner loops
       constexpr bool kSeq = decltype(tag)::value;
       auto pick = [&](auto d) {

@@ -4,20 +4,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
-import urllib.request
 
 from bench.serve import run_benchmark
 from bench.workloads import synthetic
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/services")
-from service_procs import Service, free_port  # noqa: E402
-
-
-def scrape(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{"))
+from service_procs import Service, free_port, metric, poll_until, wait_http_ok  # noqa: E402
 
 
 def test_bench_counts_match_service_metrics(tiny_model_factory):
@@ -33,26 +25,16 @@ def test_bench_counts_match_service_metrics(tiny_model_factory):
                                    "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1",
                                    "--prefill", prefill.address, "--decode", decode.address])
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "router did not start"
-            time.sleep(0.2)
-        before = scrape(decode.metrics_port, "pdserve:generation_tokens_total")
+        wait_http_ok(f"{url}/health", router)
+        before = metric(decode.metrics_port, "pdserve:generation_tokens_total")
         requests = synthetic(10, "uniform:8:60", "uniform:2:12", vocab_size=500, seed=5)
         summary = asyncio.run(run_benchmark(url, None, requests, rate=20.0, progress=False))
         assert summary["completed"] == 10 and summary["failed"] == 0
         assert summary["total_output_tokens"] == sum(r.output_len for r in requests)
         assert summary["mean_ttft_ms"] > 0 and summary["request_throughput"] > 0
-        deadline = time.monotonic() + 5
-        while scrape(decode.metrics_port, "pdserve:request_success_total") < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert scrape(decode.metrics_port, "pdserve:request_success_total") == 10
-        generated = scrape(decode.metrics_port, "pdserve:generation_tokens_total") - before
+        poll_until(lambda: metric(decode.metrics_port, "pdserve:request_success_total") >= 10, 5)
+        assert metric(decode.metrics_port, "pdserve:request_success_total") == 10
+        generated = metric(decode.metrics_port, "pdserve:generation_tokens_total") - before
         assert generated == summary["total_output_tokens"]
     finally:
         if router is not None:

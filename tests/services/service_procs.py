@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,13 +51,13 @@ class Service:
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
     def wait_ready(self, timeout: float = 240) -> "Service":
-        deadline = time.monotonic() + timeout
-        while not self.serving():
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.role} exited early:\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.role} not SERVING after {timeout}s")
-            time.sleep(0.2)
+            return self.serving()
+
+        if not poll_until(ready, timeout, interval=0.2):
+            raise TimeoutError(f"{self.role} not SERVING after {timeout}s")
         return self
 
     def stop(self, timeout: float = 60) -> int:
@@ -64,6 +66,41 @@ class Service:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def poll_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Call predicate until it holds (True) or the deadline passes (False). For state that
+    announces no event: a process reaped, a counter that reaches the metrics endpoint."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until GET url answers 200 (a router or gateway up), failing at once if proc exits."""
+    def ok() -> bool:
+        assert proc.poll() is None, f"{proc.args[:4]} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    assert poll_until(ok, timeout, interval=0.2), f"{url} not answering after {timeout}s"
+
+
+def metric(port: int, name: str) -> float:
+    """Sum over every sample of `name` (all label sets) on a service's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.split("{", 1)[0].split(" ", 1)[0] == name)
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
 
 
 def children_of(pid: int) -> list[int]:

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import time
 
 import grpc
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from service_procs import Service, children_of
+from service_procs import Service, alive, children_of, metric, poll_until
 
 GREEDY = pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -193,18 +191,9 @@ def test_failed_pull_recomputes_and_stays_exact(model, prompts, expected):
                 assert await disaggregated(prefill.address, decode.address, p, f"fb-{i}") == expected[i]
 
         asyncio.run(main())
-        import urllib.request
-
-        def fallbacks() -> float:
-            with urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            line = next(x for x in text.splitlines() if x.startswith("pdserve:kv_recomputed_fallbacks_total"))
-            return float(line.rsplit(" ", 1)[1])
-
-        deadline = time.monotonic() + 5  # engine counters reach the metrics within ~50 ms
-        while fallbacks() < 2.0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert fallbacks() == 2.0
+        fallbacks = "pdserve:kv_recomputed_fallbacks_total"
+        poll_until(lambda: metric(decode.metrics_port, fallbacks) >= 2, 5)  # engine stats arrive within ~50 ms
+        assert metric(decode.metrics_port, fallbacks) == 2.0
     finally:
         prefill.stop()
         decode.stop()
@@ -229,9 +218,6 @@ def test_sigterm_drains_and_leaves_no_process_behind(model):
 
     asyncio.run(main())
     assert svc.proc.wait(60) == 0
-    deadline = time.monotonic() + 10  # exited children are reaped by init shortly after
-    while [p for p in engine_core if os.path.exists(f"/proc/{p}")] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in engine_core
-            if os.path.exists(f"/proc/{p}")}
+    poll_until(lambda: not alive(engine_core), 10)  # exited children are reaped by init shortly after
+    left = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in alive(engine_core)}
     assert not left, f"processes outlived their service: {left}"

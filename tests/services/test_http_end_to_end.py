@@ -15,7 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from service_procs import Service, free_port
+from service_procs import Service, free_port, wait_http_ok
 
 CASES = {"tcp-2x2": ("tcp", 2, 2, 64), "shm-1x1": ("shm", 1, 1, 8), "ucx-1x1": ("ucx", 1, 1, 8),
          "nccl-1x1": ("nccl", 1, 1, 8)}
@@ -81,19 +81,10 @@ def test_http_gateway_disaggregated_token_exact(model, case):
                                    "--grpc-port", "-1", "--prefill", prefills, "--decode", decodes,
                                    "--policy", "round_robin"])
         url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", router)
 
         async def main():
             async with aiohttp.ClientSession() as session:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        async with session.get(f"{url}/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    assert time.monotonic() < deadline and router.poll() is None, "router did not start"
-                    await asyncio.sleep(0.2)
                 got = await asyncio.gather(*(stream_completion(session, url, p, m) for p, m in requests))
             for (streamed, whole), exp in zip(got, expected):
                 assert streamed == whole == exp

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from service_procs import children_of
+from service_procs import alive, children_of, poll_until
 
 
 def test_pdserve_up_serves_and_stops_every_process(tiny_model_factory):
@@ -59,7 +58,5 @@ def test_pdserve_up_serves_and_stops_every_process(tiny_model_factory):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(90)
     assert rc == 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and [p for p in children if os.path.exists(f"/proc/{p}")]:
-        time.sleep(0.2)
-    assert not [p for p in children if os.path.exists(f"/proc/{p}")], "processes outlived `pdserve up`"
+    poll_until(lambda: not alive(children), 15)
+    assert not alive(children), "processes outlived `pdserve up`"
