@@ -5,12 +5,16 @@ from engine.request import InvalidRequestError, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
 
-def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
-    """Validated SamplingParams; text stop strings are the router's, so engines drop them."""
-    if p.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
-    return SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1.0,
+# What an unset (0) max_tokens means at the public Generate front, capped by the room left.
+DEFAULT_MAX_TOKENS = 16
+
+
+def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
+    """SamplingParams keyword arguments, with proto3's zeros read as "unset" where zero is not a
+    usable value: max_tokens 0 is None (the caller's default), top_p 0 is 1.0; temperature 0 is
+    greedy. Text stop strings are the router's (for_engine=False) to honour: engines drop them."""
+    return dict(
+        max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or 1.0,
         top_k=p.top_k, min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
         stop=() if for_engine else tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
@@ -18,6 +22,14 @@ def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> Sam
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens)
+
+
+def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
+    """Validated SamplingParams; max_tokens must be set (the router always sets it)."""
+    kwargs = sampling_kwargs(p, for_engine=for_engine)
+    if kwargs["max_tokens"] is None:
+        raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
+    return SamplingParams(**kwargs)
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:

@@ -7,6 +7,7 @@ import hmac
 import logging
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, prepare
@@ -46,14 +47,9 @@ class GenerateService(pb_grpc.GenerateServicer):
         if s.HasField("prompt_logprobs"):  # GenerateResponse has no place for them
             raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
                               "with echo and logprobs", "prompt_logprobs")
-        # proto3 zeros mean "unset" where zero is not a usable value.
-        knobs = dict(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
-                     seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
-                     stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                     min_tokens=s.min_tokens, logprobs=s.logprobs if s.HasField("logprobs") else None,
-                     include_stop_str_in_output=s.include_stop_str_in_output,
-                     skip_special_tokens=s.skip_special_tokens)
-        return prepare(self.model, ids, knobs, max_tokens=s.max_tokens or None, default_max_tokens=16,
+        knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
+        max_tokens = knobs.pop("max_tokens")
+        return prepare(self.model, ids, knobs, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
                        text=text)
 
     async def Generate(self, request: pb.GenerateRequest, context):

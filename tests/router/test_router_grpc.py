@@ -61,6 +61,11 @@ def test_generate_logprobs_and_stop_strings(stub, tokenizer):
     assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
 
 
+def test_generate_reads_proto_zeros_as_unset(stub):
+    chunks = generate(stub, text="hi", sampling=pb.SamplingParams(top_p=0, temperature=0))
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].finish_reason == "length"
+
+
 @pytest.mark.parametrize("fields,contains", [
     (dict(model="other", text="hi"), "does not exist"),
     (dict(sampling=pb.SamplingParams(max_tokens=4)), "prompt is required"),
@@ -68,6 +73,7 @@ def test_generate_logprobs_and_stop_strings(stub, tokenizer):
     (dict(text="hi", sampling=pb.SamplingParams(max_tokens=100)), "maximum context length"),
     (dict(text="hi", sampling=pb.SamplingParams(max_tokens=-3)), "max_tokens"),
     (dict(text="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    (dict(text="hi", sampling=pb.SamplingParams(top_p=-0.5)), "top_p"),
     (dict(text="hi", sampling=pb.SamplingParams(prompt_logprobs=1)), "prompt_logprobs"),
     (dict(token_ids=pb.TokenIds(ids=[99999])), "vocabulary"),
     (dict(token_ids=pb.TokenIds(ids=[])), "empty"),

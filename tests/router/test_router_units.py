@@ -6,7 +6,9 @@ import copy
 
 import pytest
 
+from engine.request import InvalidRequestError
 from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.convert import sampling_from_proto, sampling_kwargs, sampling_to_proto
 from services.router.config import parse_addresses
 from services.router.openai_format import chat_logprobs
 from services.router.served_model import ServedModel, _RustCodec, make_codec
@@ -20,6 +22,21 @@ def test_parse_addresses():
     for bad in ("a", "a:", ":5", "a:0", "a:x", "a:70000"):
         with pytest.raises(ValueError, match="host:port"):
             parse_addresses(bad)
+
+
+def test_proto_zeros_mean_unset_where_zero_is_not_usable():
+    kw = sampling_kwargs(pb.SamplingParams(stop=["x"]), for_engine=False)
+    assert (kw["max_tokens"], kw["temperature"], kw["top_p"]) == (None, 0.0, 1.0)
+    assert kw["seed"] is None and kw["logprobs"] is None
+    assert kw["stop"] == ("x",) and sampling_kwargs(pb.SamplingParams(stop=["x"]))["stop"] == ()
+    assert sampling_kwargs(pb.SamplingParams(top_p=0.5, seed=0))["top_p"] == 0.5
+    with pytest.raises(InvalidRequestError, match="max_tokens"):  # engines get it set, always
+        sampling_from_proto(pb.SamplingParams())
+    with pytest.raises(InvalidRequestError, match="top_p"):  # only zero is "unset"
+        sampling_from_proto(pb.SamplingParams(max_tokens=2, top_p=-0.5))
+    p = pb.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=["a"], stop_token_ids=[9],
+                          logprobs=2, skip_special_tokens=True)
+    assert sampling_to_proto(sampling_from_proto(p, for_engine=False)) == p
 
 
 def test_fast_codec_agrees_with_the_tokenizer(tokenizer):
