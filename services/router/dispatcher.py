@@ -100,19 +100,17 @@ class Dispatcher:
             async for chunk in self._decode(decode_route, req, deadline):
                 yield chunk
             return
-        publish_kv = sampling.max_tokens > 1
         pinned: Instance | None = None  # prefill instance holding KV that no decode has pulled yet
         try:
-            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, publish_kv, deadline)
-            finish = resp.finish_reason or (None if publish_kv else "length")
+            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, deadline)
+            # The prefill engine ran the request with its real parameters: its finish reason is
+            # the answer, and when it has one nothing was published and no decode follows.
+            finish = resp.finish_reason or None
             if finish is None:
                 pinned = prefill
-            # A stop token id as the very first token: the prefill answer does not say which.
-            stop_reason = (str(resp.first_token_id) if finish == "stop"
-                           and resp.first_token_id in sampling.stop_token_ids else None)
             yield TokenChunk([resp.first_token_id],
                              [resp.first_logprob] if resp.HasField("first_logprob") else [],
-                             finish_reason=finish, stop_reason=stop_reason,
+                             finish_reason=finish, stop_reason=resp.stop_reason or None,
                              prompt_logprobs=list(resp.prompt_logprobs), num_cached_tokens=resp.num_cached_tokens)
             if finish is not None:
                 return
@@ -127,9 +125,9 @@ class Dispatcher:
                 self._abort_later(pinned, request_id)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
-                       publish_kv: bool, deadline: float) -> tuple[Instance, pb.PrefillResponse]:
+                       deadline: float) -> tuple[Instance, pb.PrefillResponse]:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                sampling=sampling, publish_kv=publish_kv)
+                                sampling=sampling, publish_kv=True)
         route = RouteRequest(request_id, "prefill", prompt_token_ids)
         tried: list[Instance] = []
         failures: list[str] = []
@@ -196,9 +194,8 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     async def _abort(self, inst: Instance, request_id: str) -> None:
-        stub = inst.prefill if inst.role == "prefill" else inst.decode
         try:
-            resp = await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            resp = await inst.engine.Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
             logger.debug("aborted %s on %s (found=%s)", request_id, inst, resp.found)
         except grpc.aio.AioRpcError as e:
             logger.debug("abort of %s on %s failed: %s", request_id, inst, e.code().name)

@@ -29,6 +29,7 @@ class Instance:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.prefill = pb_grpc.PrefillStub(self.channel) if role == "prefill" else None
         self.decode = pb_grpc.DecodeStub(self.channel) if role == "decode" else None
+        self.engine = pb_grpc.EngineStub(self.channel)  # Abort, GetLoad: served whatever the role
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
         self.checked = False
@@ -58,8 +59,7 @@ class Instance:
         return True, ""
 
     async def get_load(self, timeout: float) -> pb.LoadReport:
-        stub = self.prefill if self.role == "prefill" else self.decode
-        return await stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+        return await self.engine.GetLoad(pb.LoadRequest(), timeout=timeout)
 
 
 class InstancePool:

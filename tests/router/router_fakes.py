@@ -1,4 +1,5 @@
-"""Fake prefill/decode engines: the generated servicers on 127.0.0.1 (grpc.aio) over a toy model.
+"""Fake prefill/decode engines: the generated servicers (Prefill or Decode, and Engine) on
+127.0.0.1 (grpc.aio) over a toy model.
 
 The toy model is a fixed function of the tokens so far, so a test knows every answer. In-process
 fakes share a KV registry (decode "pulls" what prefill pinned); run as a script, a fake serves in
@@ -54,11 +55,29 @@ class KVRegistry:
         self.pinned: dict[bytes, "FakeEngine"] = {}
 
 
-class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
+def first_token_finish(first: int, s: pb.SamplingParams, num_prompt: int, max_model_len: int,
+                       eos_token_id: int) -> tuple[str, str]:
+    """(finish_reason, stop_reason) of a prefill's first token, decided as an engine does: with the
+    request's real parameters; ("", "") when a decode continues."""
+    if not s.min_tokens:
+        if first in s.stop_token_ids:
+            return "stop", str(first)
+        if first == eos_token_id and not s.ignore_eos:
+            return "stop", ""
+    if s.max_tokens == 1 or num_prompt + 1 >= max_model_len:
+        return "length", ""
+    return "", ""
+
+
+class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.EngineServicer):
+    """`eos_token_id`: the EOS the prefill side honours on the first token (the toy model never
+    produces the default one; a test sets it to a token it knows comes first)."""
+
     def __init__(self, role: str, registry: KVRegistry | None = None, *, name: str = "",
                  prefill_delay: float = 0.0, token_delay: float = 0.0, fail: grpc.StatusCode | None = None,
-                 fail_times: int = 0, max_model_len: int = 2048) -> None:
+                 fail_times: int = 0, max_model_len: int = 2048, eos_token_id: int = EOS) -> None:
         self.role = role
+        self.eos_token_id = eos_token_id
         self.name = name or role
         self.registry = registry or KVRegistry()
         self.prefill_delay = prefill_delay
@@ -106,11 +125,9 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
             resp.first_logprob.CopyFrom(toy_logprob(first, s.logprobs))
         if s.HasField("prompt_logprobs"):
             resp.prompt_logprobs.extend(toy_logprob(t, s.prompt_logprobs) for t in prompt[1:])
-        if first in s.stop_token_ids:
-            resp.finish_reason = "stop"
-        elif s.max_tokens == 1:
-            resp.finish_reason = "length"
-        elif request.publish_kv:
+        resp.finish_reason, resp.stop_reason = first_token_finish(first, s, len(prompt), self.max_model_len,
+                                                                  self.eos_token_id)
+        if not resp.finish_reason and request.publish_kv:
             resp.kv_handle = f"{self.name}:{rid}".encode()
             self.registry.pinned[resp.kv_handle] = self
         return resp
@@ -156,15 +173,30 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
                              outstanding_tokens=100 * len(self.running), max_model_len=self.max_model_len)
 
 
+class _CallLog(grpc.aio.ServerInterceptor):
+    """Records the full method name of every call, so tests can tell which service answered."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def intercept_service(self, continuation, handler_call_details):
+        self.calls.append(handler_call_details.method)
+        return await continuation(handler_call_details)
+
+
 class FakeServer:
+    """Serves what a real engine instance of the role serves: Prefill or Decode, and Engine."""
+
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
+        self.calls: list[str] = []  # "/pdserve.v1.Engine/Abort", ...
         self.health = HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[_CallLog(self.calls)])
         if engine.role == "prefill":
             pb_grpc.add_PrefillServicer_to_server(engine, self.server)
         else:
             pb_grpc.add_DecodeServicer_to_server(engine, self.server)
+        pb_grpc.add_EngineServicer_to_server(engine, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{self.port}"

@@ -117,6 +117,7 @@ def test_client_disconnect_during_prefill_aborts_prefill(make_stack):
                    what="the prefill cancelled and aborted")
     assert not stack.decodes[0].engine.requests  # decode never heard of them
     assert stack.metric("pdserve:router_client_aborts_total") == 2
+    assert stack.prefills[0].calls.count("/pdserve.v1.Engine/Abort") == 2  # the role-free service
 
 
 def test_stop_string_cancels_the_decode_stream(make_stack, tokenizer):

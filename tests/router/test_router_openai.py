@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from router_fakes import toy_generate
+from router_fakes import VOCAB, toy_generate
 
 
 @pytest.fixture
@@ -174,11 +174,43 @@ def test_colocated_mode_sends_prompts_to_decode_instances(make_stack, tokenizer)
 
 
 def test_one_token_or_a_first_stop_token_needs_no_decode(client, stack, tokenizer):
+    """The prefill engine decides whether its first token ends the request (it knows max_tokens,
+    the stop token ids, EOS): the router always asks it to publish KV and takes its answer."""
     ids = tokenizer.encode("Hello world")
     first = toy_generate(ids, 1)[0]
     out = client.completions.create(model="tiny", prompt=ids, max_tokens=1)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 1
-    assert not any(r.publish_kv for p in stack.prefills for r in p.engine.requests)
     out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, extra_body={"stop_token_ids": first})
     assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == first[0]
+    requests = [r for p in stack.prefills for r in p.engine.requests]
+    assert len(requests) == 2 and all(r.publish_kv for r in requests)
     assert not stack.decodes[0].engine.requests
+
+
+def test_prefill_stop_reason_ends_the_stream_at_the_first_token(make_stack, tokenizer):
+    stack = make_stack(prefill=1, decode=1)
+    # A prompt whose first token is 7, so the prefill engine stops on stop_token_ids [7].
+    ids = next([a, 6] for a in range(6, VOCAB) if toy_generate([a, 6], 1)[0] == [7])
+    events = stack.sse("/v1/completions", {"prompt": ids, "max_tokens": 8, "stream": True, "stop_token_ids": [7],
+                                           "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 1
+    last = [e for e in events[:-2] if e["choices"]][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", 7)  # an int, as vLLM sends it
+    assert [r.publish_kv for r in stack.prefills[0].engine.requests] == [True]
+    assert not stack.decodes[0].engine.requests
+    assert "/pdserve.v1.Decode/Decode" not in stack.decodes[0].calls
+
+
+def test_router_trusts_the_prefill_engine_on_eos(make_stack, tokenizer):
+    """EOS is the engine's to know: a first token the prefill engine calls EOS ends the request
+    with finish_reason stop and no stop_reason, though the request named no stop token."""
+    ids = tokenizer.encode("Hello world")
+    first = toy_generate(ids, 1)[0][0]
+    stack = make_stack(prefill=1, decode=1, prefill_kwargs=[{"eos_token_id": first}])
+    status, _, body = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 8})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    assert body["usage"]["completion_tokens"] == 1 and not stack.decodes[0].engine.requests
+    status, _, body = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 8, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 8, body

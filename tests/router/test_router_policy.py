@@ -71,3 +71,5 @@ def test_max_model_len_comes_from_the_instances(make_stack):
     assert stack.request("GET", "/v1/models")[2]["data"][0]["max_model_len"] == 512
     status, _, body = stack.post("/v1/completions", {"prompt": [7] * 500, "max_tokens": 20})
     assert status == 400 and "512" in body["error"]["message"]
+    # Load reports come from the Engine service, which every instance serves whatever its role.
+    assert all("/pdserve.v1.Engine/GetLoad" in fake.calls for fake in stack.prefills + stack.decodes)
