@@ -1,7 +1,7 @@
 """`make bench-router`: what the router adds to a request, and how many it sustains on one core.
 
 1. Added latency: max_tokens=1 requests, one at a time, through the router's HTTP API vs
-   straight to the prefill service's gRPC API (the call the router makes), same engine, same run.
+   straight to a colocated engine's gRPC Decode (the call the router makes), same engine, same run.
 2. Router throughput: the router pinned to one core in front of instant in-process engines
    (so the engine is never the bottleneck), closed loop at growing concurrency.
 """
@@ -38,7 +38,7 @@ async def added_latency(url: str, grpc_addr: str, n: int) -> tuple[list[float], 
     body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
     via_router, direct = [], []
     async with aiohttp.ClientSession() as http, grpc.aio.insecure_channel(grpc_addr) as ch:
-        stub = pb_grpc.PrefillStub(ch)
+        stub = pb_grpc.DecodeStub(ch)
         sampling = pb.SamplingParams(max_tokens=1, temperature=0)
         for i in range(n + 10):  # interleaved, so drift hits both alike; 10 warm-up rounds
             t = time.perf_counter()
@@ -47,8 +47,9 @@ async def added_latency(url: str, grpc_addr: str, n: int) -> tuple[list[float], 
                 await r.read()
             a = time.perf_counter() - t
             t = time.perf_counter()
-            await stub.Prefill(pb.PrefillRequest(request_id=f"direct-{i}", prompt_token_ids=prompt,
-                                                 sampling=sampling, publish_kv=False))
+            async for _ in stub.Decode(pb.DecodeRequest(request_id=f"direct-{i}", prompt_token_ids=prompt,
+                                                        sampling=sampling)):
+                pass
             b = time.perf_counter() - t
             if i >= 10:
                 via_router.append(a)
@@ -56,8 +57,9 @@ async def added_latency(url: str, grpc_addr: str, n: int) -> tuple[list[float], 
     return via_router, direct
 
 
-class InstantEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer):
-    """Answers at once: the router is then the only thing being measured."""
+class InstantEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.EngineServicer):
+    """Answers at once: the router is then the only thing being measured. Its Prefill ends every
+    request at the first token, as an engine does for max_tokens=1."""
 
     async def Prefill(self, request, context):
         return pb.PrefillResponse(first_token_id=7, finish_reason="length", engine_id="instant")
@@ -82,6 +84,7 @@ def serve_instant(port: int) -> None:
         engine = InstantEngine()
         pb_grpc.add_PrefillServicer_to_server(engine, server)
         pb_grpc.add_DecodeServicer_to_server(engine, server)
+        pb_grpc.add_EngineServicer_to_server(engine, server)
         health = HealthServicer()
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
     procs = []
     try:
-        # Part 1: real engine (a colocated service answers Prefill without publishing KV).
+        # Part 1: real engine (a colocated service: the router sends it Decode, as the direct calls do).
         eng_port, http = free_port(), free_port()
         procs.append(Proc("colocated", pdserve_cmd("colocated", "--model", "tiny", "--port", str(eng_port),
                                                    "--num-threads", "1"), {1}, env, BUILD))
