@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
-from engine.outputs import OutputProcessor, RequestOutput
+from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import InvalidRequestError, SamplingParams
 from engine.scheduler import EngineCoreOutput
@@ -25,7 +25,7 @@ class AsyncEngine:
         self.multiprocess = multiprocess
         self.tokenizer = load_tokenizer(config.model.path)
         # Services stream token ids and leave text to the router: no detokenizing there.
-        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None, OutputKind.DELTA)
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -34,20 +34,20 @@ class AsyncEngine:
 
     @classmethod
     async def create(cls, model: str, multiprocess: bool = False, detokenize: bool = True,
-                     kv_transfer_factory=None, **engine_kwargs) -> "AsyncEngine":
-        """kv_transfer_factory: builds the KV connector hooks inside the engine-core process
-        (see engine.kv_transfer); it must be picklable when multiprocess=True."""
+                     kv_connector_factory=None, **engine_kwargs) -> "AsyncEngine":
+        """kv_connector_factory: builds the KV connector's two sides inside the engine-core
+        process (see engine.kv_connector); it must be picklable when multiprocess=True."""
         if model == "tiny":
             from engine.tiny import default_tiny_model
             model = default_tiny_model()
         self = cls(EngineConfig.create(model=model, **engine_kwargs), multiprocess, detokenize)
         self.loop = asyncio.get_running_loop()
         if multiprocess:
-            self.client = MPClient(self.config, self._on_core_outputs, kv_transfer_factory)
+            self.client = MPClient(self.config, self._on_core_outputs, kv_connector_factory)
             await self.client.start()
         else:
             self.client = await asyncio.to_thread(
-                InprocClient, self.config, self._threadsafe_on_core_outputs, kv_transfer_factory)
+                InprocClient, self.config, self._threadsafe_on_core_outputs, kv_connector_factory)
         info = self.client.info
         self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         logger.info("engine ready (%s core): max_model_len=%d, %d KV blocks",
@@ -77,31 +77,37 @@ class AsyncEngine:
         return self.client.stats() if self.client is not None else {}
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, publish_kv: bool = False, remote_kv: bytes | None = None,
+                    priority: int = 0, prefill_only: bool = False, publish_kv: bool = False,
+                    remote_kv: bytes | None = None,
                     first_token_id: int | None = None) -> tuple[str, asyncio.Queue]:
         """Validate and queue; raises InvalidRequestError before anything is queued.
 
-        Prefill role: publish_kv=True keeps the prompt's blocks for a decode pull (the final
-        output carries kv_handle). Decode role: remote_kv + first_token_id continue a request
-        whose prompt was prefilled elsewhere."""
+        Prefill role: prefill_only=True stops after the first token, with the request's real
+        stop rules (the final output has a finish_reason only when that token ends it);
+        publish_kv=True then keeps the prompt's blocks for a decode pull (the final output
+        carries kv_handle). Decode role: remote_kv + first_token_id continue a request whose
+        prompt was prefilled elsewhere."""
         token_ids = self.processor.to_token_ids(prompt)
         self.processor.validate(token_ids, params)
         if first_token_id is not None and not 0 <= first_token_id < self.processor.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
-            raise ValueError(f"request id {rid!r} is already running")
+            raise InvalidRequestError(f"request id {rid!r} is already in use by a request in flight")
+        if publish_kv and not prefill_only:
+            raise InvalidRequestError("publish_kv needs prefill_only")
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
         self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
-                                    publish_kv, remote_kv, first_token_id))
+                                    prefill_only, publish_kv, remote_kv, first_token_id))
         return rid, q
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, **disagg) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; leaving the loop early (or cancellation) aborts the request.
-        `disagg`: publish_kv / remote_kv / first_token_id, as add_request takes them."""
+        """Stream deltas (the tokens and text each step added); leaving the loop early (or
+        cancellation) aborts the request. `disagg`: prefill_only / publish_kv / remote_kv /
+        first_token_id, as add_request takes them."""
         rid, q = self.add_request(prompt, params, request_id, priority, **disagg)
         finished = False
         try:
@@ -114,9 +120,13 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; for a finished prefill, free its pinned KV now."""
-        if self.streams.pop(request_id, None) is not None:
-            self.output_processor.abort(request_id)
+        """Stop a request wherever it is; for a finished prefill, free its pinned KV now. A
+        `generate()` still waiting on the request ends with a final, aborted output."""
+        q = self.streams.pop(request_id, None)
+        if q is not None:
+            final = self.output_processor.abort(request_id)
+            if final is not None:
+                q.put_nowait(final)
         if self.client is not None:
             self.client.send(Abort([request_id]))
 

@@ -20,10 +20,11 @@ def _generate(args) -> int:
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                     ignore_eos=args.ignore_eos)
             print(args.prompt, end="", flush=True)
+            num_tokens = 0
             async for out in engine.generate(args.prompt, params):
                 print(out.delta_text, end="", flush=True)
-            c = out.outputs[0]
-            print(f"\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+                num_tokens += len(out.delta_token_ids)
+            print(f"\n[{num_tokens} tokens, finish_reason={out.outputs[0].finish_reason}]", file=sys.stderr)
         except InvalidRequestError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -28,14 +28,16 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     priority: int = 0
-    publish_kv: bool = False  # prefill role
+    prefill_only: bool = False  # prefill role: stop after the first token
+    publish_kv: bool = False  # prefill role: and keep the prompt's KV for a decode's pull
     remote_kv: bytes | None = None  # decode role: KV handle of the prompt
     first_token_id: int | None = None  # decode role: sampled by the prefill instance
 
     def to_request(self) -> Request:
         request = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                           eos_token_id=self.eos_token_id, priority=self.priority,
-                          remote_kv=self.remote_kv, publish_kv=self.publish_kv)
+                          remote_kv=self.remote_kv, prefill_only=self.prefill_only,
+                          publish_kv=self.publish_kv)
         if self.first_token_id is not None:
             request.append_token(self.first_token_id)
         return request
@@ -103,7 +105,7 @@ class _Loop:
             except ValueError as e:  # validated in the front end; a last line of defence
                 logger.error("rejected request %s: %s", msg.request_id, e)
                 from engine.scheduler import EngineCoreOutput
-                self.emit([EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e))])
+                self.emit([EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e), finished=True)])
         elif isinstance(msg, Abort):
             self.core.abort_requests(msg.request_ids)
 
@@ -112,10 +114,10 @@ class InprocClient:
     """Engine core in a background thread (torch releases the GIL in its kernels)."""
 
     def __init__(self, config: EngineConfig, on_output: OutputCallback,
-                 kv_transfer_factory=None) -> None:
+                 kv_connector_factory=None) -> None:
         from engine.engine_core import EngineCore
 
-        self.core = EngineCore(config, kv_transfer_factory=kv_transfer_factory)
+        self.core = EngineCore(config, kv_connector_factory=kv_connector_factory)
         self.info = Ready(self.core.max_model_len, self.core.vocab_size, self.core.runner.num_blocks)
         self._inputs: queue.Queue = queue.Queue()
         loop = _Loop(self.core, self._get, on_output)
@@ -165,7 +167,7 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_tran
     outbound.connect(out_addr)
     decoder = msgspec.msgpack.Decoder(_Inbound)
     try:
-        core = EngineCore(config, kv_transfer_factory=kv_transfer_factory)
+        core = EngineCore(config, kv_connector_factory=kv_transfer_factory)
     except Exception as e:  # report why we could not start, then exit
         outbound.send(_encoder.encode(("error", f"{type(e).__name__}: {e}")))
         return
@@ -191,7 +193,7 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_tran
 class MPClient:
     """Engine core in its own process: the front end's event loop never waits for a step."""
 
-    def __init__(self, config: EngineConfig, on_output: OutputCallback, kv_transfer_factory=None,
+    def __init__(self, config: EngineConfig, on_output: OutputCallback, kv_connector_factory=None,
                  start_timeout: float = 300) -> None:
         import zmq
         import zmq.asyncio
@@ -206,7 +208,7 @@ class MPClient:
         self.outbound.bind(self.out_addr)
         self.on_output = on_output
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr, kv_transfer_factory),
+        self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr, kv_connector_factory),
                                name="pdserve-engine-core", daemon=True)
         self.proc.start()
         self._decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.outputs import OutputProcessor, RequestOutput
+from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import Request, SamplingParams
 
@@ -23,7 +23,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config, show_progress)
         self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, OutputKind.FINAL_ONLY)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,4 +1,5 @@
-"""Flattened varlen batch -> tensors (ids, positions, slot mapping, block tables) -> model -> sampler."""
+"""Flattened varlen batch -> tensors (ids, positions, slot mapping, block tables) -> model -> sampler;
+the KV connector's worker side runs here too (loads started before the forward pass)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_transfer import KVCacheSpec, KVTransferHooks
+from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int,
-                 show_progress: bool = False, kv_transfer: KVTransferHooks | None = None) -> None:
+                 show_progress: bool = False, connector: KVConnectorWorker | None = None) -> None:
         self.config = config
         self.device = torch.device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
@@ -34,8 +35,9 @@ class ModelRunner:
             1, config.cache.kv_cache_memory_bytes // self.bytes_per_block(arch))
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                          self.block_size, self.dtype, self.device)
-        if kv_transfer is not None:  # e.g. shared memory, registered with the connector
-            self.kv_caches = kv_transfer.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
+        self.connector = connector
+        if connector is not None:  # e.g. shared memory, registered with the transport
+            self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
         else:
             # Zero-initialised: attention reads padding slots (masked); 0 * NaN would poison them.
             self.kv_caches = [
@@ -49,7 +51,8 @@ class ModelRunner:
         self._block_table = np.zeros((sc.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 1, dtype=np.int64)
         self.sampler = Sampler(config.model.seed)
-        self.block_ids_of = None  # set by EngineCore: request_id -> list of block ids
+        # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
+        self.block_ids: dict[str, list[int]] = {}
 
     def bytes_per_block(self, arch=None) -> int:
         arch = arch or self.model.arch
@@ -77,7 +80,7 @@ class ModelRunner:
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         table = self._block_table[:b, :max_blocks]
         for i, r in enumerate(reqs):
-            block_ids = self.block_ids_of(r.request_id)
+            block_ids = self.block_ids[r.request_id]
             table[i, :len(block_ids)] = block_ids[:max_blocks]
         rows = np.repeat(self._arange[:b], num_tokens)
         slot_mapping = table[rows, positions // self.block_size].astype(np.int64) * self.block_size \
@@ -95,10 +98,28 @@ class ModelRunner:
         logits_indices = torch.from_numpy(qsl[1:][sample_rows] - 1).to(self.device)
         return input_ids, pos, meta, logits_indices, sample_rows
 
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelOutput:
+    def _update_block_tables(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.sampler.forget(rid)
+            self.block_ids.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.block_ids.pop(rid, None)
+        for r, new_ids in zip(so.scheduled, so.new_block_ids):
+            if new_ids:
+                self.block_ids.setdefault(r.request_id, []).extend(new_ids)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        self._update_block_tables(so)
+        if self.connector is None:
+            return self._execute_model(so)
+        if so.kv_connector_metadata:
+            self.connector.start_load_kv(so.kv_connector_metadata)
+        output = self._execute_model(so)
+        output.kv_connector_output = self.connector.get_finished()
+        return output
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelOutput:
         if not so.scheduled:
             return ModelOutput(sampled_token_ids=[])
         input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)

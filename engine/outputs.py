@@ -1,11 +1,19 @@
 """What the engine gives back to users, and the front-end step that builds it."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import SamplingParams
 from engine.scheduler import EngineCoreOutput
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput holds (as vLLM's RequestOutputKind)."""
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only what this step added (streaming front ends: no O(n^2) copies)
+    FINAL_ONLY = 2  # one output per request, when it finishes (the offline LLM API)
 
 
 @dataclass
@@ -57,8 +65,9 @@ class RequestState:
 class OutputProcessor:
     """Detokenizes core outputs; finds stop strings (the core must then be told to stop)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         self.tokenizer = tokenizer
+        self.kind = kind
         self.states: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -66,13 +75,15 @@ class OutputProcessor:
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """The final, aborted output of a request still in flight (None if there is none)."""
         state = self.states.pop(request_id, None)
         if state is None:
             return None
-        return self._make(state, "", [], "abort", None, True)
+        return self._make(state, "", [], None, "abort", None, True)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         outputs, stopped = [], []
+        final_only = self.kind is OutputKind.FINAL_ONLY
         for co in core_outputs:
             state = self.states.get(co.request_id)
             if state is None:
@@ -81,34 +92,42 @@ class OutputProcessor:
             new_ids = co.new_token_ids
             delta = ""
             if state.detokenizer is not None:
-                delta = state.detokenizer.add_tokens(new_ids, finished=finish_reason is not None)
-                if state.detokenizer.stopped_on is not None and finish_reason is None:
+                delta = state.detokenizer.add_tokens(new_ids, finished=co.finished)
+                if state.detokenizer.stopped_on is not None:
+                    if not co.finished:  # a stop string matched here: the core must stop too
+                        stopped.append(co.request_id)
                     finish_reason, stop_reason = "stop", state.detokenizer.stopped_on
-                    stopped.append(co.request_id)
-                elif state.detokenizer.stopped_on is not None:
-                    finish_reason, stop_reason = "stop", state.detokenizer.stopped_on
-            state.token_ids.extend(new_ids)
+            finished = co.finished or finish_reason is not None
+            new_lps = None
             if state.logprobs is not None and co.new_logprobs:
-                state.logprobs.extend(_entry(tok, lp) for tok, lp in zip(new_ids, co.new_logprobs))
-            finished = finish_reason is not None
-            out = self._make(state, delta, new_ids, finish_reason, stop_reason, finished,
-                             co.num_cached_tokens)
-            out.kv_handle = co.kv_handle
+                new_lps = [_entry(tok, lp) for tok, lp in zip(new_ids, co.new_logprobs)]
+                if self.kind is not OutputKind.DELTA:
+                    state.logprobs.extend(new_lps)
+            if self.kind is not OutputKind.DELTA:
+                state.token_ids.extend(new_ids)
             if co.prompt_logprobs is not None:
                 state.prompt_logprobs = [_entry(tok, lp) for tok, lp in
                                          zip(state.prompt_token_ids[1:], co.prompt_logprobs)]
+            if finished:
+                del self.states[co.request_id]
+            elif final_only:
+                continue
+            out = self._make(state, delta, new_ids, new_lps, finish_reason, stop_reason, finished,
+                             co.num_cached_tokens)
+            out.kv_handle = co.kv_handle
             out.prompt_logprobs = state.prompt_logprobs
             out.queue_time = co.queue_time
             outputs.append(out)
-            if finished:
-                del self.states[co.request_id]
         return outputs, stopped
 
-    @staticmethod
-    def _make(state: RequestState, delta: str, new_ids: list[int], finish_reason, stop_reason,
-              finished: bool, num_cached_tokens: int = 0) -> RequestOutput:
-        text = state.detokenizer.text if state.detokenizer is not None else ""
-        completion = CompletionOutput(0, text, list(state.token_ids), finish_reason, stop_reason,
-                                      state.logprobs)
+    def _make(self, state: RequestState, delta: str, new_ids: list[int], new_logprobs: list | None,
+              finish_reason, stop_reason, finished: bool, num_cached_tokens: int = 0) -> RequestOutput:
+        if self.kind is OutputKind.DELTA:
+            completion = CompletionOutput(0, delta, list(new_ids), finish_reason, stop_reason,
+                                          (new_logprobs or []) if state.logprobs is not None else None)
+        else:
+            text = state.detokenizer.text if state.detokenizer is not None else ""
+            completion = CompletionOutput(0, text, list(state.token_ids), finish_reason, stop_reason,
+                                          state.logprobs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
                              finished, num_cached_tokens, delta, list(new_ids))

@@ -64,6 +64,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    # Prefill-only: the first token did not end the request, another engine decodes the rest.
+    FINISHED_REMOTE_DECODE = 7
 
     @property
     def finished(self) -> bool:
@@ -87,7 +89,10 @@ class Request:
     # Decode role: the signed KV handle of the prompt's blocks on a prefill instance; the
     # request then arrives with prompt + first token and waits in WAITING_FOR_REMOTE_KV.
     remote_kv: bytes | None = None
-    # Prefill role: when finished, keep the prompt's blocks pinned and publish a KV handle.
+    # Prefill role: stop after the first token (if it does not end the request by itself,
+    # status FINISHED_REMOTE_DECODE), another engine decodes the rest.
+    prefill_only: bool = False
+    # With prefill_only: keep the prompt's blocks pinned and publish a KV handle for that engine.
     publish_kv: bool = False
 
     def __post_init__(self) -> None:

@@ -1,30 +1,34 @@
-"""Continuous batching: token budget, chunked prefill, prefix hits, preemption by recompute.
+"""Continuous batching: token budget, chunked prefill, prefix hits, preemption by recompute,
+and KV loaded from (or kept for) another engine through the KV connector's scheduler side.
 
 Pure Python (no torch): drive it in tests with fake model outputs.
 """
 from __future__ import annotations
 
-import heapq
 import time
-import itertools
-from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from engine.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 
 
 @dataclass
 class SchedulerOutput:
-    # Parallel lists: request i computes num_scheduled_tokens[i] tokens this step.
+    # Parallel lists: request i computes num_scheduled_tokens[i] tokens this step, and its block
+    # table grows by new_block_ids[i] (every block allocated for it since it was last scheduled;
+    # all of its blocks the first time, or after a preemption).
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # since the last step
-    # Requests whose blocks were just allocated for KV coming from a prefill instance:
-    # (request, number of leading prompt tokens already cached locally, block ids).
-    remote_kv_allocations: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    kv_connector_metadata: "KVConnectorMetadata | None" = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -39,6 +43,7 @@ class ModelOutput:
     logprobs: list | None = None
     # request id -> prompt-token logprob entries computed this step (same entry shape).
     prompt_logprobs: dict[str, list] | None = None
+    kv_connector_output: "KVConnectorOutput | None" = None
 
 
 @dataclass(slots=True)
@@ -49,7 +54,10 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list | None = None
     num_cached_tokens: int = 0
-    kv_handle: bytes | None = None  # prefill role: the published prompt blocks
+    # Prefill-only requests finish without a finish_reason when another engine decodes the
+    # rest; kv_handle is then what it pulls the prompt's blocks with.
+    finished: bool = False
+    kv_handle: bytes | None = None
     prompt_logprobs: list | None = None  # with the first token, when asked for
     queue_time: float | None = None  # with the first token: seconds from arrival to first scheduled
 
@@ -71,77 +79,45 @@ def check_stop(params, num_output_tokens: int, token: int, eos_token_id: int | N
     return None, None
 
 
-class WaitingQueue:
-    """FCFS is a deque; the priority policy orders by (priority, arrival)."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list = []
-        self._counter = itertools.count()
-
-    def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
-        elif front:
-            self._fifo.appendleft(request)
-        else:
-            self._fifo.append(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, request: Request) -> bool:
-        if self.policy == "priority":
-            for i, entry in enumerate(self._heap):
-                if entry[3] is request:
-                    self._heap.pop(i)
-                    heapq.heapify(self._heap)
-                    return True
-            return False
-        try:
-            self._fifo.remove(request)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self):
-        return iter([e[3] for e in self._heap] if self.policy == "priority" else self._fifo)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 connector: "KVConnectorScheduler | None" = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        # Admitted (they hold blocks and a seat in the batch) while their KV is loaded remotely.
         self.waiting_for_remote_kv: dict[str, Request] = {}
+        # Finished requests whose blocks the connector still uses: published for another
+        # engine's pull, or an aborted load still writing into them.
+        self.finished_holding_blocks: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
+        # Blocks allocated per request since the model runner last heard of it.
+        self._unsent_block_ids: dict[str, list[int]] = {}
         self.num_preemptions = 0
-        # Prefill role: finished requests whose prompt blocks stay pinned for a decode pull.
-        self.pinned: dict[str, Request] = {}
-        self.newly_pinned: list[Request] = []
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
+        if (request.remote_kv is not None or request.publish_kv) and self.connector is None:
+            raise ValueError("this engine has no KV connector: it cannot take part in disaggregation")
         if request.remote_kv is not None:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if self.connector is not None:
+            self.connector.add_request(request)
+        self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_pending_transfers(self) -> bool:
+        """Finished requests whose blocks come back only when the connector says so."""
+        return bool(self.finished_holding_blocks)
 
     @property
     def num_running(self) -> int:
@@ -150,6 +126,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.waiting_for_remote_kv)
+
+    @property
+    def num_seats_taken(self) -> int:
+        """Against max_num_seqs: requests running and requests admitted to load remote KV."""
+        return len(self.running) + len(self.waiting_for_remote_kv)
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -160,7 +141,6 @@ class Scheduler:
         scheduled_index: dict[str, int] = {}
 
         running = self.running
-        allocate = self.kv.allocate_slots
         scheduled, num_scheduled = out.scheduled, out.num_scheduled_tokens
         i = 0
         while i < len(running) and budget > 0:
@@ -172,7 +152,7 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_ids = allocate(request, n)
+                new_ids = self._allocate(request, n)
                 if new_ids is not None:
                     break
                 victim = self._pick_victim()
@@ -189,40 +169,46 @@ class Scheduler:
             if preempted_any:  # a victim before `request` shifts the list
                 i = running.index(request)
             scheduled_index[request.request_id] = len(scheduled)
-            scheduled.append(request)
-            num_scheduled.append(n)
+            self._add_scheduled(out, request, n)
             budget -= n
             i += 1
 
         if not preempted_any:
             self._schedule_waiting(out, budget)
+        assert self.num_seats_taken <= self.config.max_num_seqs, "max_num_seqs exceeded"
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def _allocate(self, request: Request, n: int, hits=(), cache_now: bool = True) -> list[int] | None:
+        new_ids = self.kv.allocate_slots(request, n, hits, cache_now=cache_now)
+        if new_ids:
+            self._unsent_block_ids.setdefault(request.request_id, []).extend(new_ids)
+        return new_ids
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        out.scheduled.append(request)
+        out.num_scheduled_tokens.append(n)
+        out.new_block_ids.append(self._unsent_block_ids.pop(request.request_id, []))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
-        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while len(self.waiting) and budget > 0 and self.num_seats_taken < cfg.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # Pull model: admit only with room for the whole prompt; no compute budget used.
-                n = request.num_prompt_tokens - num_hit_tokens
-                new_ids = self.kv.allocate_slots(request, n, hits, cache_now=False)
-                if new_ids is None:
+                admitted = self._admit_remote(request, hits, num_hit_tokens)
+                if admitted is None:
                     break
-                self.waiting.pop()
-                request.num_computed_tokens = num_hit_tokens
-                request.num_cached_tokens = num_hit_tokens
-                self.waiting_for_remote_kv[request.request_id] = request
-                out.remote_kv_allocations.append(
-                    (request, num_hit_tokens, list(self.kv.get_block_ids(request.request_id))))
-                continue
+                if admitted:
+                    continue
+                request.status = RequestStatus.WAITING  # nothing to load: compute it here
             n = request.num_tokens - num_hit_tokens
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break
                 n = budget
-            new_ids = self.kv.allocate_slots(request, n, hits)
-            if new_ids is None:
+            if self._allocate(request, n, hits) is None:
                 break
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
@@ -231,9 +217,26 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(request)
-            out.num_scheduled_tokens.append(n)
+            self._add_scheduled(out, request, n)
             budget -= n
+
+    def _admit_remote(self, request: Request, hits, num_hit_tokens: int) -> bool | None:
+        """Pull model: admit only with room for the whole prompt; no compute budget used.
+        True: admitted to load; False: nothing to load, compute it here; None: not now."""
+        num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if num_external is None:
+            return None
+        if num_external == 0:
+            return False
+        if self._allocate(request, request.num_prompt_tokens - num_hit_tokens, hits, cache_now=False) is None:
+            return None
+        self.waiting.pop()
+        request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+        request.queue_time = time.monotonic() - request.arrival_time
+        self.waiting_for_remote_kv[request.request_id] = request
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
+                                                num_external)
+        return True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -243,7 +246,7 @@ class Scheduler:
     def _unschedule(self, out: SchedulerOutput, index: dict[str, int], request: Request) -> int:
         j = index.pop(request.request_id)
         n = out.num_scheduled_tokens[j]
-        del out.scheduled[j], out.num_scheduled_tokens[j]
+        del out.scheduled[j], out.num_scheduled_tokens[j], out.new_block_ids[j]
         for rid, k in index.items():
             if k > j:
                 index[rid] = k - 1
@@ -252,6 +255,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute later: drop the blocks (the prefix cache may still hold them)."""
         self.kv.free(request)
+        self._unsent_block_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         if request.prompt_logprobs is not None and request.num_output_tokens == 0:
@@ -292,13 +296,16 @@ class Scheduler:
                     result.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 request.status = status
+                result.finished = True
                 result.finish_reason = status.finish_reason
                 result.stop_reason = request.stop_reason
-                self._free_request(request)
+                result.kv_handle = self._free_request(request)
                 any_finished = True
             results.append(result)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
+        if model_output.kv_connector_output is not None:
+            self._update_from_kv_output(model_output.kv_connector_output)
         return results
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -306,19 +313,30 @@ class Scheduler:
         num_tokens = len(request.all_token_ids)
         num_out = num_tokens - request.num_prompt_tokens
         if (num_out < params.max_tokens and num_tokens < self.max_model_len and token != request.eos_token_id
-                and not params.stop_token_ids):
+                and not params.stop_token_ids and not request.prefill_only):
             return None  # the common case, decided without the general function
         status, reason = check_stop(request.sampling_params, request.num_output_tokens, token,
                                     request.eos_token_id, request.num_tokens, self.max_model_len)
         if reason is not None:
             request.stop_reason = reason
+        if status is None and request.prefill_only:
+            return RequestStatus.FINISHED_REMOTE_DECODE
         return status
 
-    # -- remote KV and aborts --------------------------------------------------------
-    def finish_remote_kv(self, request_id: str, success: bool) -> None:
-        """KV for the prompt arrived (or failed: then the prompt is recomputed locally)."""
+    # -- KV connector and aborts --------------------------------------------------------
+    def _update_from_kv_output(self, kv_out: "KVConnectorOutput") -> None:
+        self.connector.update_connector_output(kv_out)
+        for rid in kv_out.finished_recving:
+            self._remote_kv_done(rid, success=True)
+        for rid in kv_out.failed_recving:
+            self._remote_kv_done(rid, success=False)  # recomputed here from what is cached
+        for rid in kv_out.finished_sending:
+            self._release_held_blocks(rid)
+
+    def _remote_kv_done(self, request_id: str, success: bool) -> None:
         request = self.waiting_for_remote_kv.pop(request_id, None)
-        if request is None:
+        if request is None:  # finished (aborted) while loading: its blocks are free to go now
+            self._release_held_blocks(request_id)
             return
         if success:
             request.num_computed_tokens = request.num_prompt_tokens
@@ -327,41 +345,48 @@ class Scheduler:
         request.remote_kv = None
         self.running.append(request)
 
+    def _release_held_blocks(self, request_id: str) -> None:
+        request = self.finished_holding_blocks.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Abort (or stop, e.g. on a stop string) requests wherever they are."""
+        """Abort (or stop, e.g. on a stop string) requests wherever they are; a finished request
+        whose blocks are still held for a transfer has that transfer cancelled."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         removed = False
         for rid in request_ids:
             request = self.requests.get(rid)
-            if request is None or request.is_finished():
+            if request is None:
+                if rid in self.finished_holding_blocks:
+                    self.connector.cancel(rid)  # its blocks come back with the connector's report
                 continue
             if request.status == RequestStatus.RUNNING:
                 removed = True
-            elif rid in self.waiting_for_remote_kv:
-                del self.waiting_for_remote_kv[rid]
-            else:
+            elif self.waiting_for_remote_kv.pop(rid, None) is None:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
         if removed:
             self.running = [r for r in self.running if not r.is_finished()]
 
-    def _free_request(self, request: Request) -> None:
-        if request.publish_kv and request.status != RequestStatus.FINISHED_ABORTED:
-            self.pinned[request.request_id] = request
-            self.newly_pinned.append(request)
+    def _free_request(self, request: Request) -> bytes | None:
+        """Returns the KV handle when the connector keeps the blocks for another engine."""
+        rid = request.request_id
+        delay_free, kv_handle = False, None
+        if self.connector is not None:
+            delay_free, kv_handle = self.connector.request_finished(request, self.kv.get_block_ids(rid))
+        if delay_free:
+            self.finished_holding_blocks[rid] = request
         else:
             self.kv.free(request)
-        self.requests.pop(request.request_id, None)
-        self._finished_since_step.append(request.request_id)
-
-    def free_pinned(self, request_id: str) -> None:
-        """A decode instance pulled the blocks, or their lease ended: return them."""
-        request = self.pinned.pop(request_id, None)
-        if request is not None:
-            self.kv.free(request)
+        self._unsent_block_ids.pop(rid, None)
+        self.requests.pop(rid, None)
+        self._finished_since_step.append(rid)
+        return kv_handle
 
     @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(self.kv.get_block_ids(rid)) for rid in self.pinned)
+    def num_held_blocks(self) -> int:
+        """Blocks of finished requests kept for transfers (published, or being aborted)."""
+        return sum(len(self.kv.get_block_ids(rid)) for rid in self.finished_holding_blocks)

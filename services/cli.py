@@ -12,10 +12,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     engine_cli.add_engine_commands(sub)
     try:
-        from services.engine_server import add_engine_parsers
+        from services.decode import cli as decode_cli
+        from services.prefill import cli as prefill_cli
     except ImportError as e:
         raise SystemExit(f"error: the gRPC code is not generated ({e}); run `make proto`") from None
-    add_engine_parsers(sub)
+    prefill_cli.add_parser(sub)
+    decode_cli.add_parsers(sub)
     for module, hook in (("services.router.cli", "add_router_parser"), ("services.launcher", "add_up_parser"),
                          ("bench.serve", "add_bench_parser"), ("services.planner.cli", "add_planner_parser")):
         try:

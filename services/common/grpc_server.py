@@ -24,10 +24,15 @@ class FailedPrecondition(Exception):
     """The request is valid but this instance cannot serve it (wrong role, no connector)."""
 
 
+class RequestAborted(Exception):
+    """The request was aborted (an Abort call) before it could answer."""
+
+
 _CODES: list[tuple[type, grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (RequestAborted, grpc.StatusCode.ABORTED),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

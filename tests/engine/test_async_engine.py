@@ -12,25 +12,28 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 async def collect(engine: AsyncEngine, prompt, params=GREEDY):
-    final, deltas = None, []
+    """(final output, every streamed token id, the streamed text): the stream carries deltas."""
+    final, token_ids, text = None, [], ""
     async for out in engine.generate(prompt, params):
-        deltas.append(out.delta_text)
+        assert out.outputs[0].token_ids == out.delta_token_ids and out.outputs[0].text == out.delta_text
+        token_ids += out.delta_token_ids
+        text += out.delta_text
         final = out
-    return final, "".join(deltas)
+    return final, token_ids, text
 
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["thread", "process"])
 def test_async_matches_offline_and_streams(tiny_llama, multiprocess):
     prompts = ["The old king", "Green river stone", "a b c", "Winter"]
-    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(prompts, GREEDY)]
+    expected = LLM(tiny_llama).generate(prompts, GREEDY)
 
     async def main():
         engine = await AsyncEngine.create(tiny_llama, multiprocess=multiprocess)
         try:
             results = await asyncio.gather(*(collect(engine, p) for p in prompts))
-            for (final, streamed), exp in zip(results, expected):
-                assert final.finished and final.outputs[0].token_ids == exp
-                assert streamed == final.outputs[0].text
+            for (final, token_ids, text), exp in zip(results, expected):
+                assert final.finished and final.outputs[0].finish_reason == "length"
+                assert token_ids == exp.outputs[0].token_ids and text == exp.outputs[0].text
             with pytest.raises(InvalidRequestError):
                 await collect(engine, "")
             # Abort by leaving the stream early: the engine keeps serving and frees the request.
@@ -38,8 +41,8 @@ def test_async_matches_offline_and_streams(tiny_llama, multiprocess):
             await agen.__anext__()
             await agen.aclose()
             assert not engine.streams
-            final, _ = await collect(engine, prompts[0])
-            assert final.outputs[0].token_ids == expected[0]
+            _, token_ids, _ = await collect(engine, prompts[0])
+            assert token_ids == expected[0].outputs[0].token_ids
         finally:
             await engine.shutdown()
 
@@ -60,6 +63,30 @@ def test_inproc_abort_frees_blocks(tiny_llama):
                 await asyncio.sleep(0.01)
             assert not core.has_unfinished_requests()
             core.check_integrity(expect_all_free=True)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_ends_a_waiting_generate_with_an_aborted_output(tiny_llama):
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama)
+        try:
+            outputs = []
+
+            async def consume():
+                async for out in engine.generate("The old king", SamplingParams(max_tokens=500, ignore_eos=True),
+                                                 request_id="victim"):
+                    outputs.append(out)
+
+            task = asyncio.create_task(consume())
+            while not outputs:
+                await asyncio.sleep(0.005)
+            engine.abort("victim")  # from elsewhere: e.g. the service's Abort RPC
+            await asyncio.wait_for(task, timeout=10)
+            assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+            assert not engine.streams
         finally:
             await engine.shutdown()
 

@@ -10,16 +10,18 @@ from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoad
 from engine.scheduler import ModelOutput, Scheduler
 
 BS = 4
 
 
-def make_scheduler(num_blocks=64, max_tokens=32, max_seqs=8, policy="fcfs", chunked=True, caching=True):
+def make_scheduler(num_blocks=64, max_tokens=32, max_seqs=8, policy="fcfs", chunked=True, caching=True,
+                   connector=None):
     kv = KVCacheManager(num_blocks, BS, caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                           enable_chunked_prefill=chunked, policy=policy)
-    return Scheduler(cfg, kv, max_model_len=1024)
+    return Scheduler(cfg, kv, max_model_len=1024, connector=connector)
 
 
 def req(rid, n_prompt, max_tokens=4, first=0, **kw):
@@ -47,7 +49,8 @@ def run_to_end(s: Scheduler, limit=1000):
 
 
 def test_scheduler_imports_no_torch():
-    code = "import sys, engine.scheduler, engine.kv_cache_manager; assert 'torch' not in sys.modules"
+    code = ("import sys, engine.scheduler, engine.kv_cache_manager, engine.kv_connector; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -170,36 +173,157 @@ def test_abort_everywhere_frees_blocks():
     s.kv.check_integrity(expect_all_free=True)
 
 
-def test_remote_kv_request_waits_then_joins_with_computed_tokens():
-    s = make_scheduler(max_tokens=64)
-    r = req("remote", 10, max_tokens=4)
-    r.remote_kv = object()
+class FakeConnector(KVConnectorScheduler):
+    """A scheduler-side connector that loads every remote prompt (or publishes every prefill)."""
+
+    def __init__(self):
+        self.allocated, self.finished, self.cancelled = {}, [], []
+        self.meta = KVConnectorMetadata()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return request.num_prompt_tokens - num_computed_tokens if request.remote_kv else 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocated[request.request_id] = (list(block_ids), num_external_tokens)
+        self.meta.loads.append(KVLoad(request.request_id, request.remote_kv, list(block_ids), 0))
+
+    def request_finished(self, request, block_ids):
+        self.finished.append((request.request_id, request.status))
+        if request.status == RequestStatus.FINISHED_REMOTE_DECODE and request.publish_kv:
+            return True, b"handle:" + request.request_id.encode()
+        if request.request_id in self.allocated and request.status == RequestStatus.FINISHED_ABORTED:
+            self.meta.cancels.append(request.request_id)
+            return True, None  # aborted mid-load: held until the pull stops
+        return False, None
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def build_connector_meta(self):
+        meta, self.meta = self.meta, KVConnectorMetadata()
+        return meta
+
+
+def kv_step(s: Scheduler, kv_out: KVConnectorOutput | None = None, token: int = 7):
+    out = s.schedule()
+    n_sample = sum(1 for r, n in zip(out.scheduled, out.num_scheduled_tokens)
+                   if r.num_computed_tokens + n == r.num_tokens)
+    return out, s.update_from_output(out, ModelOutput([token] * n_sample, kv_connector_output=kv_out))
+
+
+def remote_req(rid, n_prompt, max_tokens=4, first=0):
+    r = req(rid, n_prompt, max_tokens=max_tokens, first=first, remote_kv=b"h")
     r.append_token(99)  # the first token came from the prefill instance
+    return r
+
+
+def test_remote_kv_request_waits_then_joins_with_computed_tokens():
+    conn = FakeConnector()
+    s = make_scheduler(max_tokens=64, connector=conn)
+    r = remote_req("remote", 10)
     s.add_request(r)
     out = s.schedule()
     assert out.scheduled == [] and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
-    (alloc_req, num_local, block_ids), = out.remote_kv_allocations
-    assert alloc_req is r and num_local == 0 and len(block_ids) == 3
-    fake_step(s)  # nothing to do while the KV is in flight
-    s.finish_remote_kv("remote", success=True)
-    out, res = fake_step(s)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.request_id == "remote" and len(load.block_ids) == 3
+    assert conn.allocated["remote"] == (load.block_ids, 10)
+    s.update_from_output(out, ModelOutput([]))
+    kv_step(s)  # nothing to do while the KV is in flight
+    kv_step(s, KVConnectorOutput(finished_recving=["remote"]))
+    out, res = kv_step(s)
     assert out.num_scheduled_tokens == [1]  # only the first token's KV is computed here
+    assert out.new_block_ids == [load.block_ids]  # the runner hears of the blocks once, all of them
     assert res[0].new_token_ids == [7]
     run_to_end(s)
     s.kv.check_integrity(expect_all_free=True)
 
 
 def test_remote_kv_failure_recomputes_prompt():
-    s = make_scheduler(max_tokens=64)
-    r = req("remote", 10, max_tokens=2)
-    r.remote_kv = object()
-    r.append_token(99)
-    s.add_request(r)
-    s.schedule()
-    s.finish_remote_kv("remote", success=False)
-    out, _ = fake_step(s)
+    s = make_scheduler(max_tokens=64, connector=FakeConnector())
+    s.add_request(remote_req("remote", 10, max_tokens=2))
+    s.update_from_output(s.schedule(), ModelOutput([], kv_connector_output=KVConnectorOutput(
+        failed_recving={"remote": "PeerLost: gone"})))
+    out, _ = kv_step(s)
     assert out.num_scheduled_tokens == [11]
     run_to_end(s)
+    s.kv.check_integrity(expect_all_free=True)
+
+
+def test_requests_loading_remote_kv_count_against_max_num_seqs():
+    s = make_scheduler(max_tokens=64, max_seqs=4, connector=FakeConnector())
+    for i in range(12):
+        s.add_request(remote_req(f"r{i}", 6, first=10 * i))
+    out = s.schedule()
+    assert len(out.kv_connector_metadata.loads) == 4 and s.num_seats_taken == 4
+    s.update_from_output(out, ModelOutput([], kv_connector_output=KVConnectorOutput(
+        finished_recving=[f"r{i}" for i in range(4)])))
+    for _ in range(200):
+        out, _ = kv_step(s, KVConnectorOutput(finished_recving=[
+            load.request_id for load in (out.kv_connector_metadata.loads if out.kv_connector_metadata else [])]))
+        assert len(out.scheduled) <= 4 and s.num_seats_taken <= 4
+        if not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()
+    s.kv.check_integrity(expect_all_free=True)
+
+
+def test_abort_while_loading_holds_blocks_until_the_pull_stops():
+    conn = FakeConnector()
+    s = make_scheduler(max_tokens=64, connector=conn)
+    s.add_request(remote_req("r", 10))
+    s.update_from_output(s.schedule(), ModelOutput([]))
+    s.finish_requests(["r"])
+    out = s.schedule()
+    assert out.kv_connector_metadata.cancels == ["r"] and s.has_pending_transfers()
+    assert s.kv.block_pool.num_free_blocks < s.kv.block_pool.num_blocks  # the pull may still write
+    s.update_from_output(out, ModelOutput([], kv_connector_output=KVConnectorOutput(
+        failed_recving={"r": "TransferAborted"})))
+    assert not s.has_pending_transfers()
+    s.kv.check_integrity(expect_all_free=True)
+
+
+@pytest.mark.parametrize("max_tokens,eos,stop_ids,expect", [
+    (4, None, (), (RequestStatus.FINISHED_REMOTE_DECODE, None, True)),
+    (1, None, (), (RequestStatus.FINISHED_LENGTH, "length", False)),
+    (4, 7, (), (RequestStatus.FINISHED_STOPPED, "stop", False)),
+    (4, None, (7,), (RequestStatus.FINISHED_STOPPED, "stop", False)),
+])
+def test_prefill_only_decides_stop_once_with_the_real_parameters(max_tokens, eos, stop_ids, expect):
+    conn = FakeConnector()
+    s = make_scheduler(connector=conn)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=stop_ids)
+    s.add_request(Request("p", list(range(9)), params, eos_token_id=eos, prefill_only=True, publish_kv=True))
+    _, (result,) = kv_step(s, token=7)
+    status, reason, published = expect
+    assert conn.finished == [("p", status)] and result.finished
+    assert result.finish_reason == reason and (result.kv_handle is not None) == published
+    assert result.stop_reason == (7 if stop_ids else None)
+    assert s.has_pending_transfers() == published
+    s.finish_requests(["p"])  # an abort after the prefill: its transfer is cancelled
+    assert conn.cancelled == (["p"] if published else [])
+    s.update_from_output(s.schedule(), ModelOutput([], kv_connector_output=KVConnectorOutput(
+        finished_sending=["p"])))
+    s.kv.check_integrity(expect_all_free=True)
+
+
+def test_new_block_ids_rebuild_every_block_table():
+    """What the model runner is told adds up to the KV cache manager's own tables, through chunks,
+    prefix hits, preemption and finishes."""
+    s = make_scheduler(num_blocks=24, max_tokens=12, max_seqs=6)
+    tables: dict[str, list[int]] = {}
+    for i in range(8):
+        s.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=12, first=100 * (i % 3)))
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        out, _ = fake_step(s)
+        for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
+            tables.pop(rid, None)
+        for r, ids in zip(out.scheduled, out.new_block_ids):
+            tables.setdefault(r.request_id, []).extend(ids)
+            if not r.is_finished():  # a finished request's blocks are already freed
+                assert tables[r.request_id] == s.kv.get_block_ids(r.request_id)
+    assert not s.has_unfinished_requests() and s.num_preemptions > 0
     s.kv.check_integrity(expect_all_free=True)
 
 

@@ -20,11 +20,12 @@ def parser(*hooks) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only"],
                          ids=lambda v: v or "defaults")
 def test_rendered_args_parse_with_the_pdserve_clis(value_set):
-    from services.engine_server import add_engine_parsers
+    from services.decode.cli import add_parsers as add_decode_parsers
     from services.planner.cli import add_planner_parser, config_from_args as planner_config
+    from services.prefill.cli import add_parser as add_prefill_parser
     from services.router.cli import add_router_parser, config_from_args as router_config
 
-    cli = parser(add_engine_parsers, add_router_parser, add_planner_parser)
+    cli = parser(add_prefill_parser, add_decode_parsers, add_router_parser, add_planner_parser)
     deployments = by_kind(render("3", value_set), "Deployment")
     for name, deployment in deployments.items():
         args = cli.parse_args(container(deployment)["args"])

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from services.metrics import ServiceMetrics
+from services.common.metrics import ServiceMetrics
 from services.planner.scrape import ScrapeSource, histogram_quantile, parse_metrics
 
 

@@ -1,0 +1,50 @@
+"""The flags every engine service takes (each also reads a PDSERVE_* environment variable)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from services.common.flags import add
+from services.common.kv_connector import KVConnectorConfig
+from services.common.role import Role
+
+
+def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(role.value, help=help_text, description=help_text)
+    add(p, "--model", default="tiny", help="checkpoint directory, or 'tiny' (built-in random Llama)")
+    add(p, "--served-model-name", default=None, help="model name in metrics (default: directory name)")
+    add(p, "--host", default="127.0.0.1", help="address for gRPC and metrics")
+    add(p, "--port", type=int, default=role.default_port, help="gRPC port")
+    add(p, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    add(p, "--engine-id", default=f"{role.value}-{os.getpid()}", help="instance name (default: role-pid)")
+    add(p, "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    add(p, "--inproc", action="store_true", help="run the engine core in a thread, not its own process")
+    add(p, "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"], help="model dtype")
+    add(p, "--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    add(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    add(p, "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
+    add(p, "--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size when --num-blocks is unset")
+    add(p, "--max-num-seqs", type=int, default=256, help="most requests in the running batch")
+    add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add(p, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
+    add(p, "--num-threads", type=int, default=None, help="torch threads of the engine core")
+    add(p, "--kernel-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
+        help="attention kernels")
+    return p
+
+
+def add_kv_flags(p: argparse.ArgumentParser) -> None:
+    """The KV connector's flags both disaggregated roles share."""
+    add(p, "--kv-transport", default="tcp", choices=["tcp", "shm", "ucx", "nccl", "none"],
+        help="KV transfer transport")
+    add(p, "--kv-secret", default=None, help="secret shared by the deployment to sign KV handles")
+
+
+def kv_connector_config(args, role: Role, **options) -> KVConnectorConfig | None:
+    if args.kv_transport == "none":
+        return None
+    if not args.kv_secret:
+        raise SystemExit(f"error: --kv-secret (or PDSERVE_KV_SECRET) is required for {role}")
+    return KVConnectorConfig(args.kv_transport, role, args.kv_secret.encode(), args.engine_id, **options)

@@ -1,0 +1,113 @@
+"""One engine service process, whatever its role: the engine, its metrics, the gRPC server with the
+role's servicer and the shared Engine service (Abort, GetLoad), warm-up, drain."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.request import InvalidRequestError, SamplingParams
+from services import convert
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common.grpc_server import GrpcService
+from services.common.kv_connector import KVConnectorConfig
+from services.common.metrics import ServiceMetrics
+from services.common.role import Role
+
+logger = logging.getLogger("pdserve.engine")
+
+
+class EngineHost:
+    """What a role's servicer works with: the engine, its metrics, its identity."""
+
+    def __init__(self, engine: AsyncEngine, role: Role, engine_id: str, metrics: ServiceMetrics) -> None:
+        self.engine, self.role, self.engine_id, self.metrics = engine, role, engine_id, metrics
+
+    @staticmethod
+    def prompt(ids) -> list[int]:
+        prompt = list(ids)
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids is empty")
+        return prompt
+
+    def count_tokens(self, prompt_tokens: int, gen_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(gen_tokens)
+
+    def observe_finished(self, start: float, reason: str) -> None:
+        self.metrics.e2e.observe(time.monotonic() - start)
+        self.metrics.finished(reason)
+
+    def observe_first_token(self, start: float, queue_time: float | None) -> None:
+        self.metrics.ttft.observe(time.monotonic() - start)
+        if queue_time is not None:
+            self.metrics.queue.observe(queue_time)
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    """Abort and GetLoad, the same on every role."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        engine = self.host.engine
+        found = request.request_id in engine.streams
+        engine.abort(request.request_id)  # also frees published KV that no decode pulled
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> pb.LoadReport:
+        engine = self.host.engine
+        return convert.load_report(engine.stats(), self.host.engine_id, self.host.role.value,
+                                   engine.config.cache.block_size, engine.max_model_len)
+
+
+def engine_kwargs(args) -> dict:
+    """The engine options of the shared flags."""
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+                enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
+                num_threads=args.num_threads, kernel_backend=args.kernel_backend,
+                kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
+
+
+async def serve(args, role: Role, service_name: str, add_servicer: Callable[[EngineHost, grpc.aio.Server], None],
+                kv_connector: KVConnectorConfig | None) -> int:
+    """Run one engine service until SIGTERM; returns the exit code."""
+    engine_id = args.engine_id
+    logger.info("starting %s %s on %s:%d (model %s)", role, engine_id, args.host, args.port, args.model)
+    engine = await AsyncEngine.create(args.model, multiprocess=not args.inproc, detokenize=False,
+                                      kv_connector_factory=kv_connector, **engine_kwargs(args))
+    model_name = args.served_model_name or os.path.basename(os.path.normpath(engine.config.model.path))
+    metrics = ServiceMetrics(engine.stats, model_name, role.value, engine_id)
+    host = EngineHost(engine, role, engine_id, metrics)
+
+    def add(server: grpc.aio.Server) -> None:
+        add_servicer(host, server)
+        pb_grpc.add_EngineServicer_to_server(EngineServicer(host), server)
+
+    names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in (service_name, "Engine")]
+    service = GrpcService(args.host, args.port, names, add, args.drain_timeout)
+    await service.start()
+    service.install_signal_handlers()
+    if args.metrics_port:
+        metrics.serve(args.host, args.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    # Warm up: one real request through the whole engine before reporting SERVING.
+    async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)):
+        pass
+    await service.set_serving(True)
+    logger.info("%s %s ready: gRPC on %s:%d", role, engine_id, args.host, service.port)
+    await service.wait_for_stop()
+    logger.info("%s %s draining (up to %.0fs)", role, engine_id, args.drain_timeout)
+    await service.drain()
+    await engine.shutdown()
+    logger.info("%s %s stopped", role, engine_id)
+    return 0

@@ -1,0 +1,74 @@
+"""What both roles' KV connectors share: the picklable config that builds them inside the engine-core
+process, and the link from the scheduler side to the transport the worker side creates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtransfer import KVHandle, KVLayout
+
+from services.common.role import Role
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    """Sent to the engine-core process, which calls it to build (scheduler side, worker side)."""
+    transport: str
+    role: Role  # PREFILL or DECODE
+    secret: bytes
+    engine_id: str
+    host: str = "127.0.0.1"  # prefill: where pulls connect
+    port: int = 0
+    lease_ttl_s: float = 30.0  # prefill: how long published KV stays pinned unpulled
+    timeout_s: float = 30.0  # decode: deadline of one pull
+
+    def __call__(self):
+        link = TransportLink(self)
+        if self.role is Role.PREFILL:
+            from services.prefill.kv_connector import PrefillConnectorScheduler, PrefillConnectorWorker
+
+            return PrefillConnectorScheduler(link), PrefillConnectorWorker(link)
+        if self.role is Role.DECODE:
+            from services.decode.kv_connector import DecodeConnectorScheduler, DecodeConnectorWorker
+
+            return DecodeConnectorScheduler(link), DecodeConnectorWorker(link)
+        raise ValueError(f"a {self.role} engine has no KV connector")
+
+
+class TransportLink:
+    """The kvtransfer connector both sides use. The worker side creates it when the model
+    runner allocates the KV caches (the layout is known then), before any request arrives."""
+
+    def __init__(self, config: KVConnectorConfig) -> None:
+        self.config = config
+        self._connector = None
+
+    def create(self, spec, **kwargs):
+        from kvtransfer import create_connector
+
+        c = self.config
+        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+                          dtype=str(spec.dtype).removeprefix("torch."), device=str(spec.device))
+        self._connector = create_connector(c.transport, c.role.value, layout, secret=c.secret,
+                                           engine_id=c.engine_id, **kwargs)
+        return self._connector
+
+    @property
+    def connector(self):
+        if self._connector is None:
+            raise RuntimeError("the KV caches are not allocated yet")
+        return self._connector
+
+    @property
+    def block_size(self) -> int:
+        return self.connector.worker.layout.block_size
+
+    def close(self) -> None:
+        if self._connector is not None:
+            self._connector.close()
+
+    def parse_handle(self, data: bytes) -> KVHandle:
+        """A handle this engine can pull with: well-formed, signed by the deployment, same layout."""
+        handle = KVHandle.from_bytes(data)
+        handle.verify(self.config.secret)
+        self.connector.worker.layout.check_compatible(handle.layout_fingerprint)
+        return handle

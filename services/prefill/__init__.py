@@ -1,0 +1,1 @@
+"""The prefill service: computes prompts and publishes their KV for decode instances to pull."""
