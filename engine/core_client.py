@@ -142,10 +142,15 @@ class InprocClient:
 
 
 def _die_with_parent() -> None:
-    """Linux: if the front end is killed outright, the engine core must not outlive it."""
+    """The front end owns the engine core's life: it stops the core with a shutdown message, and
+    on Linux the core gets SIGTERM if the front end is killed outright. A terminal's Ctrl-C reaches
+    every process of its group: the core ignores it (no KeyboardInterrupt traceback while its
+    front end drains) and leaves the decision to the front end."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -154,12 +159,12 @@ def _die_with_parent() -> None:
 
 
 def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_transfer_factory) -> None:
+    _die_with_parent()  # first: importing the engine takes seconds
     import zmq
 
     from engine.engine_core import EngineCore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
     ctx = zmq.Context()
     inbound = ctx.socket(zmq.PULL)
     inbound.connect(in_addr)
