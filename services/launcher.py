@@ -1,6 +1,7 @@
 """`pdserve up`: the whole stack on 127.0.0.1 (router + prefill and decode services)."""
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -57,13 +58,16 @@ class Stack:
 
     def spawn(self, name: str, argv: list[str], env: dict, grpc_port: int | None = None) -> Child:
         cmd = [sys.executable, "-m", "services.cli", *argv]
-        proc = subprocess.Popen(cmd, env=env)
+        # Its own process group: a terminal's Ctrl-C reaches this process only, and stop() ends the
+        # stack in order (router first) with SIGTERM, which every service drains on.
+        proc = subprocess.Popen(cmd, env=env, process_group=0)
         child = Child(name, proc, grpc_port)
         self.children.append(child)
         logger.info("started %s (pid %d)", name, proc.pid)
         return child
 
-    def start(self) -> str:
+    def start(self) -> str | None:
+        """The router's URL once every service is healthy; None if a stop signal came first."""
         a = self.args
         env = dict(os.environ)
         env["PDSERVE_KV_SECRET"] = a.kv_secret or secrets.token_hex(16)  # never on a command line
@@ -79,8 +83,9 @@ class Stack:
                     argv += ["--kv-transport", a.transport]
                 self.spawn(f"{role}-{i}", argv, env, port)
                 (prefill if role == "prefill" else decode).append(f"127.0.0.1:{port}")
-        self._wait(lambda: all(c.grpc_port is None or _grpc_serving(c.grpc_port) for c in self.children),
-                   "engine services to report SERVING")
+        if not self._wait(lambda: all(c.grpc_port is None or _grpc_serving(c.grpc_port) for c in self.children),
+                          "engine services to report SERVING"):
+            return None
         http_port = a.port or free_port()
         router = ["router", "--model", a.model, "--host", "127.0.0.1", "--port", str(http_port),
                   "--decode", ",".join(decode), "--policy", a.policy]
@@ -89,18 +94,20 @@ class Stack:
         router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
         self.spawn("router", router, env)
         url = f"http://127.0.0.1:{http_port}"
-        self._wait(lambda: _http_ok(f"{url}/health"), "the router")
-        return url
+        return url if self._wait(lambda: _http_ok(f"{url}/health"), "the router") else None
 
-    def _wait(self, ready, what: str) -> None:
+    def _wait(self, ready, what: str) -> bool:
         deadline = time.monotonic() + self.args.startup_timeout
         while not ready():
+            if self.stopping:
+                return False
             dead = [c for c in self.children if c.proc.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode} during start-up")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}")
             time.sleep(0.25)
+        return True
 
     def watch(self) -> int:
         """Until SIGTERM/SIGINT or a child dies."""
@@ -127,15 +134,15 @@ class Stack:
         logger.info("stack stopped")
 
 
-def demo_request(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        model = json.load(r)["data"][0]["id"]
+def demo_request(url: str, model: str, stopping=lambda: False) -> str:
     body = json.dumps({"model": model, "prompt": "The old king", "max_tokens": 24, "temperature": 0,
                        "stream": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     text = []
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
+            if stopping():
+                break
             line = line.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
@@ -146,32 +153,47 @@ def demo_request(url: str) -> str:
     return "".join(text)
 
 
-def run_up(args) -> int:
-    stack = Stack(args)
-
-    def on_signal(signum, frame):
-        stack.stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    code = 0
+def announce(url: str, args, stopping) -> None:
+    """The URL, a curl to paste, and with --demo one streamed completion."""
+    print(f"\npdserve is serving at {url}  (prefill x{args.prefill}, decode x{args.decode}, "
+          f"transport {args.transport})", flush=True)
     try:
-        url = stack.start()
-        print(f"\npdserve is serving at {url}  (prefill x{args.prefill}, decode x{args.decode}, "
-              f"transport {args.transport})", flush=True)
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
             model = json.load(r)["data"][0]["id"]
         print("try:\n  curl " + f"{url}/v1/completions -H 'Content-Type: application/json' -d "
               + "'" + json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16}) + "'\n", flush=True)
         if args.demo:
             print("demo completion (streamed): The old king", end="", flush=True)
-            demo_request(url)
-        print("serving; Ctrl-C to stop", flush=True)
-        code = stack.watch()
+            demo_request(url, model, stopping)
+    except (OSError, http.client.HTTPException, ValueError) as e:  # a dead service is watch()'s call
+        print(flush=True)
+        logger.error("a request to the router failed: %s", e)
+
+
+def run_up(args) -> int:
+    stack = Stack(args)
+
+    def on_signal(signum, frame):
+        stack.stopping = True
+
+    # The children are in process groups of their own (see Stack.spawn): a closed terminal's SIGHUP
+    # must stop them too.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    code = 0
+    try:
+        url = stack.start()
+        if url is not None:
+            announce(url, args, lambda: stack.stopping)
+            if not stack.stopping:
+                print("serving; Ctrl-C to stop", flush=True)
+            code = stack.watch()
     except RuntimeError as e:
         logger.error("%s", e)
         code = 1
     finally:
+        if stack.stopping:
+            logger.info("stopping the stack")
         stack.stop()
     return code
 
