@@ -13,7 +13,7 @@ def _generate(args) -> int:
     from engine.request import InvalidRequestError, SamplingParams
 
     async def main() -> int:
-        engine = await AsyncEngine.create(args.model, dtype=args.dtype,
+        engine = await AsyncEngine.create(args.model, device=args.device, dtype=args.dtype,
                                           max_model_len=args.max_model_len)
         try:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -64,6 +64,7 @@ def add_engine_commands(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--device", default="auto", help="auto (the first visible GPU, else the CPU), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.set_defaults(func=_generate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
@@ -62,7 +63,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    device: str = "cpu"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: the first visible GPU, else the CPU)
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass(frozen=True)

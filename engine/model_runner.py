@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.device import resolve_device
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata
@@ -23,7 +24,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int,
                  show_progress: bool = False, connector: KVConnectorWorker | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.parallel.device)
+        self.device = resolve_device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config)
         torch.manual_seed(config.model.seed)
@@ -50,7 +51,7 @@ class ModelRunner:
         self._positions = np.zeros(sc.max_num_batched_tokens, dtype=np.int64)
         self._block_table = np.zeros((sc.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 1, dtype=np.int64)
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, self.device)
         # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
         self.block_ids: dict[str, list[int]] = {}
 

@@ -31,11 +31,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 class Sampler:
-    """Samples one token per row. Seeded rows draw from their own generator, so a request's
-    tokens do not depend on what else is in the batch."""
+    """Samples one token per row, on the logits' device. Seeded rows draw from their own
+    generator (on that device), so a request's tokens do not depend on what else is in the batch."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
@@ -57,16 +58,18 @@ class Sampler:
         return token_list, (self._logprobs(logprobs, token_list, params) if want_logprobs else None)
 
     def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
-        greedy = torch.tensor([p.greedy for p in params])
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        dev = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
         logits = logits / temps[:, None]
         top_k = top_p = min_p = None
+        vocab = logits.shape[-1]
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params])
+            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params])
+            top_p = torch.tensor([p.top_p for p in params], device=dev)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params])
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
         probs = torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one noise row per request.
         noise = torch.empty_like(probs)
@@ -74,7 +77,7 @@ class Sampler:
             if p.seed is not None:
                 gen = self.request_generators.get(r.request_id)
                 if gen is None:
-                    gen = self.request_generators[r.request_id] = torch.Generator().manual_seed(p.seed)
+                    gen = self.request_generators[r.request_id] = torch.Generator(device=dev).manual_seed(p.seed)
                     # Tokens sampled elsewhere (a prefill instance's first token) used draws
                     # of this seed already: skip them, so disaggregated == colocated.
                     for _ in range(r.num_output_tokens):
@@ -88,17 +91,20 @@ class Sampler:
     @staticmethod
     def _hide_stop_tokens(logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         """Before min_tokens, EOS and stop token ids cannot be chosen (as vLLM does)."""
+        vocab = logits.shape[-1]
         rows: list[int] = []
         cols: list[int] = []
         for i, (r, p) in enumerate(zip(requests, params)):
             if p.min_tokens > r.num_output_tokens:
-                banned = [*p.stop_token_ids, *(() if r.eos_token_id is None else (r.eos_token_id,))]
+                banned = [t for t in (*p.stop_token_ids, *(() if r.eos_token_id is None else (r.eos_token_id,)))
+                          if 0 <= t < vocab]  # an id outside the vocabulary can never be sampled anyway
                 rows += [i] * len(banned)
                 cols += banned
         if not rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")  # one indexed write for the batch
+        index = torch.tensor([rows, cols], device=logits.device)
+        logits[index[0], index[1]] = float("-inf")  # one indexed write for the batch
         return logits
 
     @staticmethod

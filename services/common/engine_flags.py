@@ -19,6 +19,7 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--engine-id", default=f"{role.value}-{os.getpid()}", help="instance name (default: role-pid)")
     add(p, "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add(p, "--inproc", action="store_true", help="run the engine core in a thread, not its own process")
+    add(p, "--device", default="auto", help="auto (the first visible GPU, else the CPU), cpu, cuda or cuda:N")
     add(p, "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"], help="model dtype")
     add(p, "--max-model-len", type=int, default=None, help="context length (default: the model's)")
     add(p, "--block-size", type=int, default=16, help="tokens per KV block")

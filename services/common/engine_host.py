@@ -69,7 +69,7 @@ class EngineServicer(pb_grpc.EngineServicer):
 
 def engine_kwargs(args) -> dict:
     """The engine options of the shared flags."""
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+    return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
