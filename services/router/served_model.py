@@ -5,7 +5,7 @@ import json
 import os
 import time
 
-from engine.processor import load_tokenizer
+from engine.processor import load_light_tokenizer
 
 from services.router.errors import bad_request
 
@@ -55,7 +55,8 @@ class ServedModel:
         self.path = path
         self.name = name
         self.created = int(time.time())
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
+        self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
