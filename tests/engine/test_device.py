@@ -10,8 +10,6 @@ from engine.device import resolve_device
 SAMPLING = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
             SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=2, max_tokens=8, logprobs=2),
             SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=(3, 10 ** 6))]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU"))]
 
 
 def test_auto_is_the_first_gpu_else_the_cpu():
@@ -32,7 +30,6 @@ def test_asking_for_cuda_without_a_gpu_says_so(tiny_llama):
         LLM(tiny_llama, device="cuda")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_every_sampling_path_runs_on_the_device_and_seeds_repeat(tiny_llama, device):
     prompts = [[5, 6, 7], [40, 41, 42, 43], [100, 101]]
     runs = [LLM(tiny_llama, device=device).generate(prompts, SAMPLING) for _ in range(2)]

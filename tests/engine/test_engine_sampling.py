@@ -36,34 +36,34 @@ def reference_filter(row: list[float], top_k: int, top_p: float, min_p: float) -
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.9, 0.0),
                                                (0, 1.0, 0.2), (8, 0.7, 0.05), (1, 1.0, 0.0)])
-def test_filters_match_reference(top_k, top_p, min_p):
+def test_filters_match_reference(top_k, top_p, min_p, device):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 40, generator=g) * 2
     n = logits.shape[0]
     out = apply_top_k_top_p_min_p(
-        logits,
-        torch.full((n,), top_k if top_k else 40) if top_k else None,
-        torch.full((n,), top_p) if top_p < 1 else None,
-        torch.full((n,), min_p) if min_p > 0 else None)
+        logits.to(device),
+        torch.full((n,), top_k if top_k else 40, device=device) if top_k else None,
+        torch.full((n,), top_p, device=device) if top_p < 1 else None,
+        torch.full((n,), min_p, device=device) if min_p > 0 else None).cpu()
     for row_in, row_out in zip(logits.tolist(), out):
         survivors = set(torch.nonzero(torch.isfinite(row_out)).flatten().tolist())
         assert survivors == reference_filter(row_in, top_k, top_p, min_p)
 
 
-def test_sampling_follows_the_distribution():
-    sampler = Sampler(seed=0)
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).repeat(4000, 1)
+def test_sampling_follows_the_distribution(device):
+    sampler = Sampler(seed=0, device=device)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]], device=device)).repeat(4000, 1)
     reqs = [Request(str(i), [1], SamplingParams(temperature=1.0, max_tokens=1)) for i in range(4000)]
     tokens, _ = sampler(logits, reqs)
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
 
 
-def test_logprobs_are_log_softmax_of_the_logits():
-    sampler = Sampler()
+def test_logprobs_are_log_softmax_of_the_logits(device):
+    sampler = Sampler(device=device)
     logits = torch.randn(2, 10)
     reqs = [Request(rid, [1], SamplingParams(temperature=0, max_tokens=1, logprobs=3)) for rid in "ab"]
-    tokens, lps = sampler(logits, reqs)
+    tokens, lps = sampler(logits.to(device), reqs)
     ref = torch.log_softmax(logits, -1)
     for i, (tok, (lp, top)) in enumerate(zip(tokens, lps)):
         assert tok == int(ref[i].argmax())
@@ -71,8 +71,8 @@ def test_logprobs_are_log_softmax_of_the_logits():
         assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama):
-    llm = LLM(tiny_llama)
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama, device):
+    llm = LLM(tiny_llama, device=device)
     seeded = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate(["The old king"], seeded)[0].outputs[0].token_ids
     noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -102,9 +102,9 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
     llm.engine.check_integrity(expect_all_free=True)
 
 
-def test_min_tokens_hides_eos_until_reached():
-    sampler = Sampler()
-    logits = torch.zeros(1, 8)
+def test_min_tokens_hides_eos_until_reached(device):
+    sampler = Sampler(device=device)
+    logits = torch.zeros(1, 8, device=device)
     logits[0, 3] = 10.0  # EOS is by far the most likely
     req = Request("m", [1, 2], SamplingParams(temperature=0, max_tokens=5, min_tokens=2), eos_token_id=3)
     assert sampler(logits, [req])[0][0] != 3

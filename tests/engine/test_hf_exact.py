@@ -43,7 +43,7 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.cache: dict[tuple, list[int]] = {}
+        self.cache: dict[tuple, list[int]] = {}  # the reference's greedy tokens, computed on the CPU
 
     def generate(self, prompt: list[int]) -> list[int]:
         key = tuple(prompt)
@@ -68,9 +68,9 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_matches_transformers(variant, config):
+def test_greedy_matches_transformers(variant, config, device):
     path, ref = variant
-    llm = LLM(path, **CONFIGS[config])
+    llm = LLM(path, device=device, **CONFIGS[config])
     prompts = mixed_prompts(ref.model.config.vocab_size)
     expected = [ref.generate(p) for p in prompts]
     assert run(llm, prompts) == expected
@@ -81,9 +81,9 @@ def test_greedy_matches_transformers(variant, config):
     llm.engine.check_integrity(expect_all_free=True)
 
 
-def test_prefix_cache_hits_are_exact(variant):
+def test_prefix_cache_hits_are_exact(variant, device):
     path, ref = variant
-    llm = LLM(path, max_num_batched_tokens=256)
+    llm = LLM(path, device=device, max_num_batched_tokens=256)
     prompts = shared_prefix_prompts(ref.model.config.vocab_size)
     expected = [ref.generate(p) for p in prompts]
     assert run(llm, prompts) == expected
