@@ -1,4 +1,7 @@
-# pdserve — the verbs. Every target bootstraps the virtualenv it needs (idempotent).
+# pdserve — the verbs. Every target bootstraps the virtualenv it needs (idempotent), after
+# scripts/system-deps.sh has checked the system packages it needs (a C++ compiler, Python's
+# headers; prometheus for `make test`): as root with apt-get it installs what is missing, else it
+# prints the command to run and stops before anything else runs.
 #
 # torch: on CPU-only machines we install the CPU build (torch==2.13.0); an unpinned
 # `torch` would pull a multi-GB CUDA build. On a GPU machine, either install a CUDA
@@ -9,14 +12,20 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 TORCH_SPEC ?= torch==2.13.0
+# `make test TESTS=tests/router`: a part of the suite.
+TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
+
+system-deps:
+	@PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/system-deps.sh $(SYSTEM_NEEDS)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Order-only: the check runs first every time, but never makes the venv out of date.
+$(STAMP): pyproject.toml | system-deps
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	@$(VPY) -m pip install -q --upgrade pip
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH_SPEC)
@@ -33,8 +42,9 @@ $(GENERATED): $(wildcard proto/pdserve/v1/*.proto) $(STAMP)
 run: $(STAMP) $(GENERATED)
 	$(VENV)/bin/pdserve up --model tiny --prefill 1 --decode 1 --demo
 
+test: SYSTEM_NEEDS := prometheus
 test: $(STAMP) $(GENERATED)
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	$(VPY) -m pytest -q -p no:cacheprovider $(TESTS)
 
 bench-engine: $(STAMP)
 	$(VPY) bench/engine_bench.py
