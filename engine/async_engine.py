@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
-from engine.request import InvalidRequestError, SamplingParams
+from engine.request import DuplicateRequestError, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client = None
         self.processor: InputProcessor | None = None
+        self.dead: EngineDeadError | None = None
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
 
     @classmethod
     async def create(cls, model: str, multiprocess: bool = False, detokenize: bool = True,
@@ -43,11 +45,13 @@ class AsyncEngine:
         self = cls(EngineConfig.create(model=model, **engine_kwargs), multiprocess, detokenize)
         self.loop = asyncio.get_running_loop()
         if multiprocess:
-            self.client = MPClient(self.config, self._on_core_outputs, kv_connector_factory)
+            self.client = MPClient(self.config, self._on_core_outputs, kv_connector_factory,
+                                   on_death=self._on_core_death)
             await self.client.start()
         else:
             self.client = await asyncio.to_thread(
-                InprocClient, self.config, self._threadsafe_on_core_outputs, kv_connector_factory)
+                InprocClient, self.config, self._threadsafe_on_core_outputs, kv_connector_factory,
+                lambda code: self.loop.call_soon_threadsafe(self._on_core_death, code))
         info = self.client.info
         self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         logger.info("engine ready (%s core): max_model_len=%d, %d KV blocks",
@@ -57,6 +61,18 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.processor.max_model_len
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback` (on the event loop) if the engine core dies."""
+        self._death_callbacks.append(callback)
+
+    def _on_core_death(self, exitcode: int | None) -> None:
+        self.dead = EngineDeadError(f"the engine core process died (exit code {exitcode})")
+        streams, self.streams = self.streams, {}
+        for q in streams.values():
+            q.put_nowait(self.dead)
+        for callback in self._death_callbacks:
+            callback(self.dead)
 
     def _threadsafe_on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self.loop.call_soon_threadsafe(self._on_core_outputs, outputs)
@@ -87,13 +103,15 @@ class AsyncEngine:
         publish_kv=True then keeps the prompt's blocks for a decode pull (the final output
         carries kv_handle). Decode role: remote_kv + first_token_id continue a request whose
         prompt was prefilled elsewhere."""
+        if self.dead is not None:
+            raise self.dead
         token_ids = self.processor.to_token_ids(prompt)
         self.processor.validate(token_ids, params)
         if first_token_id is not None and not 0 <= first_token_id < self.processor.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
-            raise InvalidRequestError(f"request id {rid!r} is already in use by a request in flight")
+            raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")
         if publish_kv and not prefill_only:
             raise InvalidRequestError("publish_kv needs prefill_only")
         q: asyncio.Queue = asyncio.Queue()
@@ -113,6 +131,9 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await q.get()
+                if isinstance(out, EngineDeadError):
+                    finished = True  # nothing left to abort
+                    raise out
                 finished = out.finished
                 yield out
         finally:
@@ -132,5 +153,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         if self.client is not None:
+            if isinstance(self.client, MPClient):
+                self.client.stop_watching()
             await asyncio.to_thread(self.client.shutdown)
             self.client = None

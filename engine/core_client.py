@@ -114,15 +114,24 @@ class InprocClient:
     """Engine core in a background thread (torch releases the GIL in its kernels)."""
 
     def __init__(self, config: EngineConfig, on_output: OutputCallback,
-                 kv_connector_factory=None) -> None:
+                 kv_connector_factory=None, on_death: Callable[[int | None], None] | None = None) -> None:
         from engine.engine_core import EngineCore
 
         self.core = EngineCore(config, kv_connector_factory=kv_connector_factory)
         self.info = Ready(self.core.max_model_len, self.core.vocab_size, self.core.runner.num_blocks)
         self._inputs: queue.Queue = queue.Queue()
-        loop = _Loop(self.core, self._get, on_output)
-        self._thread = threading.Thread(target=loop.run, name="engine-core", daemon=True)
+        self._loop = _Loop(self.core, self._get, on_output)
+        self._on_death = on_death
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run()
+        except BaseException:
+            logger.exception("the engine core thread died")
+            if self._on_death is not None:
+                self._on_death(None)
 
     def _get(self, timeout: float | None):
         try:
@@ -199,7 +208,7 @@ class MPClient:
     """Engine core in its own process: the front end's event loop never waits for a step."""
 
     def __init__(self, config: EngineConfig, on_output: OutputCallback, kv_connector_factory=None,
-                 start_timeout: float = 300) -> None:
+                 start_timeout: float = 300, on_death: Callable[[int | None], None] | None = None) -> None:
         import zmq
         import zmq.asyncio
 
@@ -222,6 +231,8 @@ class MPClient:
         self._stats: dict = {}
         self._start_timeout = start_timeout
         self._task: asyncio.Task | None = None
+        self.on_death = on_death
+        self._watching = False
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -239,7 +250,22 @@ class MPClient:
         if kind == "error":
             raise RuntimeError(f"engine core failed to start: {msgspec.msgpack.decode(payload)}")
         self.info = msgspec.msgpack.decode(payload, type=Ready)
-        self._task = asyncio.get_running_loop().create_task(self._read_outputs())
+        self._task = loop.create_task(self._read_outputs())
+        # The process's sentinel becomes readable when it exits: a dead core is noticed at once.
+        loop.add_reader(self.proc.sentinel, self._core_exited)
+        self._watching = True
+
+    def _core_exited(self) -> None:
+        self._stop_watching()
+        self.proc.join(timeout=1)
+        logger.error("engine core process exited unexpectedly (exit code %s)", self.proc.exitcode)
+        if self.on_death is not None:
+            self.on_death(self.proc.exitcode)
+
+    def _stop_watching(self) -> None:
+        if self._watching:
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+            self._watching = False
 
     async def _read_outputs(self) -> None:
         while True:
@@ -254,6 +280,10 @@ class MPClient:
 
     def send(self, msg) -> None:
         self.inbound.send(_encoder.encode(msg))
+
+    def stop_watching(self) -> None:
+        """Before a deliberate shutdown: the core's exit is then no death. On the event loop."""
+        self._stop_watching()
 
     def shutdown(self) -> None:
         if self._task is not None:

@@ -10,6 +10,15 @@ class InvalidRequestError(ValueError):
     """The request itself is wrong (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """The engine already holds a request of that id (maps to gRPC ALREADY_EXISTS)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died: every request in flight fails, and so does every new one
+    (maps to gRPC UNAVAILABLE)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16

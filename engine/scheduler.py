@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import DuplicateRequestError, Request, RequestStatus
 from engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -101,8 +101,10 @@ class Scheduler:
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.request_id in self.requests or request.request_id in self.finished_holding_blocks:
+            # A finished request whose blocks are still held keeps its id: a second one would
+            # share its KV manager entry, and free blocks under the first one's transfer.
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already in use")
         if (request.remote_kv is not None or request.publish_kv) and self.connector is None:
             raise ValueError("this engine has no KV connector: it cannot take part in disaggregation")
         if request.remote_kv is not None:

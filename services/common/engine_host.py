@@ -97,6 +97,16 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
     service = GrpcService(args.host, args.port, names, add, args.drain_timeout)
     await service.start()
     service.install_signal_handlers()
+    died: list[Exception] = []
+
+    def on_engine_death(error: Exception) -> None:
+        # Requests in flight have failed with UNAVAILABLE; report NOT_SERVING and exit non-zero
+        # so that the supervisor (Kubernetes, `pdserve up`) restarts this instance.
+        logger.error("%s %s: %s; stopping", role, engine_id, error)
+        died.append(error)
+        service.request_stop()
+
+    engine.on_death(on_engine_death)
     if args.metrics_port:
         metrics.serve(args.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
@@ -109,5 +119,5 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
     logger.info("%s %s draining (up to %.0fs)", role, engine_id, args.drain_timeout)
     await service.drain()
     await engine.shutdown()
-    logger.info("%s %s stopped", role, engine_id)
-    return 0
+    logger.info("%s %s stopped%s", role, engine_id, " (its engine core died)" if died else "")
+    return 1 if died else 0
