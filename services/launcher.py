@@ -71,7 +71,7 @@ class Stack:
         a = self.args
         env = dict(os.environ)
         env["PDSERVE_KV_SECRET"] = a.kv_secret or secrets.token_hex(16)  # never on a command line
-        common = ["--model", a.model, "--host", "127.0.0.1"]
+        common = ["--model", a.model, "--host", "127.0.0.1", "--device", a.device]
         prefill, decode = [], []
         roles = [("prefill", a.prefill), ("decode", a.decode)] if a.prefill > 0 else [("colocated", a.decode)]
         for role, count in roles:
@@ -209,6 +209,8 @@ def add_up_parser(sub) -> None:
         help="prefill services (0: colocated services only)")
     add(p, "--decode", type=int, default=1, env_prefix="PDSERVE_UP_", help="decode (or colocated) services")
     add(p, "--model", default="tiny", env_prefix="PDSERVE_UP_", help="checkpoint directory, or 'tiny'")
+    add(p, "--device", default="auto", env_prefix="PDSERVE_UP_",
+        help="every engine's device: auto (the first visible GPU, else the CPU), cpu, cuda or cuda:N")
     add(p, "--transport", default="tcp", choices=["tcp", "shm", "ucx", "nccl"], env_prefix="PDSERVE_UP_",
         help="KV transfer transport")
     add(p, "--port", type=int, default=8000, env_prefix="PDSERVE_UP_", help="router HTTP port (0: any free)")
