@@ -24,6 +24,7 @@ class KernelBackend:
     scatter_blocks: Callable
     rms_norm: Callable
     rotary_embedding: Callable
+    silu_and_mul: Callable
 
 
 def _reference() -> KernelBackend:
@@ -36,6 +37,7 @@ def _reference() -> KernelBackend:
         scatter_blocks=reference.scatter_blocks,
         rms_norm=reference.rms_norm,
         rotary_embedding=reference.rotary_embedding,
+        silu_and_mul=reference.silu_and_mul,
     )
 
 
@@ -51,6 +53,7 @@ def _torch() -> KernelBackend:
         scatter_blocks=torch_attention.scatter_blocks,
         rms_norm=torch_attention.rms_norm,
         rotary_embedding=torch_attention.rotary_embedding,
+        silu_and_mul=reference.silu_and_mul,  # two vectorised torch ops already
     )
 
 

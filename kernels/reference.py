@@ -95,6 +95,12 @@ def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor],
         cache.view(2 * cache.shape[1], -1)[rows] = staging[layer].reshape(2 * len(ids), -1)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] (gate, up) -> silu(gate) * up, [..., d], as HF's LlamaMLP computes it."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) normalised, as HF's LlamaRMSNorm; returns (normed, new_residual)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from kernels.backend import KernelBackend
 from kernels.triton_cache import gather_blocks, scatter_blocks, store_kv
 from kernels.triton_decode import paged_decode_attention
-from kernels.triton_layers import rms_norm, rotary_embedding
+from kernels.triton_layers import rms_norm, rotary_embedding, silu_and_mul
 from kernels.triton_prefill import paged_attention
 
 
@@ -19,4 +19,5 @@ def backend() -> KernelBackend:
         scatter_blocks=scatter_blocks,
         rms_norm=rms_norm,
         rotary_embedding=rotary_embedding,
+        silu_and_mul=silu_and_mul,
     )

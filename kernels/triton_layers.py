@@ -1,4 +1,5 @@
-"""Triton fused layer kernels for the Llama family: RMSNorm (+ residual add) and neox rotary embedding."""
+"""Triton fused layer kernels for the Llama family: RMSNorm (+ residual add), SiLU-and-multiply, neox
+rotary embedding."""
 from __future__ import annotations
 
 import torch
@@ -116,3 +117,34 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             HEAD_DIM=head_dim, HALF=rot_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
             BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim))
     return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(out, x, d, stride_x, stride_out, BLOCK: tl.constexpr):
+    # One program per (row, BLOCK columns): read gate and up once, write silu(gate) * up once,
+    # with torch's rounding points (silu rounds to x's dtype, then the product does).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    x_ty = x.dtype.element_ty
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ty).to(tl.float32)
+    tl.store(out + row * stride_out + cols, (act * up).to(out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] (gate, up) -> silu(gate) * up, [..., d]: one pass instead of three."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dimension holds gate and up halves: it must be even, got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if rows.shape[0] and d:
+        out_rows = out.view(-1, d)
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
+            out_rows, rows, d, rows.stride(0), out_rows.stride(0), BLOCK=block)
+    return out

@@ -1,4 +1,4 @@
-"""Triton RMSNorm (+ residual) and neox rotary embedding against the torch reference."""
+"""Triton RMSNorm (+ residual), SiLU-and-multiply and neox rotary embedding against the torch reference."""
 from __future__ import annotations
 
 import pytest
@@ -55,3 +55,20 @@ def test_rotary_embedding_matches_reference(triton_kernels, device, dtype, rot_d
     if rot_dim < head_dim:  # the dims past rot_dim pass through untouched
         assert_same(q[..., rot_dim:], query[..., rot_dim:])
     assert torch.equal(q_dev, query.to(device)) and torch.equal(k_dev, key.to(device))  # new tensors
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(19, 2 * 96), (3, 5, 2 * 1100), (0, 2 * 64)], ids=["rows", "3d-2tiles", "empty"])
+def test_silu_and_mul_matches_hf_mlp(triton_kernels, device, dtype, shape):
+    x = torch.randn(*shape, dtype=dtype) * 4  # 96, 1100: masked tiles; 1100 > 1024: two tiles a row
+    expected = reference.silu_and_mul(x)
+    got = triton_kernels.silu_and_mul(x.to(device))
+    assert got.shape == expected.shape and got.dtype == dtype
+    assert_close(got, expected, dtype)
+
+
+def test_silu_and_mul_reads_strided_rows(triton_kernels, device):
+    x = torch.randn(6, 2 * 80, dtype=torch.float32)
+    strided = torch.randn(6, 3 * 80, dtype=torch.float32)[:, :160]
+    strided.copy_(x)
+    assert_close(triton_kernels.silu_and_mul(strided.to(device)), reference.silu_and_mul(x), torch.float32)

@@ -26,7 +26,7 @@ def test_every_kernel_compiles_for_sm90_and_decode_pipelines_its_kv_loads():
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {c["kernel"] for c in compiled} == {
         "_store_kv_kernel", "_copy_blocks_kernel", "_paged_prefill_kernel", "_paged_decode_kernel",
-        "_reduce_splits_kernel", "_rms_norm_kernel", "_rotary_kernel"}
+        "_reduce_splits_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
     for c in compiled:
         assert c["shared"] <= SM90_SHARED_MEMORY, c
         if c["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel"):
@@ -80,6 +80,7 @@ def _run_wrappers(dtype) -> None:
         triton_layers.rms_norm(torch.zeros(8, 4096, dtype=dtype), torch.ones(4096, dtype=dtype), 1e-5,
                                torch.zeros(8, 4096, dtype=dtype))
         triton_layers.rotary_embedding(torch.arange(8), q[:2].repeat(4, 1, 1), kv, torch.zeros(100, dim))
+        triton_layers.silu_and_mul(torch.zeros(8, 2 * 14336, dtype=dtype))
 
 
 def _compile(kernel, args, constexprs, num_warps, num_stages) -> dict:
