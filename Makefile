@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -54,6 +54,12 @@ bench-kvtransfer: $(STAMP)
 
 bench-kernels-gpu: $(STAMP)
 	$(VPY) bench/kernels_gpu.py
+
+# The GPU half, on a machine with one CUDA GPU: with $(PYTHON) as it is (its CUDA torch and the
+# project's dependencies; a fresh venv here would get the CPU torch). One report file, < 8 minutes.
+gpu-check:
+	@test -f $(GENERATED) || $(PYTHON) -m services.api.generate
+	$(PYTHON) bench/gpu_check.py --report docs/gpu-check.json
 
 bench-pd: $(STAMP) $(GENERATED)
 	$(VPY) bench/pd_bench.py

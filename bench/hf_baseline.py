@@ -8,7 +8,7 @@ from engine_bench import load_spec, pin_cpus, timed_passes, write_result
 
 
 def generate_static_batches(model, workload: list[dict], batch_size: int, pad_id: int,
-                            max_new_tokens=None) -> list[list[int]]:
+                            max_new_tokens=None, device: str = "cpu") -> list[list[int]]:
     """Left padding, greedy; each batch runs to its longest request, and each request keeps
     only its own tokens. min_new_tokens = max_new_tokens suppresses EOS as vLLM's min_tokens does."""
     import torch
@@ -25,7 +25,8 @@ def generate_static_batches(model, workload: list[dict], batch_size: int, pad_id
             attention_mask[i, width - len(ids):] = 1
         new = max_new_tokens or max(r["output_len"] for r in batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                 do_sample=False,
                                  max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
         for i, r in enumerate(batch):
             outputs.append(out[i, width:width + r["output_len"]].tolist())

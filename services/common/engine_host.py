@@ -109,7 +109,7 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
     engine.on_death(on_engine_death)
     if args.metrics_port:
         metrics.serve(args.host, args.metrics_port)
-        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+        logger.info("%s %s metrics on http://%s:%d/metrics", role, engine_id, args.host, args.metrics_port)
     # Warm up: one real request through the whole engine before reporting SERVING.
     async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)):
         pass

@@ -1,0 +1,286 @@
+"""make gpu-check: the GPU half of pdserve on one CUDA GPU, in one report file (under 8 minutes).
+
+(a) the GPU test subset: the kernel tests (on the GPU) and the engine tests' CUDA variants;
+(b) engine throughput on a random-weight 1.1B Llama (hidden 2048, 22 layers, 32/4 heads, vocab
+    32000, bf16; 256 requests, prompts 128-1,024, outputs 128-384, ignore_eos) against transformers
+    `generate` in static batches of 64 on the same GPU, and the fraction of the workload's floor
+    (its FLOPs at the matmul rate plus its bytes at the copy bandwidth, both measured here);
+(c) a disaggregated stack on the GPU (`pdserve up --device cuda`, router + prefill + decode) per KV
+    transport, greedy completions through the HTTP gateway compared with a colocated stack, and the
+    decode's KV transfer rate against the device copy bandwidth;
+(d) decode step time at batch 1, 32 and 256 (eager: CUDA graphs are not implemented yet).
+A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
+Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
+`python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
+(also on CPU, to check the script itself).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+FULL = dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, requests=256,
+            prompt=(128, 1024), output=(128, 384), hf_batch=64, kv_gib=24.0, dtype="bfloat16")
+SMALL = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=2000, requests=8,
+             prompt=(8, 32), output=(4, 8), hf_batch=4, kv_gib=0.05, dtype="float32")
+# (c): big enough KV per request (about 25 MiB at 800 prompt tokens) for a transfer rate to mean something.
+STACK = dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000, dtype="float32")
+TARGETS = {"engine_gpu_vs_hf_ratio": 15.0, "engine_gpu_roofline_fraction": 0.35}
+
+
+def timed(fn, repeat: int = 5) -> float:
+    """Median seconds of fn() on the GPU (synchronised), after one warm-up call."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_rates(device: str, small: bool) -> dict:
+    """bf16 matmul FLOP/s and device-to-device copy bandwidth (read + write bytes per second)."""
+    import torch
+
+    n = 512 if small else 8192
+    dtype = torch.float32 if small else torch.bfloat16
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    mm = timed(lambda: a @ b)
+    src = torch.empty((64 if small else 2048) << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = timed(lambda: dst.copy_(src))
+    return {"matmul_flops": 2 * n ** 3 / mm, "copy_bytes_per_s": 2 * src.numel() / copy}
+
+
+def make_model(path: str, size: dict) -> str:
+    from engine.tiny import make_tiny_model
+
+    return make_tiny_model(path, vocab_size=size["vocab"], hidden_size=size["hidden"],
+                           intermediate_size=size["intermediate"], num_layers=size["layers"],
+                           num_heads=size["heads"], num_kv_heads=size["kv_heads"], initializer_range=0.02)
+
+
+def workload(size: dict, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(10, size["vocab"]) for _ in range(rng.randint(*size["prompt"]))],
+             rng.randint(*size["output"])) for _ in range(size["requests"])]
+
+
+def floor_seconds(size: dict, work, rates: dict) -> float:
+    """Prompt FLOPs at the matmul rate, then every decode step reading the weights and the KV."""
+    h, layers, vocab = size["hidden"], size["layers"], size["vocab"]
+    head_dim = h // size["heads"]
+    kv_dim = size["kv_heads"] * head_dim
+    params = layers * (h * (h + 2 * kv_dim) + h * h + 3 * h * size["intermediate"]) + 2 * vocab * h
+    elem = 2 if size["dtype"] == "bfloat16" else 4
+    flops = sum(2 * params * len(p) + 2 * layers * h * len(p) ** 2 for p, _ in work)
+    kv_per_token = 2 * layers * kv_dim * elem
+    decode_bytes = 0
+    for step in range(max(n for _, n in work)):
+        active = [(len(p), n) for p, n in work if n > step]
+        decode_bytes += params * elem + sum((lp + step) * kv_per_token for lp, _ in active)
+    return flops / rates["matmul_flops"] + decode_bytes / rates["copy_bytes_per_s"]
+
+
+def engine_throughput(model: str, size: dict, device: str, rates: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from hf_baseline import generate_static_batches
+
+    work = workload(size)
+    num_out = sum(n for _, n in work)
+    llm = LLM(model, device=device, dtype=size["dtype"], max_num_seqs=size["requests"],
+              max_num_batched_tokens=8192, kv_cache_memory_bytes=int(size["kv_gib"] * (1 << 30)))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:4]], params[:4])  # warm-up: Triton compiles here
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    engine_s = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work]
+    del llm
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, size["dtype"])).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    reqs = [{"prompt_token_ids": p, "output_len": n} for p, n in work]
+    pad = hf.config.pad_token_id or 0
+    generate_static_batches(hf, reqs[:size["hf_batch"]], size["hf_batch"], pad, max_new_tokens=4, device=device)
+    t0 = time.perf_counter()
+    generate_static_batches(hf, reqs, size["hf_batch"], pad, device=device)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    hf_s = time.perf_counter() - t0
+    floor = floor_seconds(size, work, rates)
+    return {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": num_out,
+            "pdserve_s": engine_s, "pdserve_tok_s": num_out / engine_s, "hf_s": hf_s, "hf_tok_s": num_out / hf_s,
+            "engine_gpu_vs_hf_ratio": hf_s / engine_s, "floor_s": floor,
+            "engine_gpu_roofline_fraction": floor / engine_s}
+
+
+def decode_steps(model: str, size: dict, device: str) -> dict:
+    """Seconds per decode-only step at several batch sizes (eager)."""
+    from engine import LLM, SamplingParams
+    from engine.request import Request
+
+    result = {}
+    for batch in ((1, 2, 4) if size is SMALL else (1, 32, 256)):
+        llm = LLM(model, device=device, dtype=size["dtype"], max_num_seqs=batch,
+                  kv_cache_memory_bytes=int(size["kv_gib"] * (1 << 30)))
+        params = SamplingParams(temperature=0, max_tokens=10_000 if size is FULL else 200, ignore_eos=True)
+        for i in range(batch):
+            llm.engine.add_request(Request(f"s{i}", [10 + i] * 128, params))
+        core = llm.engine
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()):
+            core.step()
+        result[batch] = timed(core.step, repeat=30)
+        core.abort_requests([f"s{i}" for i in range(batch)])
+        del llm
+    return {"decode_step_s": result, "cuda_graphs": "not implemented yet: eager only"}
+
+
+def run_stack(model: str, device: str, transport: str | None, prompts: list[list[int]]) -> dict:
+    """`pdserve up` (disaggregated over `transport`, or colocated when None); greedy completions."""
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--device", device, "--port", "0",
+            "--prefill", "1" if transport else "0", "--decode", "1", "--engine-arg=--dtype=float32"]
+    if transport:
+        argv += ["--transport", transport]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, url, metrics = [], None, None
+    try:
+        deadline = time.monotonic() + 300
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("pdserve up exited:\n" + "".join(lines[-30:]))
+            lines.append(line)
+            m = re.search(r"(decode|colocated) \S+ metrics on (http://\S+)", line)
+            metrics = m.group(2) if m else metrics
+            m = re.search(r"pdserve is serving at (http://\S+)", line)
+            url = m.group(1) if m else None
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+            name = json.load(r)["data"][0]["id"]
+        texts = []
+        t0 = time.perf_counter()
+        for prompt in prompts:
+            body = json.dumps({"model": name, "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                texts.append(json.load(r)["choices"][0]["text"])
+        out = {"texts": texts, "seconds": time.perf_counter() - t0}
+        if transport and metrics:
+            with urllib.request.urlopen(metrics, timeout=10) as r:
+                text = r.read().decode()
+            def total(name: str) -> float:
+                return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name))
+            out.update(kv_bytes=total("pdserve:kv_transfer_bytes_total"),
+                       kv_seconds=total("pdserve:kv_transfer_time_seconds_sum"),
+                       fallbacks=total("pdserve:kv_recomputed_fallbacks_total"))
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def disaggregated(model: str, device: str, rates: dict, prompt_len: int) -> dict:
+    import importlib.util
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 1000) for _ in range(prompt_len + i)] for i in range(8)]
+    reference = run_stack(model, device, None, prompts)["texts"]
+    result = {}
+    for transport in ("tcp", "ucx", "nccl"):
+        if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
+            result[transport] = "not run: ucxx is not installed"
+            continue
+        try:
+            got = run_stack(model, device, transport, prompts)
+        except Exception as e:  # reported, not hidden: the other transports still run
+            result[transport] = f"FAILED: {type(e).__name__}: {str(e)[-400:]}"
+            continue
+        rate = got.get("kv_bytes", 0) / got["kv_seconds"] if got.get("kv_seconds") else 0.0
+        result[transport] = {"token_exact_vs_colocated": got["texts"] == reference,
+                             "fallbacks": got.get("fallbacks"), "kv_gb_s": rate / 1e9,
+                             "kv_vs_copy_bandwidth": rate / rates["copy_bytes_per_s"]}
+    return result
+
+
+def gpu_tests(small: bool) -> dict:
+    runs = {"kernels": ["tests/kernels"], "engine (cuda)": ["tests/engine", "-k", "cuda"]}
+    result = {}
+    for name, args in runs.items():
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=240 if not small else 600)
+        tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+        result[name] = {"exit": proc.returncode, "summary": tail, "seconds": time.perf_counter() - t0}
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", default=str(ROOT / "build" / "gpu-check" / "report.json"))
+    p.add_argument("--small", action="store_true", help="toy sizes (also runs on CPU): checks the script")
+    p.add_argument("--parts", default="tests,engine,stack,decode")
+    args = p.parse_args()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.small:
+        print("gpu-check needs a CUDA GPU (torch sees none); --small runs it at toy sizes on CPU")
+        return 1
+    size = SMALL if args.small else FULL
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__, "small": args.small}
+    parts = args.parts.split(",")
+    t_start = time.perf_counter()
+    report["rates"] = rates = device_rates(device, args.small)
+    print(f"matmul {rates['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s")
+    with tempfile.TemporaryDirectory(prefix="pdserve-gpu-check-") as tmp:
+        model = make_model(os.path.join(tmp, "llama-1b" if not args.small else "tiny"), size)
+        steps = {"tests": lambda: gpu_tests(args.small), "engine": lambda: engine_throughput(model, size, device, rates),
+                 "decode": lambda: decode_steps(model, size, device),
+                 "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
+                                                device, rates, 24 if args.small else 800)}
+        for part in parts:
+            t0 = time.perf_counter()
+            try:
+                report[part] = steps[part]()
+            except Exception as e:  # one broken part must not hide the others' figures
+                report[part] = f"FAILED: {type(e).__name__}: {e}"
+            print(f"{part}: {json.dumps(report[part], default=str)[:600]} ({time.perf_counter() - t0:.0f} s)")
+    engine = report.get("engine")
+    if isinstance(engine, dict):
+        report["targets"] = {k: {"measured": engine[k], "target": v, "met": engine[k] >= v} for k, v in TARGETS.items()}
+    report["seconds"] = time.perf_counter() - t_start
+    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+    with open(args.report, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"report: {args.report} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
