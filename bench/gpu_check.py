@@ -207,6 +207,8 @@ def run_stack(model: str, device: str, transport: str | None, prompts: list[list
 def disaggregated(model: str, device: str, rates: dict, prompt_len: int) -> dict:
     import importlib.util
 
+    import torch
+
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 1000) for _ in range(prompt_len + i)] for i in range(8)]
     reference = run_stack(model, device, None, prompts)["texts"]
@@ -214,6 +216,9 @@ def disaggregated(model: str, device: str, rates: dict, prompt_len: int) -> dict
     for transport in ("tcp", "ucx", "nccl"):
         if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
             result[transport] = "not run: ucxx is not installed"
+            continue
+        if transport == "nccl" and device == "cuda" and torch.cuda.device_count() < 2:
+            result[transport] = "not run: NCCL refuses two ranks on one GPU (prefill and decode need a GPU each)"
             continue
         try:
             got = run_stack(model, device, transport, prompts)
