@@ -9,7 +9,11 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from service_procs import alive, children_of, poll_until
+
+pytestmark = pytest.mark.e2e
 
 
 def test_pdserve_up_serves_and_stops_every_process(tiny_model_factory):
