@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random checkpoints made offline with transformers (no network)."""
+"""Shared fixtures: tiny random checkpoints made offline with transformers (no network), and the
+end-to-end tests' real stacks (processes on 127.0.0.1)."""
 from __future__ import annotations
 
 import os
+import sys
 
 # Triton's interpreter runs kernels on CPU tensors; it must be chosen before triton is imported.
 try:
@@ -13,6 +15,13 @@ except ImportError:  # pragma: no cover
     pass
 
 import pytest
+
+from kvtransfer import TRANSPORTS
+
+# The process helpers (service_procs, stack) serve the end-to-end tests of every directory; their
+# asserts explain themselves as the tests' do.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "services"))
+pytest.register_assert_rewrite("service_procs", "stack")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -37,3 +46,54 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tiny_model_factory) -> str:
+    """The model of every end-to-end stack: small and fast, with a 512-token context."""
+    return tiny_model_factory("llama", max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def e2e_stacks(e2e_model):
+    """The session's shared stacks by spec (stack.StackSpec); each stops with exit code 0 at the end."""
+    from stack import Stacks
+
+    stacks = Stacks(e2e_model)
+    yield stacks
+    stacks.stop_all()
+
+
+@pytest.fixture(scope="session", params=TRANSPORTS)
+def transport_stack(request, e2e_stacks):
+    """Router, prefill and decode over each KV transport in turn. The parameter is session-scoped, so
+    pytest runs each transport's tests together; tcp's stack stays for the tcp-only tests (tcp_stack),
+    the others stop once their tests are done."""
+    from stack import StackSpec
+
+    spec = StackSpec.shared(request.param)
+    yield e2e_stacks.get(spec)
+    if spec != StackSpec.shared("tcp"):
+        e2e_stacks.stop(spec)
+
+
+@pytest.fixture
+def tcp_stack(e2e_stacks):
+    """The shared tcp stack (two prefills, two decodes, a router), idle."""
+    from stack import StackSpec
+
+    stack = e2e_stacks.get(StackSpec.shared("tcp"))
+    stack.wait_idle()
+    return stack
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a shared stack reports the stack's service logs."""
+    report = yield
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            logs = getattr(value, "service_logs", None)
+            if callable(logs):
+                report.sections.append(("pdserve service logs", logs()))
+    return report
