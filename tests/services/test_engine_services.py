@@ -1,8 +1,10 @@
-"""Engine services over gRPC: disaggregated over every transport, bad input, faults, drain."""
+"""Engine services over gRPC: disaggregated over every transport, bad input, wrong role, faults,
+more requests than seats, drain."""
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -10,14 +12,22 @@ import pytest
 from engine import LLM, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from service_procs import Service, alive, children_of, metric, poll_until
+from service_procs import Service, alive, children_of, poll_until
+from stack import NUM_BLOCKS, Stack, StackSpec
+
+pytestmark = pytest.mark.e2e
 
 GREEDY = pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_factory):
-    return tiny_model_factory("llama", max_position_embeddings=512)
+def llm(e2e_model):
+    return LLM(e2e_model)
+
+
+def reference(llm, prompts, max_tokens: int = 10) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +37,8 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(model, prompts):
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in LLM(model).generate(prompts, params)]
+def expected(llm, prompts):
+    return reference(llm, prompts)
 
 
 async def disaggregated(prefill: str, decode: str, prompt, request_id: str, sampling=GREEDY):
@@ -44,56 +53,24 @@ async def disaggregated(prefill: str, decode: str, prompt, request_id: str, samp
         return tokens
 
 
-async def load(address: str, stub=pb_grpc.PrefillStub) -> pb.LoadReport:
-    async with grpc.aio.insecure_channel(address) as ch:
-        return await stub(ch).GetLoad(pb.LoadRequest())
+def run_disaggregated(stack: Stack, prompts, tag: str, sampling=GREEDY) -> list[list[int]]:
+    """All prompts at once, each from a prefill to a decode (every pairing the stack has)."""
+    p, d = stack.prefills, stack.decodes
+
+    async def main():
+        return await asyncio.gather(*(
+            disaggregated(p[i % len(p)].address, d[i // len(p) % len(d)].address, prompt, f"{tag}-{i}", sampling)
+            for i, prompt in enumerate(prompts)))
+
+    return asyncio.run(main())
 
 
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx", "nccl"])
-def test_disaggregated_over_every_transport(model, prompts, expected, transport):
-    prefill = Service("prefill", model, "--kv-transport", transport, "--max-num-batched-tokens", "64")
-    decode = Service("decode", model, "--kv-transport", transport)
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-
-        async def main():
-            got = await asyncio.gather(*(disaggregated(prefill.address, decode.address, p, f"{transport}-{i}")
-                                         for i, p in enumerate(prompts)))
-            assert got == expected
-            # Every pinned block goes back once decode has pulled: no KV leak.
-            await wait_for(lambda: _no_pinned(prefill.address))
-            await wait_for(lambda: _idle(decode.address, pb_grpc.DecodeStub))
-
-        asyncio.run(main())
-    except BaseException:
-        print(f"--- prefill log ---\n{prefill.output()}\n--- decode log ---\n{decode.output()}")
-        raise
-    finally:
-        assert prefill.stop() == 0
-        assert decode.stop() == 0
-
-
-async def _no_pinned(address: str) -> bool:
-    return (await load(address)).num_pinned_blocks == 0
-
-
-@pytest.fixture(scope="module")
-def pair(model):
-    prefill = Service("prefill", model, "--kv-transport", "tcp")
-    decode = Service("decode", model, "--kv-transport", "tcp")
-    prefill.wait_ready()
-    decode.wait_ready()
-    yield prefill, decode
-    prefill.stop()
-    decode.stop()
+def test_disaggregated_over_every_transport(transport_stack, prompts, expected):
+    # Leaving the block one transfer_per_request waits for also checks that every pinned block went
+    # back once a decode pulled it: no KV leak.
+    with transport_stack.one_transfer_per_request(len(prompts)):
+        got = run_disaggregated(transport_stack, prompts, transport_stack.spec.transport)
+    assert got == expected
 
 
 @pytest.mark.parametrize("request_kwargs,message", [
@@ -104,8 +81,9 @@ def pair(model):
     (dict(prompt_token_ids=[5] * 600, sampling=GREEDY), "context"),
     (dict(prompt_token_ids=[10 ** 8], sampling=GREEDY), "vocabulary"),
 ])
-def test_bad_input_is_invalid_argument_and_service_keeps_serving(pair, prompts, expected, request_kwargs, message):
-    prefill, decode = pair
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(tcp_stack, prompts, expected, request_kwargs,
+                                                                  message):
+    prefill, decode = tcp_stack.prefills[0], tcp_stack.decodes[0]
 
     async def main():
         async with grpc.aio.insecure_channel(prefill.address) as ch:
@@ -118,30 +96,49 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(pair, prompts, 
                 async for _ in pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(request_id="bad", **request_kwargs)):
                     pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert await disaggregated(prefill.address, decode.address, prompts[1], "after-bad") == expected[1]
+        # Not a whole number of blocks: sent again and again, it is still pulled every time.
+        assert await disaggregated(prefill.address, decode.address, prompts[2], f"after-bad-{message}") == expected[2]
 
-    asyncio.run(main())
+    with tcp_stack.one_transfer_per_request(1):
+        asyncio.run(main())
 
 
-def test_wrong_role_is_failed_precondition(pair):
-    prefill, decode = pair
+@pytest.fixture(scope="module")
+def colocated(e2e_model):
+    svc = Service("colocated", e2e_model, "--num-blocks", NUM_BLOCKS).wait_ready()
+    yield svc
+    assert svc.stop() == 0, svc.output()
 
-    async def main():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await pb_grpc.PrefillStub(ch).Prefill(pb.PrefillRequest(
-                    request_id="r", prompt_token_ids=[1, 2], sampling=GREEDY, publish_kv=True))
+
+def test_wrong_role_is_refused_with_its_own_code(tcp_stack, colocated):
+    request = dict(request_id="r", prompt_token_ids=[1, 2], sampling=GREEDY)
+    with grpc.insecure_channel(tcp_stack.decodes[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:  # a decode does not serve Prefill at all
+            pb_grpc.PrefillStub(ch).Prefill(pb.PrefillRequest(publish_kv=True, **request), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with grpc.insecure_channel(tcp_stack.prefills[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(**request), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # A colocated instance serves Decode, but has no connector to pull a prefill's KV with.
+    with grpc.insecure_channel(colocated.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(first_token_id=7, kv_handle=b"handle", **request),
+                                               timeout=10))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # ... and without one it computes the prompt itself.
+        tokens = [t for r in pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(**request), timeout=30)
+                  for t in r.token_ids]
+    assert len(tokens) == GREEDY.max_tokens
+    assert colocated.load().role == "colocated"
 
-    asyncio.run(main())
 
-
-def test_client_disconnect_frees_blocks_on_both_sides(pair):
-    prefill, decode = pair
+def test_client_disconnect_frees_blocks_on_both_sides(tcp_stack):
+    prefill, decode = tcp_stack.prefills[0], tcp_stack.decodes[0]
     long = pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 180))
 
     async def main():
-        prompt = list(range(100, 180))
         async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
             first = await pb_grpc.PrefillStub(pc).Prefill(pb.PrefillRequest(
                 request_id="gone", prompt_token_ids=prompt, sampling=long, publish_kv=True))
@@ -149,58 +146,54 @@ def test_client_disconnect_frees_blocks_on_both_sides(pair):
                 request_id="gone", prompt_token_ids=prompt, sampling=long,
                 first_token_id=first.first_token_id, kv_handle=first.kv_handle))
             async for _ in call:
-                break  # a few tokens arrived; the client goes away
+                break  # a few tokens arrived
+            # The decode's load says so too (it lags the engine by ~50 ms); now the client goes away.
+            assert poll_until(lambda: decode.load().num_running == 1, 5)
             call.cancel()
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        await wait_for(lambda: _idle(decode.address, pb_grpc.DecodeStub), timeout=5)
-        await wait_for(lambda: _no_pinned(prefill.address), timeout=5)
-        assert loop.time() - start < 1.5
-
-        # A prefill whose handle is never consumed: Abort frees the pinned blocks at once.
-        async with grpc.aio.insecure_channel(prefill.address) as pc:
-            stub = pb_grpc.PrefillStub(pc)
-            await stub.Prefill(pb.PrefillRequest(request_id="unused", prompt_token_ids=prompt,
-                                                 sampling=long, publish_kv=True))
-
-            async def pinned() -> bool:  # load reports lag the engine by up to ~50 ms
-                return (await stub.GetLoad(pb.LoadRequest())).num_pinned_blocks > 0
-
-            await wait_for(pinned, timeout=2)
-            await stub.Abort(pb.AbortRequest(request_id="unused"))
-        await wait_for(lambda: _no_pinned(prefill.address), timeout=2)
 
     asyncio.run(main())
+    start = time.monotonic()
+    tcp_stack.wait_idle(timeout=5)
+    assert time.monotonic() - start < 1.5
+
+    # A prefill whose handle is never consumed: the Engine service's Abort frees the pinned blocks at once.
+    with grpc.insecure_channel(prefill.address) as ch:
+        pb_grpc.PrefillStub(ch).Prefill(pb.PrefillRequest(request_id="unused", prompt_token_ids=prompt,
+                                                          sampling=long, publish_kv=True), timeout=30)
+        assert poll_until(lambda: prefill.load().num_pinned_blocks > 0, 2)  # load lags the engine by ~50 ms
+        pb_grpc.EngineStub(ch).Abort(pb.AbortRequest(request_id="unused"), timeout=10)
+    assert poll_until(lambda: prefill.load().num_pinned_blocks == 0, 2)
 
 
-async def _idle(address: str, stub) -> bool:
-    r = await load(address, stub)
-    return r.num_running == 0 and r.num_waiting == 0 and r.kv_cache_usage == 0.0
-
-
-def test_failed_pull_recomputes_and_stays_exact(model, prompts, expected):
+def test_failed_pull_recomputes_and_stays_exact(e2e_model, prompts, expected):
     # The decode side holds another secret: every handle fails to verify, decode recomputes.
-    prefill = Service("prefill", model, "--kv-transport", "tcp")
-    decode = Service("decode", model, "--kv-transport", "tcp", secret="not-the-same-secret")
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-
-        async def main():
-            for i, p in enumerate(prompts[:2]):
-                assert await disaggregated(prefill.address, decode.address, p, f"fb-{i}") == expected[i]
-
-        asyncio.run(main())
-        fallbacks = "pdserve:kv_recomputed_fallbacks_total"
-        poll_until(lambda: metric(decode.metrics_port, fallbacks) >= 2, 5)  # engine stats arrive within ~50 ms
-        assert metric(decode.metrics_port, fallbacks) == 2.0
-    finally:
-        prefill.stop()
-        decode.stop()
+    spec = StackSpec(router=False, decode_secret="not-the-same-secret")
+    with Stack(e2e_model, spec) as stack:
+        before = stack.kv_counts()
+        assert run_disaggregated(stack, prompts[:2], "fb") == expected[:2]
+        want = {"published": 2, "transfers": 0, "recomputed": 2}
+        assert stack.kv_delta(before, want) == want
 
 
-def test_sigterm_drains_and_leaves_no_process_behind(model):
-    svc = Service("colocated", model).wait_ready()
+def test_more_concurrent_requests_than_decode_seats(e2e_model, llm):
+    # Twelve requests at once on a decode with four seats: the rest wait for room holding only a
+    # lease on their prefill's blocks, and each is pulled when it is admitted.
+    rng = random.Random(12)
+    prompts = [[rng.randrange(500) for _ in range(rng.choice((5, 20, 37, 70, 130)))] for _ in range(12)]
+    sampling = pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = StackSpec(router=False, decode_args=("--max-num-seqs", "4"))
+    with Stack(e2e_model, spec) as stack:
+        with stack.one_transfer_per_request(len(prompts)):
+            got = run_disaggregated(stack, prompts, "seats", sampling)
+        assert got == reference(llm, prompts, max_tokens=24)
+        decode = stack.decodes[0]
+        assert decode.proc.poll() is None and decode.serving()
+        with stack.one_transfer_per_request(1):
+            assert run_disaggregated(stack, prompts[:1], "after", sampling) == got[:1]
+
+
+def test_sigterm_drains_and_leaves_no_process_behind(e2e_model):
+    svc = Service("colocated", e2e_model).wait_ready()
     engine_core = children_of(svc.proc.pid)
     assert engine_core, "the engine core runs in a child process"
 
@@ -216,8 +209,13 @@ def test_sigterm_drains_and_leaves_no_process_behind(model):
                 got += r.token_ids
             assert len(got) == 60
 
-    asyncio.run(main())
-    assert svc.proc.wait(60) == 0
+    try:
+        asyncio.run(main())
+        assert svc.proc.wait(60) == 0
+    except BaseException:
+        print(f"--- colocated log ---\n{svc.output()}")
+        svc.stop()
+        raise
     poll_until(lambda: not alive(engine_core), 10)  # exited children are reaped by init shortly after
     left = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in alive(engine_core)}
     assert not left, f"processes outlived their service: {left}"
