@@ -25,11 +25,12 @@ class TransferEvents:
 
     decode: `finished` pulls have their blocks in place and the lease released; `failed` pulls
     (error, deadline, abort) no longer touch their reserved blocks, which the engine may reuse.
+    A failure is a KVTransferError, unless the pull hit a bug (any other exception, as raised).
     prefill: `finished` requests were pulled and released by a decode instance; `freed` lists
     every lease whose blocks went back to the owner (released, expired or aborted).
     """
     finished: list[str] = field(default_factory=list)
-    failed: dict[str, KVTransferError] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)
     freed: list[FreedBlocks] = field(default_factory=list)
 
 

@@ -166,8 +166,14 @@ class DecodeConnector(KVConnector):
                 pull.sock = None
             self._put_back(conn)
         except Exception as e:  # noqa: BLE001 - every failure must reach get_finished()
-            error = e if isinstance(e, KVTransferError) else KVTransferError(f"{type(e).__name__}: {e}")
-            if pull.cancelled.is_set():
+            if isinstance(e, KVTransferError):
+                error = e
+            elif isinstance(e, OSError):  # sockets: resets, refusals, timeouts
+                error = PeerLost(f"{type(e).__name__}: {e}")
+            else:  # a bug, not a transfer failure: reported as it is, for the engine to surface
+                log.exception("kvtransfer pull of %s raised an unexpected error", pull.request_id)
+                error = e
+            if pull.cancelled.is_set() and isinstance(error, KVTransferError):
                 error = TransferAborted(f"request {pull.request_id!r} aborted during its pull")
             if conn is not None:
                 self._drop(conn)
@@ -180,6 +186,8 @@ class DecodeConnector(KVConnector):
                 self._events.finished.append(pull.request_id)
             else:
                 self._counters["aborted" if isinstance(error, TransferAborted) else "failed"] += 1
+                if not isinstance(error, KVTransferError):
+                    self._counters["unexpected_errors"] += 1
                 if isinstance(error, TransferTimeout):
                     self._counters["timeouts"] += 1
                 self._events.failed[pull.request_id] = error

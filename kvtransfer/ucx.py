@@ -20,6 +20,7 @@ import torch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build ignores
 import ucxx._lib.libucxx as ucx_api  # noqa: E402 - a missing ucxx fails here, loudly
 from ucxx._lib.arr import Array  # noqa: E402
+from ucxx.exceptions import UCXError  # noqa: E402
 
 from kvtransfer.connector import DecodeTransport, PrefillTransport
 from kvtransfer.errors import PeerLost, ProtocolError, TransferTimeout
@@ -59,7 +60,10 @@ class UcxWorker:
         flat = buf.reshape(-1).view(torch.uint8)  # the memory stays alive in the Staging buffers
         arr = Array(flat if flat.is_cuda else flat.numpy())
         with self.lock:
-            req = (ep.tag_send if send else ep.tag_recv)(arr, ucx_api.UCXXTag(tag))
+            try:
+                req = (ep.tag_send if send else ep.tag_recv)(arr, ucx_api.UCXXTag(tag))
+            except UCXError as e:
+                raise PeerLost(f"UCX could not post the transfer: {e}") from None
 
         def wait() -> None:
             while not req.completed:
@@ -69,7 +73,10 @@ class UcxWorker:
                 readable, _, _ = select.select([sock], [], [], min(remaining, 0.0005))
                 if readable and not sock.recv(1, socket.MSG_PEEK):
                     raise PeerLost("peer closed the control connection during a UCX transfer")
-            req.check_error()
+            try:
+                req.check_error()
+            except UCXError as e:
+                raise PeerLost(f"UCX transfer failed: {e}") from None
 
         return req, wait
 

@@ -152,6 +152,9 @@ class DecodeConnectorWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput:
         events = self.link.connector.get_finished()
+        for rid, e in events.failed.items():
+            if not isinstance(e, KVTransferError):  # a bug: surfaces (the engine core stops), never a recompute
+                raise RuntimeError(f"the KV pull of {rid} hit a bug: {type(e).__name__}: {e}") from e
         failed = {rid: f"{type(e).__name__}: {e}" for rid, e in events.failed.items()}
         if self._failed_to_start:
             failed.update(self._failed_to_start)

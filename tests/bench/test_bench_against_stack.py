@@ -5,6 +5,8 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from bench.serve import run_benchmark
 from bench.workloads import synthetic
 
@@ -12,6 +14,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/services")
 from service_procs import Service, free_port, metric, poll_until, wait_http_ok  # noqa: E402
 
 
+@pytest.mark.e2e
 def test_bench_counts_match_service_metrics(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=512)
     prefill = Service("prefill", model, "--kv-transport", "tcp")

@@ -60,6 +60,7 @@ def test_bad_flags(argv, message):
         config_from_args(parse(argv))
 
 
+@pytest.mark.e2e
 def test_router_process_serves_and_drains_on_sigterm(make_stack, tiny_model_path):
     """A real `pdserve router` process in front of fake engines: it serves, and SIGTERM lets an
     in-flight stream finish before the process exits 0."""

@@ -129,10 +129,12 @@ class Stack:
         assert poll_until(quiet, timeout), f"requests or KV left behind after {timeout}s: {reports}"
 
     def kv_counts(self) -> dict[str, float]:
-        """KV handles published (prefills), pulls finished and prompts recomputed (decodes)."""
+        """KV handles published (prefills); transfers (pulls finished, or remote KV given back unread
+        because every block was cached here) and prompts recomputed (decodes)."""
         prefills, decodes = self.live(self.prefills), self.live(self.decodes)
         return {"published": sum(s.metric("pdserve:kv_published_requests_total") for s in prefills),
-                "transfers": sum(s.metric("pdserve:kv_transfers_total") for s in decodes),
+                "transfers": sum(s.metric("pdserve:kv_transfers_total") + s.metric("pdserve:kv_released_unpulled_total")
+                                 for s in decodes),
                 "recomputed": sum(s.metric("pdserve:kv_recomputed_fallbacks_total") for s in decodes)}
 
     def kv_delta(self, before: dict[str, float], want: dict[str, float], timeout: float = 10) -> dict[str, float]:
@@ -153,8 +155,7 @@ class Stack:
         """Around requests of which `num_requests` go on from a prefill to a decode: each had its KV
         published once and pulled once, none was recomputed, nothing is left behind. Deltas from an
         idle stack, so what earlier tests sent does not count. (A prompt whose blocks were all in
-        the decode's prefix cache is released unpulled, which the decode's metrics do not count:
-        the tests never send a prompt of a whole number of blocks twice to a stack.)"""
+        the decode's prefix cache has its remote KV released unpulled: that counts as its transfer.)"""
         self.wait_idle()
         before = self.kv_counts()
         yield

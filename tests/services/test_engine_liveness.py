@@ -28,14 +28,16 @@ def test_a_dead_engine_core_fails_requests_and_stops_the_service(tiny_model_fact
             async with grpc.aio.insecure_channel(svc.address) as ch:
                 stub = pb_grpc.DecodeStub(ch)
                 call = stub.Decode(pb.DecodeRequest(request_id="long", prompt_token_ids=[1, 2, 3], sampling=LONG))
+                await call.read()  # it runs: its first tokens arrived
                 with pytest.raises(grpc.aio.AioRpcError) as dup:  # the same id while it runs
                     async for _ in stub.Decode(pb.DecodeRequest(request_id="long", prompt_token_ids=[4, 5],
                                                                 sampling=LONG)):
                         pass
                 assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in call:
-                        os.kill(core, signal.SIGKILL)  # mid-stream
+                    os.kill(core, signal.SIGKILL)  # mid-stream
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "engine core process died" in err.value.details()
 
