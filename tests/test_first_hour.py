@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from engine.processor import TokenizerCodec, load_light_tokenizer
 from services.router.errors import RouterError
 from services.router.served_model import ServedModel
+from service_procs import poll_until  # tests/services is on sys.path (tests/conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_DEPS = os.path.join(REPO, "scripts", "system-deps.sh")
@@ -211,9 +211,7 @@ def test_ctrl_c_on_pdserve_up_prints_no_traceback(tiny_model_factory):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
     assert "stack stopped" in rest
-    deadline = time.monotonic() + 15
-    while any(os.path.exists(f"/proc/{pid}") for pid in stack) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    poll_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in stack), 15, interval=0.2)
     assert not [pid for pid in stack if os.path.exists(f"/proc/{pid}")], "processes outlived `pdserve up`"
 
 
