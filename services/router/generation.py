@@ -45,6 +45,12 @@ class TextGenerator:
     def new_request_id(self, kind: str) -> str:
         return f"{kind}-{self._id_prefix}{next(self._ids):x}"
 
+    def upstream_request_id(self, request_id: str) -> str:
+        """The engines' key for one request: unique even when clients reuse an X-Request-Id (a
+        duplicate would be refused, and an Abort would reach the other client's request); it
+        starts with the client's id, for the logs."""
+        return f"{request_id}.{self._id_prefix}{next(self._ids):x}"
+
     async def stream(self, request_id: str, prompt: PreparedPrompt) -> AsyncIterator[TextChunk]:
         """Ends with a chunk that has a finish_reason; closing it early aborts the request."""
         m = self.metrics
@@ -54,7 +60,8 @@ class TextGenerator:
         m.prompt_tokens.inc(len(prompt.token_ids))
         m.requests_running.inc()
         try:
-            chunks = self.dispatcher.stream(request_id, prompt.token_ids, prompt.sampling)
+            chunks = self.dispatcher.stream(self.upstream_request_id(request_id), prompt.token_ids,
+                                            prompt.sampling)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     now = time.monotonic()

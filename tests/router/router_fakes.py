@@ -48,6 +48,11 @@ def toy_generate(prompt: list[int], n: int, stop_token_ids=()) -> tuple[list[int
     return out, "length"
 
 
+def client_ids(request_ids) -> list[str]:
+    """The client's request ids behind the engines' keys (the router appends a unique suffix)."""
+    return [rid.rsplit(".", 1)[0] for rid in request_ids]
+
+
 class KVRegistry:
     """What in-process prefill fakes pinned, so a fake decode can pull it."""
 

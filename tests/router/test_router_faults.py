@@ -13,7 +13,7 @@ import sys
 import grpc
 
 from router_harness import wait_until
-from router_fakes import toy_generate
+from router_fakes import client_ids, toy_generate
 
 FAKES = os.path.join(os.path.dirname(__file__), "router_fakes.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -97,9 +97,9 @@ def test_client_disconnect_mid_stream_aborts_decode(make_stack):
     conn.sock.close()
     conn.close()
     decode = stack.decodes[0].engine
-    wait_until(lambda: "leaver" in decode.cancelled, what="the decode stream cancelled")
+    wait_until(lambda: "leaver" in client_ids(decode.cancelled), what="the decode stream cancelled")
     wait_until(lambda: stack.metric("pdserve:router_client_aborts_total") == 1, what="the abort counted")
-    assert decode.pulled == ["leaver"] and not stack.router.dispatcher._background
+    assert client_ids(decode.pulled) == ["leaver"] and not stack.router.dispatcher._background
     assert stack.metric("pdserve:router_requests_running") == 0
 
 
@@ -111,9 +111,10 @@ def test_client_disconnect_during_prefill_aborts_prefill(make_stack):
         conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 5, "stream": stream}),
                      headers={"Content-Type": "application/json", "X-Request-Id": f"gone-{stream}"})
-        wait_until(lambda: f"gone-{stream}" in prefill.running, what="the prefill running")
+        wait_until(lambda: f"gone-{stream}" in client_ids(prefill.running), what="the prefill running")
         conn.close()
-        wait_until(lambda: f"gone-{stream}" in prefill.aborts and f"gone-{stream}" in prefill.cancelled,
+        wait_until(lambda: f"gone-{stream}" in client_ids(prefill.aborts)
+                   and f"gone-{stream}" in client_ids(prefill.cancelled),
                    what="the prefill cancelled and aborted")
     assert not stack.decodes[0].engine.requests  # decode never heard of them
     assert stack.metric("pdserve:router_client_aborts_total") == 2
@@ -127,7 +128,7 @@ def test_stop_string_cancels_the_decode_stream(make_stack, tokenizer):
     status, _, body = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 400, "stop": full[4:7]},
                                  {"X-Request-Id": "stopper"})
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
-    wait_until(lambda: "stopper" in stack.decodes[0].engine.cancelled, what="the decode stream cancelled")
+    wait_until(lambda: "stopper" in client_ids(stack.decodes[0].engine.cancelled), what="the decode stream cancelled")
 
 
 def test_slow_prefill_times_out_and_is_retried(make_stack):
@@ -145,7 +146,7 @@ def test_request_timeout_is_504(make_stack):
     stack = make_stack(prefill=1, decode=1, request_timeout_s=0.5, decode_kwargs=[{"token_delay": 0.05}])
     status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, {"X-Request-Id": "slow"})
     assert status == 504 and body["error"]["code"] == "timeout"  # mid-decode
-    wait_until(lambda: "slow" in stack.decodes[0].engine.cancelled, what="the decode cancelled")
+    wait_until(lambda: "slow" in client_ids(stack.decodes[0].engine.cancelled), what="the decode cancelled")
     stack.prefills[0].engine.gate = asyncio.Event()
     status, _, body = stack.post("/v1/completions", {"prompt": "Hi"})
     assert status == 504 and body["error"]["code"] == "timeout"  # mid-prefill
@@ -175,3 +176,24 @@ def test_engine_invalid_argument_is_400_not_retried(make_stack):
     status, _, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 400 and "told to fail" in body["error"]["message"]
     assert sum(len(p.engine.requests) for p in stack.prefills) == 1
+
+
+def test_a_reused_request_id_keeps_requests_apart(make_stack):
+    """Two clients send the same X-Request-Id: the engines see two keys, each client gets its own
+    stream and its id echoed, and one client leaving aborts its request only."""
+    stack = make_stack(prefill=1, decode=1, decode_kwargs=[{"token_delay": 0.02}])
+    body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True}
+    conns = [open_stream(stack, "/v1/completions", body) for _ in range(2)]
+    assert all(resp.status == 200 and resp.getheader("X-Request-Id") == "leaver" for _, resp in conns)
+    (leaving, first), (staying, second) = conns
+    while not first.readline().startswith(b"data: "):
+        pass
+    leaving.sock.close()
+    leaving.close()
+    text = second.read().decode()
+    assert text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in text
+    decode = stack.decodes[0].engine
+    wait_until(lambda: len(decode.cancelled) == 1, what="the leaving client's stream cancelled")
+    keys = set(decode.pulled)
+    assert len(keys) == 2 and client_ids(keys) == ["leaver", "leaver"]
+    assert decode.cancelled[0] in keys

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 
 from router_harness import wait_until
-from router_fakes import toy_generate
+from router_fakes import client_ids, toy_generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "grpc_client.py")
@@ -107,7 +107,7 @@ def test_cancel_aborts_upstream(stack, stub):
     next(stream)
     next(stream)
     stream.cancel()
-    wait_until(lambda: "cancelme" in stack.decodes[0].engine.cancelled, what="the decode stream cancelled")
+    wait_until(lambda: "cancelme" in client_ids(stack.decodes[0].engine.cancelled), what="the decode stream cancelled")
     wait_until(lambda: stack.metric("pdserve:router_client_aborts_total") == 1, what="the abort counted")
 
 
@@ -117,7 +117,7 @@ def test_deadline_aborts_the_prefill(stack, stub):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub, timeout=0.3, text="Hi", request_id="late")
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: "late" in prefill.cancelled and "late" in prefill.aborts, what="prefill cancelled")
+    wait_until(lambda: "late" in client_ids(prefill.cancelled) and "late" in client_ids(prefill.aborts), what="prefill cancelled")
 
 
 def test_reflection_lists_generate(stack):
