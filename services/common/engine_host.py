@@ -14,7 +14,7 @@ from engine.request import InvalidRequestError, SamplingParams
 from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.grpc_server import GrpcService
+from services.common.grpc_server import GrpcService, RequestAborted
 from services.common.kv_connector import KVConnectorConfig
 from services.common.metrics import ServiceMetrics
 from services.common.role import Role
@@ -34,6 +34,15 @@ class EngineHost:
         if not prompt:
             raise InvalidRequestError("prompt_token_ids is empty")
         return prompt
+
+    @staticmethod
+    def raise_if_aborted(completion, request_id: str) -> None:
+        """An aborted request is an error to its caller, never a reply that merely stops short."""
+        if completion.finish_reason != "abort":
+            return
+        if completion.stop_reason is not None:  # the engine core refused it
+            raise InvalidRequestError(f"request rejected by the engine: {completion.stop_reason}")
+        raise RequestAborted(f"request {request_id} was aborted")
 
     def count_tokens(self, prompt_tokens: int, gen_tokens: int) -> None:
         self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -38,6 +38,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         first = True
         async for out in host.engine.generate(prompt, params, request_id=rid, **disagg):
             c = out.outputs[0]
+            host.raise_if_aborted(c, rid)
             now = time.monotonic()
             if first:
                 host.observe_first_token(start, out.queue_time)

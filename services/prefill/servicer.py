@@ -4,12 +4,11 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine.request import InvalidRequestError
 from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.common.engine_host import EngineHost
-from services.common.grpc_server import FailedPrecondition, RequestAborted
+from services.common.grpc_server import FailedPrecondition
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -32,10 +31,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                               publish_kv=request.publish_kv):
             final = out
         c = final.outputs[0]
-        if c.finish_reason == "abort":
-            if c.stop_reason is not None:
-                raise InvalidRequestError(f"request rejected by the engine: {c.stop_reason}")
-            raise RequestAborted(f"request {rid} was aborted")
+        host.raise_if_aborted(c, rid)
         token = c.token_ids[0]
         host.observe_first_token(start, final.queue_time)
         finish = c.finish_reason or ""

@@ -50,3 +50,24 @@ def test_a_dead_engine_core_fails_requests_and_stops_the_service(tiny_model_fact
     finally:
         if svc.proc.poll() is None:
             svc.kill()
+
+
+def test_an_aborted_decode_is_an_error_not_a_short_stream(e2e_model):
+    svc = Service("colocated", e2e_model).wait_ready()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(svc.address) as ch:
+                call = pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(
+                    request_id="victim", prompt_token_ids=[1, 2, 3],
+                    sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)))
+                await call.read()  # it runs
+                found = await pb_grpc.EngineStub(ch).Abort(pb.AbortRequest(request_id="victim"))
+                assert found.found
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        assert msg.finish_reason != "abort"
+                assert err.value.code() == grpc.StatusCode.ABORTED
+
+        asyncio.run(main())
+    finally:
+        assert svc.stop() == 0
