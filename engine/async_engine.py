@@ -10,7 +10,8 @@ from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
-from engine.request import DuplicateRequestError, EngineDeadError, InvalidRequestError, SamplingParams
+from engine.request import (DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                            SamplingParams)
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ class AsyncEngine:
         self.processor: InputProcessor | None = None
         self.dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+        # Admission control: requests and prompt tokens in flight (set once the core reports
+        # its KV cache size); beyond them a request is shed with EngineOverloadedError.
+        self.max_inflight_requests = self.max_inflight_tokens = 0
+        self._prompt_tokens: dict[str, int] = {}
+        self._inflight_tokens = 0
+        self.num_requests_shed = 0
 
     @classmethod
     async def create(cls, model: str, multiprocess: bool = False, detokenize: bool = True,
@@ -54,6 +61,11 @@ class AsyncEngine:
                 lambda code: self.loop.call_soon_threadsafe(self._on_core_death, code))
         info = self.client.info
         self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        sc = self.config.scheduler
+        kv_tokens = info.num_blocks * self.config.cache.block_size
+        self.max_inflight_requests = sc.max_num_seqs + (
+            2 * sc.max_num_seqs if sc.max_waiting_requests is None else sc.max_waiting_requests)
+        self.max_inflight_tokens = kv_tokens + (kv_tokens if sc.max_waiting_tokens is None else sc.max_waiting_tokens)
         logger.info("engine ready (%s core): max_model_len=%d, %d KV blocks",
                     "process" if multiprocess else "thread", info.max_model_len, info.num_blocks)
         return self
@@ -69,6 +81,8 @@ class AsyncEngine:
     def _on_core_death(self, exitcode: int | None) -> None:
         self.dead = EngineDeadError(f"the engine core process died (exit code {exitcode})")
         streams, self.streams = self.streams, {}
+        self._prompt_tokens.clear()
+        self._inflight_tokens = 0
         for q in streams.values():
             q.put_nowait(self.dead)
         for callback in self._death_callbacks:
@@ -87,10 +101,14 @@ class AsyncEngine:
                 q.put_nowait(out)
                 if out.finished:
                     del self.streams[out.request_id]
+                    self._inflight_tokens -= self._prompt_tokens.pop(out.request_id, 0)
 
     def stats(self) -> dict:
-        """The engine core's latest counters (running/waiting, KV usage, pinned blocks, ...)."""
-        return self.client.stats() if self.client is not None else {}
+        """The engine core's latest counters (running/waiting, KV usage, pinned blocks, ...) and
+        the front end's own (requests shed by admission control)."""
+        stats = dict(self.client.stats()) if self.client is not None else {}
+        stats["num_requests_shed"] = self.num_requests_shed
+        return stats
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, prefill_only: bool = False, publish_kv: bool = False,
@@ -112,10 +130,18 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")
+        if self.streams and (len(self.streams) >= self.max_inflight_requests
+                             or self._inflight_tokens + len(token_ids) > self.max_inflight_tokens):
+            self.num_requests_shed += 1
+            raise EngineOverloadedError(
+                f"the engine is at capacity ({len(self.streams)} requests, {self._inflight_tokens} prompt "
+                f"tokens in flight; limits {self.max_inflight_requests} and {self.max_inflight_tokens})")
         if publish_kv and not prefill_only:
             raise InvalidRequestError("publish_kv needs prefill_only")
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
+        self._prompt_tokens[rid] = len(token_ids)
+        self._inflight_tokens += len(token_ids)
         self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
         self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
                                     prefill_only, publish_kv, remote_kv, first_token_id))
@@ -145,6 +171,7 @@ class AsyncEngine:
         `generate()` still waiting on the request ends with a final, aborted output."""
         q = self.streams.pop(request_id, None)
         if q is not None:
+            self._inflight_tokens -= self._prompt_tokens.pop(request_id, 0)
             final = self.output_processor.abort(request_id)
             if final is not None:
                 q.put_nowait(final)

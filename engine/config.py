@@ -52,12 +52,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    # Admission control (the async front end): requests waiting beyond the running batch, and
+    # prompt tokens in flight beyond what the KV cache holds. None: derived (2 x max_num_seqs;
+    # the KV cache's size in tokens).
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if any(v is not None and v < 0 for v in (self.max_waiting_requests, self.max_waiting_tokens)):
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
 
 
 @dataclass(frozen=True)

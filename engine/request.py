@@ -14,6 +14,11 @@ class DuplicateRequestError(InvalidRequestError):
     """The engine already holds a request of that id (maps to gRPC ALREADY_EXISTS)."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full (requests or prompt tokens): retry later or on another instance
+    (maps to gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine core process died: every request in flight fails, and so does every new one
     (maps to gRPC UNAVAILABLE)."""

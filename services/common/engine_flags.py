@@ -27,6 +27,12 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size when --num-blocks is unset")
     add(p, "--max-num-seqs", type=int, default=256, help="most requests in the running batch")
     add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    add(p, "--max-waiting-requests", type=int, default=None,
+        help="requests queued beyond the running batch before new ones are refused with RESOURCE_EXHAUSTED "
+             "(default: 2 x --max-num-seqs)")
+    add(p, "--max-waiting-tokens", type=int, default=None,
+        help="prompt tokens in flight beyond the KV cache's size before new requests are refused "
+             "(default: the KV cache's size)")
     add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add(p, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")

@@ -81,6 +81,7 @@ def engine_kwargs(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend,

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.request import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from engine.request import DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ _CODES: list[tuple[type, grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (RequestAborted, grpc.StatusCode.ABORTED),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

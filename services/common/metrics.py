@@ -21,6 +21,7 @@ _COUNTERS = {
     "prefix_cache_queries": ("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("pdserve:num_preemptions", "Requests preempted (recomputed later)."),
+    "num_requests_shed": ("pdserve:requests_shed", "Requests refused at capacity (RESOURCE_EXHAUSTED)."),
     "kv_published": ("pdserve:kv_published_requests", "Prefill: requests whose KV was published."),
     "kv_pulls_finished": ("pdserve:kv_transfers", "Decode: KV pulls completed."),
     "kv_pull_failures": ("pdserve:kv_transfer_failures", "Decode: KV pulls that failed."),

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import grpc
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb
-from services.router.errors import RouterError
+from services.router.errors import RouterError, overloaded
 from services.router.instances import Instance, InstancePool
 from services.router.policy import RouteRequest, RoutingPolicy
 
@@ -131,6 +131,7 @@ class Dispatcher:
         route = RouteRequest(request_id, "prefill", prompt_token_ids)
         tried: list[Instance] = []
         failures: list[str] = []
+        codes: set[grpc.StatusCode] = set()
         while True:
             inst = self._pick(route, tried)
             tried.append(inst)
@@ -145,9 +146,12 @@ class Dispatcher:
                     raise _upstream_error(inst, e) from None
                 self._abort_later(inst, request_id)  # timed out or half-failed: free what it holds
                 failures.append(f"{inst.address}: {e.code().name}: {e.details()}")
+                codes.add(e.code())
                 retrying = self._can_retry("prefill", tried)
                 self._failed(inst, request_id, e, retrying)
                 self._remaining(deadline)
+                if not retrying and codes == {Code.RESOURCE_EXHAUSTED}:
+                    raise overloaded("prefill", len(tried)) from None
                 if not retrying:
                     raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
                                            f"{'; '.join(failures)}", code="upstream_failed") from None
@@ -155,6 +159,7 @@ class Dispatcher:
     async def _decode(self, route: RouteRequest, req: pb.DecodeRequest,
                       deadline: float) -> AsyncIterator[TokenChunk]:
         tried: list[Instance] = []
+        codes: set[grpc.StatusCode] = set()
         while True:
             inst = self._pick(route, tried)
             tried.append(inst)
@@ -179,9 +184,12 @@ class Dispatcher:
                 # the new instance pulls the same KV (or recomputes the prompt if it is gone).
                 if received or e.code() not in RETRYABLE:
                     raise _upstream_error(inst, e) from None
+                codes.add(e.code())
                 retrying = self._can_retry("decode", tried)
                 self._failed(inst, req.request_id, e, retrying)
                 self._remaining(deadline)
+                if not retrying and codes == {Code.RESOURCE_EXHAUSTED}:
+                    raise overloaded("decode", len(tried)) from None
                 if not retrying:
                     raise _upstream_error(inst, e) from None
             finally:

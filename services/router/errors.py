@@ -17,13 +17,14 @@ class RouterError(Exception):
     """Answered as an OpenAI-style error body over HTTP and as a status over gRPC."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s  # HTTP Retry-After, when a later try can succeed
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -41,3 +42,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def unsupported(feature: str, param: str) -> RouterError:
     return RouterError(400, f"{feature} is not supported by this server", param=param,
                        code="unsupported_parameter")
+
+
+def overloaded(role: str, num_tried: int) -> RouterError:
+    """Every instance tried refused the request at capacity: the client should come back later."""
+    return RouterError(429, f"every {role} instance tried ({num_tried}) is at capacity; retry later",
+                       code="overloaded", retry_after_s=1)

@@ -20,6 +20,8 @@ MAX_BODY_BYTES = 64 << 20
 
 
 def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
+    if e.retry_after_s is not None:
+        headers = {**(headers or {}), "Retry-After": str(e.retry_after_s)}
     return web.Response(status=e.status, body=_encode(e.body()), content_type="application/json",
                         headers=headers)
 

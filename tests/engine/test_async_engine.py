@@ -91,3 +91,30 @@ def test_abort_ends_a_waiting_generate_with_an_aborted_output(tiny_llama):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_admission_control_sheds_beyond_the_bounds_and_recovers(tiny_llama):
+    from engine.request import EngineOverloadedError
+
+    async def main():
+        # One running, one waiting: a third request in flight is refused, not queued without end.
+        engine = await AsyncEngine.create(tiny_llama, max_num_seqs=1, max_waiting_requests=1)
+        try:
+            long = SamplingParams(max_tokens=300, ignore_eos=True)
+            held = [engine.generate([5, 6, 7], long), engine.generate([8, 9], long)]
+            await held[0].__anext__()  # running
+            waiting = asyncio.ensure_future(held[1].__anext__())
+            await asyncio.sleep(0)  # the second is queued (its first output needs the seat)
+            assert len(engine.streams) == 2
+            with pytest.raises(EngineOverloadedError, match="at capacity"):
+                await collect(engine, "The old king")
+            assert engine.stats()["num_requests_shed"] == 1
+            await held[0].aclose()
+            await waiting
+            await held[1].aclose()
+            final, _, _ = await collect(engine, "The old king")  # room again
+            assert final.outputs[0].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 
 from router_harness import wait_until
 from router_fakes import client_ids, toy_generate
@@ -197,3 +198,29 @@ def test_a_reused_request_id_keeps_requests_apart(make_stack):
     keys = set(decode.pulled)
     assert len(keys) == 2 and client_ids(keys) == ["leaver", "leaver"]
     assert decode.cancelled[0] in keys
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_instance_at_capacity_is_429_with_retry_after(make_stack, role):
+    full = {"fail": grpc.StatusCode.RESOURCE_EXHAUSTED, "fail_times": -1}
+    stack = make_stack(prefill=2, decode=2, **{f"{role}_kwargs": [full, full]})
+    message = f"every {role} instance tried (2) is at capacity"
+    status, headers, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert status == 429 and headers["Retry-After"] == "1", body
+    assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "overloaded"
+    assert message in body["error"]["message"]
+    status, headers, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True})
+    if role == "prefill":  # nothing streamed yet: the status says it
+        assert status == 429 and headers["Retry-After"] == "1" and message in body["error"]["message"]
+    else:  # the prefill's first token is out: the refusal is the stream's last event
+        events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"]
+        assert status == 200 and json.loads(events[-1])["error"]["code"] == "overloaded", body
+
+
+def test_an_instance_at_capacity_sends_the_request_elsewhere(make_stack):
+    stack = make_stack(prefill=2, decode=1, prefill_kwargs=[
+        {"fail": grpc.StatusCode.RESOURCE_EXHAUSTED, "fail_times": -1}, {}])
+    results = completions(stack, 4, max_tokens=3)
+    assert all(status == 200 for status, _ in results), results
+    assert stack.metric("pdserve:router_upstream_retries_total", {
+        "role": "prefill", "instance": stack.prefills[0].address, "code": "RESOURCE_EXHAUSTED"}) >= 1
