@@ -167,7 +167,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_transfer_factory) -> None:
+def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_connector_factory) -> None:
     _die_with_parent()  # first: importing the engine takes seconds
     import zmq
 
@@ -181,7 +181,7 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_tran
     outbound.connect(out_addr)
     decoder = msgspec.msgpack.Decoder(_Inbound)
     try:
-        core = EngineCore(config, kv_connector_factory=kv_transfer_factory)
+        core = EngineCore(config, kv_connector_factory=kv_connector_factory)
     except Exception as e:  # report why we could not start, then exit
         outbound.send(_encoder.encode(("error", f"{type(e).__name__}: {e}")))
         return

@@ -16,10 +16,6 @@ from engine.request import DuplicateRequestError, EngineDeadError, EngineOverloa
 logger = logging.getLogger(__name__)
 
 
-class ResourceExhausted(Exception):
-    """No room now (queue full, KV pool full): retry later or elsewhere."""
-
-
 class FailedPrecondition(Exception):
     """The request is valid but this instance cannot serve it (wrong role, no connector)."""
 
@@ -32,7 +28,6 @@ _CODES: list[tuple[type, grpc.StatusCode]] = [
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),  # before its base class
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (RequestAborted, grpc.StatusCode.ABORTED),
