@@ -18,6 +18,7 @@ class KVConnectorConfig:
     engine_id: str
     host: str = "127.0.0.1"  # prefill: where pulls connect
     port: int = 0
+    advertise_host: str | None = None  # prefill: the host handles name (default: host)
     lease_ttl_s: float = 30.0  # prefill: how long published KV stays pinned unpulled
     timeout_s: float = 30.0  # decode: deadline of one pull
 

@@ -18,13 +18,16 @@ def add_parser(sub) -> None:
     add_kv_flags(p)
     add(p, "--kv-host", default="127.0.0.1", help="address KV pulls connect to")
     add(p, "--kv-port", type=int, default=0, help="KV transfer port (0: any free port)")
+    add(p, "--kv-advertise-host", default=None,
+        help="address written into KV handles for decodes to connect to, when it is not --kv-host "
+             "(binding 0.0.0.0, NAT, a proxy in front of the KV port; default: --kv-host)")
     add(p, "--kv-lease-ttl", type=float, default=30.0, help="seconds a published KV stays pinned unpulled")
     p.set_defaults(func=lambda args: asyncio.run(serve(args)))
 
 
 async def serve(args) -> int:
     kv = kv_connector_config(args, Role.PREFILL, host=args.kv_host, port=args.kv_port,
-                             lease_ttl_s=args.kv_lease_ttl)
+                             advertise_host=args.kv_advertise_host, lease_ttl_s=args.kv_lease_ttl)
 
     def add_servicer(host, server) -> None:
         pb_grpc.add_PrefillServicer_to_server(PrefillServicer(host, publishes_kv=kv is not None), server)

@@ -58,7 +58,8 @@ class PrefillConnectorWorker(KVConnectorWorker):
 
     def allocate_kv_caches(self, spec, num_blocks: int):
         c = self.link.config
-        connector = self.link.create(spec, host=c.host, port=c.port, lease_ttl_s=c.lease_ttl_s)
+        connector = self.link.create(spec, host=c.host, port=c.port, advertise_host=c.advertise_host,
+                                     lease_ttl_s=c.lease_ttl_s)
         caches = connector.worker.allocate_kv_caches(num_blocks)
         logger.info("KV connector ready: %s prefill serving pulls at %s", c.transport, connector.endpoint)
         return caches
