@@ -1,13 +1,9 @@
 """Per-request KV slots: prefix-cache lookup, allocation that returns None on shortage, free."""
 from __future__ import annotations
 
+from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.request import Request
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
-    """Chained block hash; tuples of ints hash the same in every process (no hash seed)."""
-    return hash((parent_hash, token_ids, extra))
 
 
 _NO_BLOCKS: list[int] = []  # shared, never mutated: "nothing new" on the fast path
@@ -28,15 +24,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def update_block_hashes(self, request: Request) -> list[int]:
-        """Extend request.block_hashes over every full block of its known tokens."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        tokens = request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs])))
-        return hashes
+    def update_block_hashes(self, request: Request) -> list[bytes]:
+        """Extend request.block_hashes over every full block of its known tokens (engine.block_hash:
+        the chained sha256 the router and outside indexers compute too)."""
+        return hash_request_tokens(request.all_token_ids, self.block_size,
+                                   request.sampling_params.cache_salt, request.block_hashes)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix; always leaves at least one token to compute (for logits)."""

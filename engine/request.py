@@ -40,6 +40,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's field): requests share cached blocks only with the same salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +66,8 @@ class SamplingParams:
             raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string if provided")
 
     @property
     def greedy(self) -> bool:
@@ -117,7 +121,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.num_preemptions = 0
         self.queue_time: float | None = None  # arrival -> first scheduled, seconds
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # engine.block_hash, one per full block
         self.stop_reason: int | str | None = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per
         # prompt token after the first, (logprob, [(token id, logprob), ...top-n]).

@@ -1,12 +1,17 @@
 """protobuf <-> engine dataclasses: the one module that imports both."""
 from __future__ import annotations
 
+import math
+
 from engine.request import InvalidRequestError, SamplingParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
 
 # What an unset (0) max_tokens means at the public Generate front, capped by the room left.
 DEFAULT_MAX_TOKENS = 16
+INT32 = (-(1 << 31), (1 << 31) - 1)
+INT64 = (-(1 << 63), (1 << 63) - 1)
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
@@ -21,7 +26,7 @@ def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens)
+        skip_special_tokens=p.skip_special_tokens, cache_salt=p.cache_salt or None)
 
 
 def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
@@ -32,7 +37,33 @@ def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> Sam
     return SamplingParams(**kwargs)
 
 
+def check_wire_ranges(s: SamplingParams) -> None:
+    """Every value fits its protobuf field (int32, int64, finite float32): clients send JSON
+    integers of any size, and protobuf's own range error would be a bare ValueError."""
+    def check(name: str, value, bounds: tuple[int, int]) -> None:
+        if value is not None and not bounds[0] <= value <= bounds[1]:
+            raise InvalidRequestError(f"{name} must be in [{bounds[0]}, {bounds[1]}], got {value}")
+
+    for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs"):
+        check(name, getattr(s, name), INT32)
+    check("seed", s.seed, INT64)
+    for t in s.stop_token_ids:
+        check("stop_token_ids", t, INT32)
+    for name in ("temperature", "top_p", "min_p"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+
+
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    check_wire_ranges(s)
+    try:
+        return _sampling_to_proto(s)
+    except (ValueError, TypeError) as e:  # a range the check above missed: still the client's input
+        raise InvalidRequestError(f"sampling parameters out of range: {e}") from None
+
+
+def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     p = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           min_p=s.min_p, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           min_tokens=s.min_tokens, stop=list(s.stop),
@@ -44,6 +75,8 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
+    if s.cache_salt is not None:
+        p.cache_salt = s.cache_salt
     return p
 
 

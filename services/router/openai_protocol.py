@@ -14,7 +14,7 @@ COMMON_FIELDS = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id"}
+    "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -95,7 +95,8 @@ def _knobs(b: Body) -> dict:
                  seed=b.get("seed", "int"), stop=_stop(b), stop_token_ids=tuple(ids),
                  ignore_eos=b.get("ignore_eos", "bool", False), min_tokens=b.get("min_tokens", "int", 0),
                  include_stop_str_in_output=b.get("include_stop_str_in_output", "bool", False),
-                 skip_special_tokens=b.get("skip_special_tokens", "bool", True))
+                 skip_special_tokens=b.get("skip_special_tokens", "bool", True),
+                 cache_salt=b.get("cache_salt", "str"))
     return knobs
 
 
