@@ -37,6 +37,7 @@ def _transport_classes(transport: str) -> tuple[type, type]:
 
 
 def create_connector(transport: str, role: str, layout: KVLayout, *, secret: bytes, engine_id: str,
+                     auth_token: bytes = b"",
                      host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                      lease_ttl_s: float = 30.0,
                      on_blocks_freed: Callable[[str, tuple[int, ...]], None] | None = None,
@@ -48,6 +49,9 @@ def create_connector(transport: str, role: str, layout: KVLayout, *, secret: byt
     prefill: serves pulls on host:port (port 0 = any; handles name advertise_host, default
     host) and signs handles with `secret`; leases last `lease_ttl_s` unless extended;
     decode: pulls with `num_workers` threads, each pull bounded by `timeout_s` by default.
+    Control connections open with a mutual challenge-response on `secret` and `auth_token` (the
+    engines' gRPC token, when the deployment sets one): a peer that lacks either is refused
+    before any block is served.
     `transport_options` go to the transport (e.g. tcp's direct_io, chunk_bytes).
     Then register the KV caches: `connector.worker.register_kv_caches(caches)` (or let the
     transport allocate them: `connector.worker.allocate_kv_caches(num_blocks)`, which shm needs).
@@ -59,13 +63,15 @@ def create_connector(transport: str, role: str, layout: KVLayout, *, secret: byt
         from kvtransfer.prefill import PrefillConnector
 
         return PrefillConnector(prefill_cls(layout, kernel_backend, **transport_options), secret=secret,
-                                engine_id=engine_id, host=host, port=port, advertise_host=advertise_host,
+                                engine_id=engine_id, auth_token=auth_token, host=host, port=port,
+                                advertise_host=advertise_host,
                                 lease_ttl_s=lease_ttl_s,
                                 on_blocks_freed=on_blocks_freed, allowed_peers=allowed_peers)
     from kvtransfer.decode import DecodeConnector
 
     return DecodeConnector(decode_cls(layout, kernel_backend, **transport_options), secret=secret,
-                           engine_id=engine_id, num_workers=num_workers, default_timeout_s=timeout_s)
+                           engine_id=engine_id, auth_token=auth_token, num_workers=num_workers,
+                           default_timeout_s=timeout_s)
 
 
 __all__ = [

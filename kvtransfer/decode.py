@@ -53,11 +53,13 @@ class DecodeConnector(KVConnector):
     role = "decode"
 
     def __init__(self, transport: DecodeTransport, *, secret: bytes, engine_id: str,
+                 auth_token: bytes = b"",
                  num_workers: int = 4, default_timeout_s: float = 30.0):
         if not secret:
             raise ValueError("a deployment secret is required to verify KV handles")
         self._transport = transport
         self._secret = secret
+        self._handshake_key = wire.handshake_key(secret, auth_token)
         self.engine_id = engine_id
         self.default_timeout_s = default_timeout_s
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kv-decode")
@@ -278,9 +280,9 @@ class DecodeConnector(KVConnector):
         nonce = os.urandom(32)
         wire.send_msg(sock, wire.Hello(self.engine_id, nonce))
         challenge = wire.expect(sock, wire.Challenge)
-        if not hmac.compare_digest(challenge.proof, wire.proof(self._secret, b"server", nonce, challenge.nonce)):
+        if not hmac.compare_digest(challenge.proof, wire.proof(self._handshake_key, b"server", nonce, challenge.nonce)):
             raise AuthError(f"prefill {challenge.engine_id!r} failed the handshake")
-        wire.send_msg(sock, wire.Auth(wire.proof(self._secret, b"client", nonce, challenge.nonce),
+        wire.send_msg(sock, wire.Auth(wire.proof(self._handshake_key, b"client", nonce, challenge.nonce),
                                       self._transport.client_info()))
         max_fds = self._transport.max_fds
         welcome, fds = wire.expect(sock, wire.Welcome, max_fds) if max_fds else (wire.expect(sock, wire.Welcome), [])

@@ -30,6 +30,7 @@ class PrefillConnector(KVConnector):
     role = "prefill"
 
     def __init__(self, transport: PrefillTransport, *, secret: bytes, engine_id: str,
+                 auth_token: bytes = b"",
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  lease_ttl_s: float = 30.0,
                  on_blocks_freed: Callable[[str, tuple[int, ...]], None] | None = None,
@@ -38,6 +39,7 @@ class PrefillConnector(KVConnector):
             raise ValueError("a deployment secret is required to sign KV handles")
         self._transport = transport
         self._secret = secret
+        self._handshake_key = wire.handshake_key(secret, auth_token)
         self.engine_id = engine_id
         self.leases = LeaseTable(lease_ttl_s)
         self.on_blocks_freed = on_blocks_freed
@@ -170,9 +172,10 @@ class PrefillConnector(KVConnector):
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         hello = wire.expect(sock, wire.Hello)
         nonce = os.urandom(32)
-        wire.send_msg(sock, wire.Challenge(self.engine_id, nonce, wire.proof(self._secret, b"server", hello.nonce, nonce)))
+        server_proof = wire.proof(self._handshake_key, b"server", hello.nonce, nonce)
+        wire.send_msg(sock, wire.Challenge(self.engine_id, nonce, server_proof))
         auth = wire.expect(sock, wire.Auth)
-        if not hmac.compare_digest(auth.proof, wire.proof(self._secret, b"client", hello.nonce, nonce)):
+        if not hmac.compare_digest(auth.proof, wire.proof(self._handshake_key, b"client", hello.nonce, nonce)):
             raise AuthError(f"peer {hello.engine_id!r} failed the handshake")
         peer, info, fds = self._transport.open_peer(sock, auth.transport_info)
         wire.send_msg(sock, wire.Welcome(info), fds)

@@ -92,9 +92,16 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def proof(secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """Handshake MAC: each side proves it holds the deployment secret without sending it."""
-    return hmac.new(secret, b"pdserve/kv-handshake/" + role + client_nonce + server_nonce,
+def handshake_key(secret: bytes, auth_token: bytes = b"") -> bytes:
+    """The handshake's MAC key: the deployment secret, bound to the engines' token when there is one."""
+    if not auth_token:
+        return secret
+    return hmac.new(secret, b"pdserve/kv-handshake-token/" + auth_token, hashlib.sha256).digest()
+
+
+def proof(key: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """Handshake MAC: each side proves it holds the handshake key without sending it."""
+    return hmac.new(key, b"pdserve/kv-handshake/" + role + client_nonce + server_nonce,
                     hashlib.sha256).digest()
 
 

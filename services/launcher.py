@@ -71,6 +71,8 @@ class Stack:
         a = self.args
         env = dict(os.environ)
         env["PDSERVE_KV_SECRET"] = a.kv_secret or secrets.token_hex(16)  # never on a command line
+        if a.auth_token:  # the engines demand it, the router presents it: also never on a command line
+            env["PDSERVE_AUTH_TOKEN"] = a.auth_token
         common = ["--model", a.model, "--host", "127.0.0.1", "--device", a.device]
         prefill, decode = [], []
         roles = [("prefill", a.prefill), ("decode", a.decode)] if a.prefill > 0 else [("colocated", a.decode)]
@@ -218,6 +220,9 @@ def add_up_parser(sub) -> None:
     add(p, "--policy", default="least_load", choices=["round_robin", "least_load"], env_prefix="PDSERVE_UP_",
         help="routing policy")
     add(p, "--kv-secret", default=None, env_prefix="PDSERVE_UP_", help="KV handle secret (default: random)")
+    add(p, "--auth-token", default=None, env_prefix="PDSERVE_UP_",
+        help="a token every engine demands on gRPC and KV control connections; the router presents it "
+             "(default: none)")
     add(p, "--startup-timeout", type=float, default=600.0, env_prefix="PDSERVE_UP_",
         help="seconds to wait for every service to be healthy")
     add(p, "--demo", action="store_true", env_prefix="PDSERVE_UP_",

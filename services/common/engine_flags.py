@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.common.auth import add_server_auth_flags, read_token
 from services.common.flags import add
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
@@ -39,6 +40,7 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--num-threads", type=int, default=None, help="torch threads of the engine core")
     add(p, "--kernel-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
         help="attention kernels")
+    add_server_auth_flags(p)
     return p
 
 
@@ -54,4 +56,6 @@ def kv_connector_config(args, role: Role, **options) -> KVConnectorConfig | None
         return None
     if not args.kv_secret:
         raise SystemExit(f"error: --kv-secret (or PDSERVE_KV_SECRET) is required for {role}")
-    return KVConnectorConfig(args.kv_transport, role, args.kv_secret.encode(), args.engine_id, **options)
+    token = read_token(args.auth_token, args.auth_token_file) or b""  # it guards KV handshakes too
+    return KVConnectorConfig(args.kv_transport, role, args.kv_secret.encode(), args.engine_id, auth_token=token,
+                             **options)

@@ -14,6 +14,7 @@ from engine.request import InvalidRequestError, SamplingParams
 from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common.auth import ServerAuth
 from services.common.grpc_server import GrpcService, RequestAborted
 from services.common.kv_connector import KVConnectorConfig
 from services.common.metrics import ServiceMetrics
@@ -92,7 +93,9 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
                 kv_connector: KVConnectorConfig | None) -> int:
     """Run one engine service until SIGTERM; returns the exit code."""
     engine_id = args.engine_id
-    logger.info("starting %s %s on %s:%d (model %s)", role, engine_id, args.host, args.port, args.model)
+    auth = ServerAuth.from_args(args)  # bad files: a ValueError, `error: ...` on the command line
+    logger.info("starting %s %s on %s:%d (model %s, authentication: %s)", role, engine_id, args.host, args.port,
+                args.model, auth.describe())
     engine = await AsyncEngine.create(args.model, multiprocess=not args.inproc, detokenize=False,
                                       kv_connector_factory=kv_connector, **engine_kwargs(args))
     model_name = args.served_model_name or os.path.basename(os.path.normpath(engine.config.model.path))
@@ -104,7 +107,7 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
         pb_grpc.add_EngineServicer_to_server(EngineServicer(host), server)
 
     names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in (service_name, "Engine")]
-    service = GrpcService(args.host, args.port, names, add, args.drain_timeout)
+    service = GrpcService(args.host, args.port, names, add, args.drain_timeout, auth, args.health_port)
     await service.start()
     service.install_signal_handlers()
     died: list[Exception] = []

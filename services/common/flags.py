@@ -21,7 +21,7 @@ def add(parser: argparse.ArgumentParser, flag: str, *, env_prefix: str = "PDSERV
             kwargs["default"] = conv(raw)
     help_text = kwargs.pop("help", "")
     default = kwargs.get("default")
-    hidden = any(word in flag for word in ("secret", "key"))
+    hidden = any(word in flag for word in ("secret", "key", "token"))
     shown = "" if hidden or default in (None, False, "") else f" (default: {default})"
     kwargs["help"] = f"{help_text}{shown} [env {env}]"
     parser.add_argument(flag, **kwargs)

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.request import DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from services.common.auth import ServerAuth
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcService:
-    """Owns the server, its health service and the SIGTERM drain."""
+    """Owns the server, its health service and the SIGTERM drain.
+
+    `auth` adds the token interceptor and TLS; with TLS, `health_port` serves grpc.health.v1 alone in
+    plaintext (kubelet's gRPC probes present no certificate), sharing the main server's health states."""
 
     def __init__(self, host: str, port: int, service_names: Iterable[str],
-                 add_servicers: Callable[[grpc.aio.Server], None], drain_timeout_s: float = 30.0) -> None:
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+                 add_servicers: Callable[[grpc.aio.Server], None], drain_timeout_s: float = 30.0,
+                 auth: ServerAuth = ServerAuth(), health_port: int | None = None) -> None:
+        self.server = grpc.aio.server(interceptors=[*auth.interceptors(), ErrorInterceptor()], options=[
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
@@ -103,9 +108,17 @@ class GrpcService:
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = auth.add_port(self.server, f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            if self.health_port == 0:
+                raise OSError(f"cannot listen on {host}:{health_port}")
         self.drain_timeout_s = drain_timeout_s
         self._stopping = asyncio.Event()
 
@@ -117,6 +130,8 @@ class GrpcService:
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -132,4 +147,5 @@ class GrpcService:
     async def drain(self) -> None:
         """Report NOT_SERVING, refuse new RPCs, let in-flight ones finish (up to the timeout)."""
         await self.set_serving(False)
-        await self.server.stop(self.drain_timeout_s)
+        servers = [self.server, *([self.health_server] if self.health_server is not None else [])]
+        await asyncio.gather(*(s.stop(self.drain_timeout_s) for s in servers))

@@ -2,7 +2,7 @@
 process, and the link from the scheduler side to the transport the worker side creates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtransfer import KVHandle, KVLayout
 
@@ -21,6 +21,7 @@ class KVConnectorConfig:
     advertise_host: str | None = None  # prefill: the host handles name (default: host)
     lease_ttl_s: float = 30.0  # prefill: how long published KV stays pinned unpulled
     timeout_s: float = 30.0  # decode: deadline of one pull
+    auth_token: bytes = field(default=b"", repr=False)  # the engines' token: KV control handshakes prove it too
 
     def __call__(self):
         link = TransportLink(self)
@@ -50,7 +51,7 @@ class TransportLink:
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                           dtype=str(spec.dtype).removeprefix("torch."), device=str(spec.device))
         self._connector = create_connector(c.transport, c.role.value, layout, secret=c.secret,
-                                           engine_id=c.engine_id, **kwargs)
+                                           engine_id=c.engine_id, auth_token=c.auth_token, **kwargs)
         return self._connector
 
     @property

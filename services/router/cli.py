@@ -63,6 +63,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           default=60.0, type=float)
     _flag(p, "--max-attempts", "instances tried per request: prefill, and decode before its first token",
           default=3, type=int)
+    _flag(p, "--migration-limit", "times one request may move to another decode instance when its "
+          "decode is lost mid-stream (the new one continues from the prompt plus the tokens already "
+          "sent); 0: never, the client gets an error", default=3, type=int)
     _flag(p, "--health-check-interval", "seconds between grpc.health.v1 checks of every instance",
           default=2.0, type=float)
     _flag(p, "--load-poll-interval", "seconds between GetLoad polls (least_load policy)",
@@ -79,6 +82,7 @@ def config_from_args(args) -> RouterConfig:
         port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=args.api_key or None,
         max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
         prefill_timeout_s=args.prefill_timeout, max_attempts=args.max_attempts,
+        migration_limit=args.migration_limit,
         health_check_interval_s=args.health_check_interval, load_poll_interval_s=args.load_poll_interval,
         drain_timeout_s=args.drain_timeout, discovery=args.discovery, prefill_service=args.prefill_service,
         decode_service=args.decode_service, namespace=args.discovery_namespace or pod_namespace(),

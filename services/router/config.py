@@ -45,6 +45,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     prefill_timeout_s: float = 60.0
     max_attempts: int = 3
+    migration_limit: int = 3  # times one request may move to another decode mid-stream; 0: never
     health_check_interval_s: float = 2.0
     load_poll_interval_s: float = 0.5
     drain_timeout_s: float = 30.0
@@ -63,6 +64,8 @@ class RouterConfig:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose round_robin or least_load")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.migration_limit < 0:
+            raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",
                      "load_poll_interval_s"):
             if getattr(self, name) <= 0:

@@ -1,4 +1,5 @@
-"""One request's trip through the fleet: prefill (retried elsewhere on failure) then a decode stream."""
+"""One request's trip through the fleet: prefill (retried elsewhere on failure) then a decode stream,
+which moves to another decode when its instance is lost mid-stream (migration)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,10 @@ Code = grpc.StatusCode
 # Worth another instance: the failure says something about that instance, not the request.
 RETRYABLE = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.UNKNOWN, Code.INTERNAL, Code.ABORTED,
              Code.CANCELLED, Code.RESOURCE_EXHAUSTED}
+# A decode stream that broke this way after sending tokens lost its instance (killed, restarted,
+# the engine core died, the connection reset), not the request: it goes on elsewhere. An explicit
+# ABORTED, bad input or our own deadline is the request's fate, never migrated.
+LOST = {Code.UNAVAILABLE, Code.UNKNOWN, Code.INTERNAL, Code.CANCELLED, Code.DATA_LOSS}
 ABORT_TIMEOUT_S = 2.0
 
 
@@ -40,9 +45,38 @@ def _upstream_error(inst: Instance, e: grpc.aio.AioRpcError) -> RouterError:
                        type="upstream_error")
 
 
+class StreamLost(Exception):
+    """A decode stream broke after it began: its instance is gone, the request may go on elsewhere."""
+
+    def __init__(self, inst: Instance, reason: str) -> None:
+        super().__init__(reason)
+        self.inst = inst
+        self.reason = reason
+
+
+def continued_sampling(sampling: pb.SamplingParams, num_generated: int) -> pb.SamplingParams:
+    """The same knobs (seed included) for a request that already has `num_generated` tokens: the
+    token budgets shrink by them; prompt logprobs were sent already."""
+    s = pb.SamplingParams()
+    s.CopyFrom(sampling)
+    s.max_tokens = sampling.max_tokens - num_generated
+    s.min_tokens = max(0, sampling.min_tokens - num_generated)
+    s.ClearField("prompt_logprobs")
+    return s
+
+
+def _refuse_abort(inst: Instance, finish_reason: str | None) -> None:
+    """An engine's "abort" is an error, never the end of a shorter answer (engines send ABORTED
+    now; this keeps an older or foreign engine's abort from passing for a finished request)."""
+    if finish_reason == "abort":
+        raise RouterError(502, f"{inst.role} instance {inst.address} aborted the request",
+                          type="upstream_error", code="upstream_aborted")
+
+
 class Dispatcher:
     def __init__(self, pool: InstancePool, policy: RoutingPolicy, metrics, *, disaggregated: bool,
-                 request_timeout_s: float, prefill_timeout_s: float, max_attempts: int) -> None:
+                 request_timeout_s: float, prefill_timeout_s: float, max_attempts: int,
+                 migration_limit: int = 0) -> None:
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
@@ -50,6 +84,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit
         self._background: set[asyncio.Task] = set()
 
     def check_available(self) -> None:
@@ -69,9 +104,9 @@ class Dispatcher:
         self.metrics.routing_decisions.labels(route.role, inst.address).inc()
         return inst
 
-    def _can_retry(self, role: str, tried: list[Instance]) -> bool:
+    def _can_retry(self, role: str, tried: list[Instance], exclude: list[Instance] = ()) -> bool:
         return len(tried) < self.max_attempts and any(
-            i.healthy and i not in tried for i in self.pool.instances(role))
+            i.healthy and i not in tried and i not in exclude for i in self.pool.instances(role))
 
     def _failed(self, inst: Instance, request_id: str, e: grpc.aio.AioRpcError, retrying: bool) -> None:
         if e.code() == Code.UNAVAILABLE:
@@ -90,14 +125,63 @@ class Dispatcher:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int],
                      sampling: pb.SamplingParams) -> AsyncIterator[TokenChunk]:
-        """Yields token chunks until one has a finish_reason. Closing it early (a stop string, a
-        client gone) cancels the decode stream and aborts a prefill whose KV was not pulled."""
+        """Yields token chunks until one has a finish_reason. A decode lost mid-stream hands the
+        request to another one (prompt + the tokens so far), up to `migration_limit` times, and the
+        chunks run on as if nothing happened. Closing it early (a stop string, a client gone)
+        cancels the decode stream and aborts a prefill whose KV was not pulled."""
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        generated: list[int] = []
+        lost: list[Instance] = []  # decodes that lost this request: it is not sent to them again
+        upstream_id, params = request_id, sampling
+        migrating, outcome = False, "closed"  # a migration under way, and how it ended
+        try:
+            while True:
+                try:
+                    async for chunk in self._attempt(upstream_id, prompt_token_ids + generated, params,
+                                                     deadline, lost):
+                        generated += chunk.token_ids
+                        if chunk.finish_reason is not None:
+                            outcome = "completed"  # the reader may close us at this yield
+                        yield chunk
+                    return
+                except StreamLost as e:
+                    if migrating:
+                        self.metrics.migrations.labels("lost_again").inc()
+                    migrating = False
+                    self._abort_later(e.inst, upstream_id)  # it may be alive, only cut off from us
+                    lost.append(e.inst)
+                    if len(lost) > self.migration_limit:
+                        self.metrics.migrations.labels("limit_reached").inc()
+                        raise RouterError(502, f"{e.reason}; not migrated: the migration limit "
+                                               f"({self.migration_limit}) is reached",
+                                          code="migration_limit_reached") from None
+                    if sampling.max_tokens - len(generated) <= 0:  # lost with its last token sent
+                        yield TokenChunk([], finish_reason="length")
+                        return  # before any migration: nothing to count
+                    logger.warning("request %s lost after %d tokens (%s); migrating it to another "
+                                   "decode instance (migration %d of at most %d)", request_id,
+                                   len(generated), e.reason, len(lost), self.migration_limit)
+                    upstream_id = f"{request_id}-m{len(lost)}"  # the old id may still be held there
+                    params = continued_sampling(sampling, len(generated))
+                    migrating = True
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the reader stopped: a stop string, or the client left
+        except BaseException:
+            outcome = "failed"
+            raise
+        finally:
+            if migrating:
+                self.metrics.migrations.labels(outcome).inc()
+
+    async def _attempt(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
+                       deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
+        """One upstream request: prefill (when disaggregated) then a decode stream; raises
+        StreamLost when the decode instance is lost after it began."""
         decode_route = RouteRequest(request_id, "decode", prompt_token_ids)
         if not self.disaggregated:
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling)
-            async for chunk in self._decode(decode_route, req, deadline):
+            async for chunk in self._decode(decode_route, req, deadline, lost):
                 yield chunk
             return
         pinned: Instance | None = None  # prefill instance holding KV that no decode has pulled yet
@@ -106,6 +190,7 @@ class Dispatcher:
             # The prefill engine ran the request with its real parameters: its finish reason is
             # the answer, and when it has one nothing was published and no decode follows.
             finish = resp.finish_reason or None
+            _refuse_abort(prefill, finish)
             if finish is None:
                 pinned = prefill
             yield TokenChunk([resp.first_token_id],
@@ -117,7 +202,7 @@ class Dispatcher:
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling, first_token_id=resp.first_token_id,
                                    kv_handle=resp.kv_handle)
-            async for chunk in self._decode(decode_route, req, deadline):
+            async for chunk in self._decode(decode_route, req, deadline, lost):
                 pinned = None  # decode answered: it pulled the KV (or recomputed) and prefill freed it
                 yield chunk
         finally:
@@ -156,18 +241,19 @@ class Dispatcher:
                     raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
                                            f"{'; '.join(failures)}", code="upstream_failed") from None
 
-    async def _decode(self, route: RouteRequest, req: pb.DecodeRequest,
-                      deadline: float) -> AsyncIterator[TokenChunk]:
+    async def _decode(self, route: RouteRequest, req: pb.DecodeRequest, deadline: float,
+                      lost: list[Instance]) -> AsyncIterator[TokenChunk]:
         tried: list[Instance] = []
         codes: set[grpc.StatusCode] = set()
         while True:
-            inst = self._pick(route, tried)
+            inst = self._pick(route, [*lost, *tried])
             tried.append(inst)
             call = inst.decode.Decode(req, timeout=self._remaining(deadline))
             received = False
             try:
                 async for msg in call:
                     received = True
+                    _refuse_abort(inst, msg.finish_reason)
                     yield TokenChunk(list(msg.token_ids), list(msg.logprobs),
                                      finish_reason=msg.finish_reason or None,
                                      stop_reason=msg.stop_reason or None,
@@ -175,17 +261,20 @@ class Dispatcher:
                                      num_cached_tokens=msg.num_cached_tokens)
                     if msg.finish_reason:
                         return
-                raise RouterError(502, f"decode instance {inst.address} ended the stream without a "
-                                       "finish reason", type="upstream_error")
+                raise StreamLost(inst, f"decode instance {inst.address} ended the stream without a finish reason")
             except grpc.aio.AioRpcError as e:
                 if e.code() == Code.DEADLINE_EXCEEDED:
                     self._remaining(deadline)  # the request's own deadline: 504
+                if received and e.code() in LOST:
+                    self._failed(inst, req.request_id, e, retrying=False)
+                    raise StreamLost(inst, f"decode instance {inst.address} failed mid-stream: "
+                                           f"{e.code().name}: {e.details()}") from None
                 # Before the first token a decode failure is retried: nothing was shown yet, and
                 # the new instance pulls the same KV (or recomputes the prompt if it is gone).
                 if received or e.code() not in RETRYABLE:
                     raise _upstream_error(inst, e) from None
                 codes.add(e.code())
-                retrying = self._can_retry("decode", tried)
+                retrying = self._can_retry("decode", tried, lost)
                 self._failed(inst, req.request_id, e, retrying)
                 self._remaining(deadline)
                 if not retrying and codes == {Code.RESOURCE_EXHAUSTED}:

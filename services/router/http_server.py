@@ -41,6 +41,10 @@ class HttpGateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
+        # Kubernetes probes: /livez fails only if this process stops answering (a restart would help);
+        # /readyz, like /health, fails while no engine can be reached (a restart would not).
+        app.router.add_get("/livez", self.livez)
+        app.router.add_get("/readyz", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
 
@@ -128,6 +132,9 @@ class HttpGateway:
             raise RouterError(404, f"The model `{name}` does not exist.", param="model",
                               code="model_not_found")
         return self._json_response(self._card())
+
+    async def livez(self, request: web.Request) -> web.Response:
+        return self._json_response({"status": "ok"})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.router.draining:

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.common.auth import ChannelAuth
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,11 @@ CHECK_TIMEOUT_S = 2.0  # one health check or GetLoad: generous, a busy instance 
 class Instance:
     """One engine instance as the router sees it: stubs over one channel, health, last load."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, auth: ChannelAuth = ChannelAuth()) -> None:
         assert role in ROLES, role
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = auth.aio_channel(address, CHANNEL_OPTIONS)  # plaintext unless a token or TLS is set
         self.prefill = pb_grpc.PrefillStub(self.channel) if role == "prefill" else None
         self.decode = pb_grpc.DecodeStub(self.channel) if role == "decode" else None
         self.engine = pb_grpc.EngineStub(self.channel)  # Abort, GetLoad: served whatever the role
@@ -73,7 +74,8 @@ class InstancePool:
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], metrics, *,
                  health_interval_s: float, load_interval_s: float | None,
                  on_load: Callable[[pb.LoadReport], None] | None = None,
-                 drain_grace_s: float = 600.0, sources: dict[str, str] | None = None) -> None:
+                 drain_grace_s: float = 600.0, sources: dict[str, str] | None = None,
+                 auth: ChannelAuth = ChannelAuth()) -> None:
         self._addresses = {"prefill": prefill, "decode": decode}
         self._instances: dict[str, list[Instance]] = {"prefill": [], "decode": []}
         self._metrics = metrics
@@ -86,6 +88,7 @@ class InstancePool:
         self._draining: dict[Instance, asyncio.Task] = {}
         self._checks: set[asyncio.Task] = set()
         self._sources = sources or {}  # role -> where its instances come from, for messages
+        self._auth = auth  # the credentials every channel to an engine carries
 
     def instances(self, role: str) -> list[Instance]:
         return self._instances[role]
@@ -100,7 +103,7 @@ class InstancePool:
 
     async def start(self) -> None:
         for role, addresses in self._addresses.items():
-            self._instances[role] = [Instance(a, role) for a in addresses]
+            self._instances[role] = [Instance(a, role, self._auth) for a in addresses]
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._poll(self.check_all, self._health_interval_s)))
         if self._load_interval_s is not None:
@@ -110,7 +113,7 @@ class InstancePool:
         """Discovery's new view of a role: new addresses join (checked at once), instances that are
         gone stop receiving requests and drain: their in-flight calls finish, then the channel closes."""
         current = {i.address: i for i in self._instances[role]}
-        added = [Instance(a, role) for a in addresses if a not in current]
+        added = [Instance(a, role, self._auth) for a in addresses if a not in current]
         for inst in (i for a, i in current.items() if a not in addresses):
             inst.draining = True
             with contextlib.suppress(KeyError):  # no series if it was never checked

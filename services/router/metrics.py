@@ -30,6 +30,10 @@ class RouterMetrics:
         self.client_aborts = Counter(
             "pdserve:router_client_aborts", "Requests the client abandoned (disconnect, cancel).",
             registry=r)
+        self.migrations = Counter(
+            "pdserve:router_migrations", "Decode streams lost mid-request, by what became of them: "
+            "completed / failed / lost_again / closed (on another decode after a migration) or "
+            "limit_reached (not migrated: --migration-limit).", ["outcome"], registry=r)
         self.prompt_tokens = Counter(
             "pdserve:router_prompt_tokens", "Prompt tokens routed.", registry=r)
         self.generation_tokens = Counter(

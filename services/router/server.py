@@ -49,7 +49,7 @@ class Router:
         self.dispatcher = Dispatcher(
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
-            max_attempts=config.max_attempts)
+            max_attempts=config.max_attempts, migration_limit=config.migration_limit)
         self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
         self.draining = False
         self.http_port: int | None = None

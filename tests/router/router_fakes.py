@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import subprocess
 import sys
 
 import grpc
@@ -221,6 +223,21 @@ class FakeServer:
 
 async def start_fake(role: str, registry: KVRegistry | None = None, **kwargs) -> FakeServer:
     return await FakeServer(FakeEngine(role, registry, **kwargs)).start()
+
+
+@contextlib.contextmanager
+def fake_process(role: str, *flags: str):
+    """A fake engine in a process of its own (to be killed with SIGKILL); yields (process, address)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", role, *flags],
+                            stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        yield proc, f"127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 async def _serve_forever(args) -> None:

@@ -5,19 +5,13 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
 
 from router_harness import wait_until
-from router_fakes import client_ids, toy_generate
-
-FAKES = os.path.join(os.path.dirname(__file__), "router_fakes.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from router_fakes import client_ids, fake_process, toy_generate
 
 
 def completions(stack, n: int, **body):
@@ -59,12 +53,7 @@ def test_prefill_killed_with_requests_in_flight(make_stack):
 
 def test_prefill_process_sigkilled_mid_request(make_stack):
     """A real process dies (SIGKILL, no goodbye): its in-flight prefills succeed on the other one."""
-    proc = subprocess.Popen([sys.executable, FAKES, "--role", "prefill", "--prefill-delay", "30"],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), line
-        victim = f"127.0.0.1:{int(line.split()[1])}"
+    with fake_process("prefill", "--prefill-delay", "30") as (proc, victim):
         stack = make_stack(prefill=1, decode=1, extra_prefill=(victim,))
         routed = {"role": "prefill", "instance": victim}
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -76,9 +65,6 @@ def test_prefill_process_sigkilled_mid_request(make_stack):
             results = [f.result() for f in futures]
         assert all(status == 200 for status, _, _ in results), results
         assert stack.metric("pdserve:router_upstream_retries_total", {**routed, "code": "UNAVAILABLE"}) >= 2
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def open_stream(stack, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
