@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from engine.kv_events import AllBlocksCleared, BlockRemoved
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -60,11 +62,16 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every KV block. Freed blocks keep their hash until they are reused (LRU eviction)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False,
+                 medium: str = "GPU") -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last take_events().
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.medium = medium
+        self.kv_event_queue: list = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -85,13 +92,17 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise ValueError(f"asked for {n} blocks, {self.free_queue.num_free} free")
         out = []
+        evicted = []
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockRemoved(block_hashes=evicted, medium=self.medium))
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -101,16 +112,18 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """True when the hash entered the prefix cache now (the caller reports it as stored)."""
         if not self.enable_caching:
-            return
+            return False
         if block.block_hash is not None:
             assert block.block_hash == block_hash, "a block's hash is set once"
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays anonymous
+            return False  # an identical block is already cached; this one stays anonymous
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching zero join the free queue in the given order
@@ -125,6 +138,12 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+
+    def take_events(self) -> list:
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def check_integrity(self, expect_all_free: bool = False) -> None:
         """Loud invariants: free + used == total, ref counts, set-once hashes, cache index."""

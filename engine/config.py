@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from engine.kv_events import KVEventsConfig
+
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
@@ -84,6 +86,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_backend: str = "auto"
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # vLLM's --kv-events-config
 
     @classmethod
     def create(cls, model: str, **kwargs) -> "EngineConfig":
@@ -100,6 +103,8 @@ class EngineConfig:
             else:
                 if key == "kernel_backend":
                     top[key] = value
+                elif key == "kv_events":
+                    top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))
                 else:
                     raise TypeError(f"unknown engine argument {key!r}")
         return cls(model=ModelConfig(path=model, **parts["model"]),

@@ -1,8 +1,9 @@
 """Per-request KV slots: prefix-cache lookup, allocation that returns None on shortage, free."""
 from __future__ import annotations
 
-from engine.block_hash import hash_request_tokens
+from engine.block_hash import block_extra_keys, hash_request_tokens
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.kv_events import BlockStored
 from engine.request import Request
 
 
@@ -10,10 +11,11 @@ _NO_BLOCKS: list[int] = []  # shared, never mutated: "nothing new" on the fast p
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False, medium: str = "GPU") -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already hashed
@@ -103,9 +105,34 @@ class KVCacheManager:
         hashes = self.update_block_hashes(request)
         blocks = self.req_to_blocks[rid]
         num_full = min(num_full, len(hashes), len(blocks))
-        for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+        stored = [i for i in range(start, num_full) if self.block_pool.cache_block(blocks[i], hashes[i])]
         self.num_cached_blocks[rid] = num_full
+        if stored and self.block_pool.enable_kv_cache_events:
+            self._report_stored(request, hashes, stored)
+
+    def _report_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a block that duplicated an
+        already cached one breaks the run: its hash was reported when that one was stored)."""
+        bs = self.block_size
+        salt = request.sampling_params.cache_salt
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            extra = [block_extra_keys(i, salt) for i in run]
+            self.block_pool.kv_event_queue.append(BlockStored(
+                block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None,
+                medium=self.block_pool.medium,
+                extra_keys=[None if k is None else tuple(v for _, v in k) for k in extra] if any(extra) else None))
+
+    def take_events(self) -> list:
+        """The KV events since the last call, in the order they happened."""
+        return self.block_pool.take_events()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids.get(request_id, [])
