@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 
+from services.common.auth import ChannelAuth
 from services.common.flags import add
 from services.router.config import RouterConfig, parse_addresses
 from services.router.discovery import pod_namespace
@@ -71,6 +72,14 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--load-poll-interval", "seconds between GetLoad polls (least_load policy)",
           default=0.5, type=float)
     _flag(p, "--drain-timeout", "seconds SIGTERM waits for in-flight requests", default=30.0, type=float)
+    _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
+          "works too; prefer it or --engine-auth-token-file to the flag)", default=os.environ.get("PDSERVE_AUTH_TOKEN"))
+    _flag(p, "--engine-auth-token-file", "a file holding the engines' token (e.g. a mounted Secret)")
+    _flag(p, "--engine-ssl-ca-certs", "CA bundle (PEM) to verify the engines' certificates: TLS to the engines")
+    _flag(p, "--engine-ssl-certfile", "the router's client certificate (PEM), for engines that demand one")
+    _flag(p, "--engine-ssl-keyfile", "the client certificate's private key (PEM)")
+    _flag(p, "--engine-ssl-server-name", "the name the engines' certificate holds (they are dialled by "
+          "address; default: the address's host)")
     p.set_defaults(func=run_router)
     return p
 
@@ -87,7 +96,10 @@ def config_from_args(args) -> RouterConfig:
         drain_timeout_s=args.drain_timeout, discovery=args.discovery, prefill_service=args.prefill_service,
         decode_service=args.decode_service, namespace=args.discovery_namespace or pod_namespace(),
         service_port=args.service_port, discovery_interval_s=args.discovery_interval,
-        kubeconfig=args.kubeconfig, kube_api_url=args.kube_api_url)
+        kubeconfig=args.kubeconfig, kube_api_url=args.kube_api_url,
+        engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
+                                           args.engine_ssl_ca_certs, args.engine_ssl_certfile,
+                                           args.engine_ssl_keyfile, args.engine_ssl_server_name))
 
 
 async def serve(config: RouterConfig) -> int:

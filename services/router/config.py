@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.auth import ChannelAuth
+
 
 def parse_addresses(value: str | list | tuple | None) -> tuple[str, ...]:
     """'h1:p1,h2:p2' (or a list of such strings) -> ('h1:p1', 'h2:p2'); checks each has a port."""
@@ -57,6 +59,7 @@ class RouterConfig:
     discovery_interval_s: float = 5.0  # dns: seconds between resolutions
     kubeconfig: str | None = None  # kubernetes: None = in-cluster config, else ~/.kube/config
     kube_api_url: str | None = None  # kubernetes: an unauthenticated API server (kubectl proxy, tests)
+    engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
     def __post_init__(self) -> None:
         self._check_discovery()

@@ -45,7 +45,8 @@ class Router:
             config.prefill, config.decode, self.metrics,
             health_interval_s=config.health_check_interval_s,
             load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports else None,
-            on_load=self.model.on_load_report, drain_grace_s=config.request_timeout_s, sources=sources)
+            on_load=self.model.on_load_report, drain_grace_s=config.request_timeout_s, sources=sources,
+            auth=config.engine_auth)
         self.dispatcher = Dispatcher(
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
