@@ -9,6 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorFactory
+from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
@@ -46,10 +47,16 @@ class EngineCore:
         self.connector_worker = connector_worker
         self.runner = ModelRunner(config, hf_config, self.max_model_len, show_progress, connector_worker)
         self.vocab_size = self.runner.model.arch.vocab_size
+        # KV events go out from a thread of the publisher's own; each epoch starts all cleared.
+        self.kv_event_publisher = make_publisher(config.kv_events)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish([AllBlocksCleared()])
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching,
+                                               enable_kv_cache_events=self.kv_event_publisher is not None,
+                                               medium="GPU" if self.runner.device.type == "cuda" else "CPU")
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   connector_scheduler)
+                                   connector_scheduler, self.kv_event_publisher)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s",
                     self.runner.num_blocks, config.cache.block_size, self.max_model_len,
                     self.runner.kernels.name)
@@ -92,6 +99,8 @@ class EngineCore:
                                       + r.sampling_params.max_tokens - r.num_output_tokens
                                       for r in s.requests.values()),
         }
+        if self.kv_event_publisher is not None:
+            stats.update(self.kv_event_publisher.stats())
         if s.connector is not None:
             stats.update(s.connector.stats())
             stats.update({f"connector_{k}": v for k, v in self.connector_worker.stats().items()})
@@ -100,6 +109,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     def check_integrity(self, expect_all_free: bool = False) -> None:
         self.kv_cache_manager.check_integrity(expect_all_free)

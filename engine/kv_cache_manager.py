@@ -126,7 +126,7 @@ class KVCacheManager:
             extra = [block_extra_keys(i, salt) for i in run]
             self.block_pool.kv_event_queue.append(BlockStored(
                 block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None,
+                token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None, lora_name=None,
                 medium=self.block_pool.medium,
                 extra_keys=[None if k is None else tuple(v for _, v in k) for k in extra] if any(extra) else None))
 

@@ -41,7 +41,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None  # required, as in vLLM (its decoders need the key)
     # Per block, the extra keys its hash used, untagged as vLLM publishes them: (cache_salt,) on a
     # salted request's first block, None elsewhere; None when no block had any.
     extra_keys: list[tuple | None] | None = None

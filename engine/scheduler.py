@@ -16,6 +16,7 @@ from engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
+    from engine.kv_events import ZmqEventPublisher
 
 
 _FINISHED = frozenset(s for s in RequestStatus if s.finished)
@@ -37,11 +38,14 @@ def check_stop(params, num_output_tokens: int, token: int, eos_token_id: int | N
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 connector: "KVConnectorScheduler | None" = None) -> None:
+                 connector: "KVConnectorScheduler | None" = None,
+                 kv_event_publisher: "ZmqEventPublisher | None" = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.connector = connector
+        # Each step's KV events (blocks stored, evicted) go out in one batch when the step ends.
+        self.kv_event_publisher = kv_event_publisher
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -264,6 +268,10 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
         if model_output.kv_connector_output is not None:
             self._update_from_kv_output(model_output.kv_connector_output)
+        if self.kv_event_publisher is not None:
+            events = self.kv.take_events()
+            if events:
+                self.kv_event_publisher.publish(events)
         return results
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -93,4 +93,6 @@ def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_mod
         num_waiting=stats.get("num_waiting", 0), kv_cache_usage=stats.get("kv_cache_usage", 0.0),
         num_pinned_blocks=stats.get("num_pinned_blocks", 0), num_blocks=stats.get("num_blocks", 0),
         block_size=block_size, outstanding_tokens=stats.get("outstanding_tokens", 0),
-        max_model_len=max_model_len)
+        max_model_len=max_model_len, kv_events_endpoint=stats.get("kv_events_endpoint", ""),
+        kv_events_replay_endpoint=stats.get("kv_events_replay_endpoint", ""),
+        kv_events_epoch=stats.get("kv_events_epoch", 0))

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from services.common.auth import add_server_auth_flags, read_token
+from engine.kv_events import KVEventsConfig
 from services.common.flags import add
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
@@ -40,8 +42,22 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--num-threads", type=int, default=None, help="torch threads of the engine core")
     add(p, "--kernel-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
         help="attention kernels")
+    add(p, "--kv-events-config", type=kv_events_config, default=None,
+        help="KV cache events, as vLLM's flag: JSON with enable_kv_cache_events, publisher (zmq), endpoint "
+             "(PUB bind, e.g. tcp://*:5557; port 0: any), replay_endpoint, buffer_steps, hwm, max_queue_size, "
+             "topic. The router's kv_aware policy subscribes to the endpoint this instance advertises")
     add_server_auth_flags(p)
     return p
+
+
+def kv_events_config(value: str) -> KVEventsConfig:
+    try:
+        fields = json.loads(value)
+        if not isinstance(fields, dict):
+            raise ValueError("expected a JSON object")
+        return KVEventsConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"invalid --kv-events-config {value!r}: {e}") from None
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:

@@ -85,7 +85,7 @@ def engine_kwargs(args) -> dict:
                 max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
-                num_threads=args.num_threads, kernel_backend=args.kernel_backend,
+                num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
                 kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
 
 

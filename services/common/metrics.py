@@ -37,6 +37,9 @@ _COUNTERS = {
     "connector_bytes_sent": ("pdserve:kv_transfer_bytes_sent", "Prefill: KV bytes served."),
     "connector_expired": ("pdserve:kv_expired_leases", "Prefill: leases that expired unpulled."),
     "connector_aborted": ("pdserve:kv_aborted_leases", "Prefill: leases aborted."),
+    "kv_events_published": ("pdserve:kv_event_batches_published", "KV event batches sent on the PUB socket."),
+    "kv_events_dropped": ("pdserve:kv_events_dropped",
+                          "KV events dropped because the publisher's queue was full (subscribers see a gap)."),
 }
 
 
