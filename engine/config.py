@@ -18,6 +18,7 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly at its own batch size
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -59,8 +60,25 @@ class SchedulerConfig:
     # the KV cache's size in tokens).
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    # Decode batch sizes with a CUDA graph: one value N means 1, 2, 4 and every multiple of 8 up
+    # to N; several are the list; None: up to max_num_seqs.
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    # Schedule step n+1 while step n runs, feeding it n's sampled ids on the device.
+    async_scheduling: bool = False
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        sizes = self.cuda_graph_sizes
+        if sizes is None or len(sizes) == 1:
+            limit = self.max_num_seqs if sizes is None else sizes[0]
+            sizes = (1, 2, 4, *range(8, limit + 1, 8))
+        return tuple(sorted({s for s in sizes if s <= self.max_num_seqs}))
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+            if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1:
+                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -10,11 +10,11 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_events import AllBlocksCleared, make_publisher
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
 from engine.request import Request, RequestStatus
-from engine.scheduler import EngineCoreOutput, Scheduler
+from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,30 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
     if wanted > limit:
         raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} tokens")
     return wanted
+
+
+def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) -> SchedulerOutput | None:
+    """Step n+1 for the rows of step n that continue whatever n samples: each computes one more
+    position, in a block it already holds that this token does not fill (so nothing is allocated
+    or published to the prefix cache behind the scheduler's back), and none can end by length or
+    be kept from stopping by min_tokens at n. A row that ends at n on a stop id or EOS runs n+1
+    anyway: the scheduler drops that token (the request is finished) and frees the slot it wrote."""
+    so = step.scheduler_output
+    if not step.requests or so.total_num_scheduled_tokens != len(so.scheduled):
+        return None
+    rows = []
+    for r in step.requests:
+        p = r.sampling_params
+        position = r.num_tokens  # of the token n samples, n+1's input
+        if (r.status != RequestStatus.RUNNING or r.prefill_only or r.remote_kv is not None
+                or r.num_output_tokens + 1 >= p.max_tokens or position + 1 >= max_model_len
+                or p.min_tokens > r.num_output_tokens or (position + 1) % block_size == 0
+                or position // block_size >= r.num_computed_tokens // block_size + 1):
+            continue
+        rows.append(r)
+    if not rows:
+        return None
+    return SchedulerOutput(scheduled=rows, num_scheduled_tokens=[1] * len(rows), new_block_ids=[[] for _ in rows])
 
 
 class EngineCore:
@@ -57,6 +81,8 @@ class EngineCore:
                                                medium="GPU" if self.runner.device.type == "cuda" else "CPU")
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    connector_scheduler, self.kv_event_publisher)
+        self._in_flight: LaunchedStep | None = None  # async scheduling: a step launched ahead
+        self.num_async_steps = 0
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s",
                     self.runner.num_blocks, config.cache.block_size, self.max_model_len,
                     self.runner.kernels.name)
@@ -75,15 +101,26 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Requests to run, or transfers whose outcome must still be collected."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_transfers()
+        """Requests to run, a launched step to collect, or transfers whose outcome must still be collected."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or self.scheduler.has_pending_transfers())
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._in_flight is not None:  # launched with the previous step: its turn to be collected
+            step, self._in_flight = self._in_flight, None
+            return self.scheduler.update_from_output(step.scheduler_output, self.runner.collect(step))
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled and not scheduler_output.finished_req_ids:
             time.sleep(0.0005)  # only KV in flight: let the transfer threads run
-        model_output = self.runner.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        step = self.runner.launch(scheduler_output)
+        if self.config.scheduler.async_scheduling:
+            # Queue step n+1 behind step n before n's tokens reach the CPU, for the rows that
+            # surely continue; the scheduler sees n+1 only once n is settled.
+            following = next_decode_step(step, self.max_model_len, self.config.cache.block_size)
+            if following is not None:
+                self._in_flight = self.runner.launch(following, prev=step)
+                self.num_async_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, self.runner.collect(step))
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -94,6 +131,8 @@ class EngineCore:
             "kv_cache_usage": kv.usage, "num_pinned_blocks": s.num_held_blocks,
             "prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
+            "num_async_steps": self.num_async_steps,
+            **self.runner.stats,
             # Work still owed: prompt tokens to compute plus tokens to generate (for routing).
             "outstanding_tokens": sum(r.num_tokens - r.num_computed_tokens
                                       + r.sampling_params.max_tokens - r.num_output_tokens

@@ -3,21 +3,37 @@ the KV connector's worker side runs here too (loads started before the forward p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
+from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ModelOutput, SchedulerOutput
 from kernels import get_backend
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued: its sampled ids come back through `host` once
+    `copied` has fired (on CUDA); `sampled` stays on the device for the next step's inputs."""
+    scheduler_output: SchedulerOutput
+    requests: list[Request] = field(default_factory=list)  # the rows that sampled, in order
+    sampled: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    copied: "torch.cuda.Event | None" = None
+    logprobs: torch.Tensor | None = None
+    prompt_logprobs: dict | None = None
 
 
 class ModelRunner:
@@ -54,6 +70,28 @@ class ModelRunner:
         self.sampler = Sampler(config.model.seed, self.device)
         # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
         self.block_ids: dict[str, list[int]] = {}
+        self.decode_graphs, self.cuda_graphs_off_reason = self._decode_graphs(config)
+        # Sampled ids come back through pinned memory, two slots (two steps may be in flight).
+        on_cuda = self.device.type == "cuda"
+        self._sampled_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
+                              for _ in range(2)] if on_cuda else []
+        self._sampled_slot = 0
+
+    def _decode_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, str | None]:
+        """The decode buffers: padded, with CUDA graphs where they can be captured (else why not).
+        With enforce_eager they serve only steps fed by the previous step's ids, unpadded."""
+        sc = config.scheduler
+        reason = None
+        if config.model.enforce_eager:
+            reason = "enforce_eager"
+        elif self.device.type != "cuda":
+            reason = "no CUDA device"
+        elif self.kernels.name != "triton":
+            reason = f"the {self.kernels.name} kernels read sequence lengths on the host"
+        sizes = () if config.model.enforce_eager else sc.decode_batch_sizes
+        graphs = DecodeGraphs(self.model, self.kv_caches, sc.max_num_seqs, sizes, self.max_blocks_per_seq,
+                              self.block_size, self.device, use_graphs=reason is None)
+        return graphs, reason
 
     def bytes_per_block(self, arch=None) -> int:
         arch = arch or self.model.arch
@@ -110,29 +148,84 @@ class ModelRunner:
                 self.block_ids.setdefault(r.request_id, []).extend(new_ids)
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.launch(so))
+
+    def launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's device work without waiting for it. With `prev`, every scheduled row
+        continues a row that sampled in prev, one position further: its input id is prev's
+        sampled id, read on the device (the CPU has not seen it yet)."""
         self._update_block_tables(so)
-        if self.connector is None:
-            return self._execute_model(so)
-        if so.kv_connector_metadata:
+        if self.connector is not None and so.kv_connector_metadata:
             self.connector.start_load_kv(so.kv_connector_metadata)
-        output = self._execute_model(so)
-        output.kv_connector_output = self.connector.get_finished()
+        return self._launch_model(so, prev)
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        """Wait for a launched step's sampled ids and hand them to the scheduler's shape."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        tokens = [] if step.sampled is None else (step.host if step.host is not None else step.sampled).tolist()
+        logprobs = None
+        if step.logprobs is not None:
+            logprobs = self.sampler.logprob_entries(step.logprobs, tokens, step.requests)
+        output = ModelOutput(sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs)
+        if self.connector is not None:
+            output.kv_connector_output = self.connector.get_finished()
         return output
 
+    @property
+    def stats(self) -> dict:
+        g = self.decode_graphs
+        return {"decode_buffer_steps": g.num_steps, "cuda_graph_replays": g.num_replays,
+                "cuda_graphs_captured": len(g.graphs)}
+
     @torch.inference_mode()
-    def _execute_model(self, so: SchedulerOutput) -> ModelOutput:
+    def _launch_model(self, so: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        step = LaunchedStep(so)
         if not so.scheduled:
-            return ModelOutput(sampled_token_ids=[])
-        input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        prompt_logprobs = self._prompt_logprobs(so, hidden, meta) if any(
-            r.prompt_logprobs is not None for r in so.scheduled) else None
+            return step
+        reqs = so.scheduled
+        if prev is not None or (not self.config.model.enforce_eager and so.total_num_scheduled_tokens == len(reqs)
+                                and all(r.prompt_logprobs is None for r in reqs)):
+            hidden, sample_rows = self._run_decode(so, prev)
+        else:
+            input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if any(r.prompt_logprobs is not None for r in reqs):
+                step.prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
+            hidden = hidden[logits_indices]
         if len(sample_rows) == 0:
-            return ModelOutput(sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        reqs = [so.scheduled[i] for i in sample_rows.tolist()]
-        tokens, logprobs = self.sampler(logits, reqs)
-        return ModelOutput(sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            return step
+        step.requests = [reqs[i] for i in sample_rows.tolist()]
+        logits = self.model.compute_logits(hidden)
+        step.sampled, step.logprobs = self.sampler.select(logits, step.requests)
+        if self.device.type == "cuda":
+            host = self._sampled_host[self._sampled_slot][:len(step.requests)]
+            self._sampled_slot ^= 1
+            host.copy_(step.sampled, non_blocking=True)
+            step.host, step.copied = host, torch.cuda.Event()
+            step.copied.record()
+        return step
+
+    def _run_decode(self, so: SchedulerOutput, prev: LaunchedStep | None):
+        """A decode-only step through the padded buffers (a CUDA graph replay where captured)."""
+        reqs = so.scheduled
+        b = len(reqs)
+        padded = self.decode_graphs.padded_size(b)
+        lookahead = 1 if prev is not None else 0
+        positions = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b) + lookahead
+        input_ids = prev_rows = None
+        if prev is None:
+            input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in reqs), dtype=np.int64, count=b)
+        else:
+            row_of = {r.request_id: i for i, r in enumerate(prev.requests)}
+            prev_rows = np.fromiter((row_of[r.request_id] for r in reqs), dtype=np.int64, count=b)
+        graphs = self.decode_graphs
+        width = graphs.stage(b, padded, positions, input_ids, [self.block_ids[r.request_id] for r in reqs], prev_rows)
+        hidden = graphs.run(b, padded, width, prev.sampled if prev is not None else None)
+        # A row samples when it reaches its known tokens (a one-token prefill chunk may not).
+        total = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b) + lookahead
+        sample_rows = np.nonzero(positions + 1 == total)[0]
+        return (hidden if len(sample_rows) == b else hidden[torch.from_numpy(sample_rows).to(self.device)]), sample_rows
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor, meta) -> dict[str, list]:
         """Logprob of each prompt token given the ones before it, for the rows that ask."""

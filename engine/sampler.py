@@ -44,18 +44,25 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list | None]:
         """One token per row of logits; `requests` are engine Requests in row order."""
+        tokens, logprobs = self.select(logits, requests)
+        token_list = tokens.tolist()
+        return token_list, (self.logprob_entries(logprobs, token_list, requests) if logprobs is not None else None)
+
+    def select(self, logits: torch.Tensor, requests: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids [n] and, when a row asks for them, log-probabilities [n, vocab], both on
+        the logits' device with no device-to-host copy (the caller brings them back asynchronously)."""
         params = [r.sampling_params for r in requests]
         logits = logits.float()
         if any(p.min_tokens > r.num_output_tokens for r, p in zip(requests, params)):
             logits = self._hide_stop_tokens(logits, requests, params)
-        want_logprobs = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests, params)
-        token_list = tokens.tolist()
-        return token_list, (self._logprobs(logprobs, token_list, params) if want_logprobs else None)
+            return logits.argmax(dim=-1), logprobs
+        return self._sample(logits, requests, params), logprobs
+
+    @classmethod
+    def logprob_entries(cls, logprobs: torch.Tensor, tokens: list[int], requests: list) -> list:
+        return cls._logprobs(logprobs, tokens, [r.sampling_params for r in requests])
 
     def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device

@@ -46,6 +46,13 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
         help="KV cache events, as vLLM's flag: JSON with enable_kv_cache_events, publisher (zmq), endpoint "
              "(PUB bind, e.g. tcp://*:5557; port 0: any), replay_endpoint, buffer_steps, hwm, max_queue_size, "
              "topic. The router's kv_aware policy subscribes to the endpoint this instance advertises")
+    add(p, "--enforce-eager", action="store_true",
+        help="no CUDA graphs: every decode step runs eagerly at its own batch size")
+    add(p, "--cuda-graph-sizes", type=int, nargs="+", default=None,
+        help="decode batch sizes with a CUDA graph: one value N means 1, 2, 4 and every multiple of 8 up "
+             "to N; several are the list (default: up to --max-num-seqs)")
+    add(p, "--async-scheduling", action="store_true",
+        help="schedule step n+1 while step n runs, feeding it n's sampled ids on the device")
     add_server_auth_flags(p)
     return p
 
