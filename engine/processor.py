@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 
 from engine.request import InvalidRequestError, SamplingParams
@@ -10,6 +11,8 @@ from engine.request import InvalidRequestError, SamplingParams
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names templates read it under
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The core scans a request's stop ids at every step: a bounded list (the router caps it too).
+MAX_STOP_TOKEN_IDS = 256
 
 
 def load_tokenizer(path: str):
@@ -78,11 +81,13 @@ class TokenizerCodec:
         return text
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
-                            continue_final_message: bool = False, **kwargs) -> str:
-        """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) renders it."""
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) renders it;
+        `chat_template`: a template (or the name of one of the model's) instead of the default."""
         if tokenize:
             raise ValueError("TokenizerCodec renders text only: encode it with add_special_tokens=False")
-        template = self.chat_template.get("default")
+        template = self.chat_template.get(chat_template or "default", chat_template)
         if template is None:
             raise ValueError("this model has no chat template" if not self.chat_template else
                              f"this model has several chat templates ({', '.join(sorted(self.chat_template))}) "
@@ -145,6 +150,24 @@ class InputProcessor:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
+        validate_sampling(params, self.vocab_size)
+
+
+def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """What the core indexes or divides with, checked at the door (as vLLM's processor does):
+    an out-of-vocabulary stop id is refused, not silently dropped by the sampler."""
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids has {len(params.stop_token_ids)} entries; at most "
+                                  f"{MAX_STOP_TOKEN_IDS} are allowed")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise InvalidRequestError(f"top_k cannot be greater than the vocabulary size ({vocab_size}), "
+                                  f"got {params.top_k}")
+    for name in ("temperature", "top_p", "min_p"):
+        if not math.isfinite(getattr(params, name)):
+            raise InvalidRequestError(f"{name} must be a finite number, got {getattr(params, name)}")
 
 
 def _chat_templates(path: str, in_config) -> dict[str, str]:

@@ -72,6 +72,17 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--load-poll-interval", "seconds between GetLoad polls (least_load policy)",
           default=0.5, type=float)
     _flag(p, "--drain-timeout", "seconds SIGTERM waits for in-flight requests", default=30.0, type=float)
+    _flag(p, "--max-concurrent-requests", "generation requests in flight (HTTP and gRPC); beyond it 429 "
+          "with Retry-After", default=1024, type=int)
+    _flag(p, "--max-prompts-per-request", "items in a completions prompt array; beyond it 400",
+          default=256, type=int)
+    _flag(p, "--max-concurrent-prompts", "of one request's prompts, how many run upstream at once",
+          default=16, type=int)
+    _flag(p, "--max-payload-size", "bytes of a request body (HTTP; beyond it 413) or message (gRPC)",
+          default=8 << 20, type=int)
+    _flag(p, "--max-stop-sequences", "stop strings per request; beyond it 400", default=64, type=int)
+    _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
+          "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
           "works too; prefer it or --engine-auth-token-file to the flag)", default=os.environ.get("PDSERVE_AUTH_TOKEN"))
     _flag(p, "--engine-auth-token-file", "a file holding the engines' token (e.g. a mounted Secret)")
@@ -97,6 +108,9 @@ def config_from_args(args) -> RouterConfig:
         decode_service=args.decode_service, namespace=args.discovery_namespace or pod_namespace(),
         service_port=args.service_port, discovery_interval_s=args.discovery_interval,
         kubeconfig=args.kubeconfig, kube_api_url=args.kube_api_url,
+        max_concurrent_requests=args.max_concurrent_requests, max_prompts_per_request=args.max_prompts_per_request,
+        max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
+        max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,
                                            args.engine_ssl_keyfile, args.engine_ssl_server_name))

@@ -59,6 +59,13 @@ class RouterConfig:
     discovery_interval_s: float = 5.0  # dns: seconds between resolutions
     kubeconfig: str | None = None  # kubernetes: None = in-cluster config, else ~/.kube/config
     kube_api_url: str | None = None  # kubernetes: an unauthenticated API server (kubectl proxy, tests)
+    # Hostile input: caps on what the router takes in (429 beyond the first, 400/413 beyond the others).
+    max_concurrent_requests: int = 1024  # generation requests in flight, HTTP and gRPC together
+    max_prompts_per_request: int = 256  # items of a completions prompt array
+    max_concurrent_prompts: int = 16  # of one request's prompts, upstream at once
+    max_payload_size: int = 8 << 20  # bytes of a request body (HTTP) or message (gRPC)
+    max_stop_sequences: int = 64
+    trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
     def __post_init__(self) -> None:
@@ -70,7 +77,8 @@ class RouterConfig:
         if self.migration_limit < 0:
             raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",
-                     "load_poll_interval_s"):
+                     "load_poll_interval_s", "max_concurrent_requests", "max_prompts_per_request",
+                     "max_concurrent_prompts", "max_payload_size", "max_stop_sequences"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -10,7 +10,7 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_gr
 from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
-from services.router.sampling import PreparedPrompt, prepare
+from services.router.sampling import PreparedPrompt, RequestLimits, prepare
 
 logger = logging.getLogger(__name__)
 ENDPOINT = "/pdserve.v1.Generate/Generate"
@@ -21,6 +21,8 @@ class GenerateService(pb_grpc.GenerateServicer):
         self.router = router
         self.model = router.model
         self.metrics = router.metrics
+        self.admission = router.admission
+        self.limits = RequestLimits.from_config(router.config)
         self._api_key = router.config.api_key.encode() if router.config.api_key else None
 
     def _check_auth(self, context) -> None:
@@ -38,7 +40,7 @@ class GenerateService(pb_grpc.GenerateServicer):
             raise bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]", "request_id")
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            ids, text = self.model.encode(request.text), request.text
+            ids, text = self.model.encode_prompt(request.text, "text"), request.text
         elif kind == "token_ids":
             ids, text = list(request.token_ids.ids), None
         else:
@@ -50,33 +52,35 @@ class GenerateService(pb_grpc.GenerateServicer):
         knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
         max_tokens = knobs.pop("max_tokens")
         return prepare(self.model, ids, knobs, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-                       text=text)
+                       limits=self.limits, text=text)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         status = 500
         try:
             self._check_auth(context)
-            prompt = self._prepare(request)
-            self.router.dispatcher.check_available()
-            request_id = request.request_id or self.router.generator.new_request_id("gen")
-            num_tokens, num_cached = 0, None
-            chunks = self.router.generator.stream(request_id, prompt)
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    num_tokens += len(chunk.token_ids)
-                    if num_cached is None:  # the prefill side's count, on the first chunk
-                        num_cached = chunk.num_cached_tokens
-                    out = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
-                                              logprobs=chunk.logprobs, request_id=request_id)
-                    if chunk.finish_reason is not None:
-                        out.finish_reason = chunk.finish_reason
-                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt.token_ids),
-                                                    completion_tokens=num_tokens,
-                                                    cached_tokens=num_cached))
-                    yield out
+            with self.admission.admit():
+                prompt = await self.admission.run(self._prepare, request)
+                self.router.dispatcher.check_available()
+                request_id = request.request_id or self.router.generator.new_request_id("gen")
+                num_tokens, num_cached = 0, None
+                chunks = self.router.generator.stream(request_id, prompt)
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        num_tokens += len(chunk.token_ids)
+                        if num_cached is None:  # the prefill side's count, on the first chunk
+                            num_cached = chunk.num_cached_tokens
+                        out = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
+                                                  logprobs=chunk.logprobs, request_id=request_id)
+                        if chunk.finish_reason is not None:
+                            out.finish_reason = chunk.finish_reason
+                            out.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt.token_ids),
+                                                        completion_tokens=num_tokens,
+                                                        cached_tokens=num_cached))
+                        yield out
             status = 200
         except RouterError as e:
             status = e.status
+            self.admission.shed(e)
             await context.abort(e.grpc_code, e.message)
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             status = 499

@@ -12,11 +12,11 @@ from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.openai_protocol import parse_chat, parse_completion
 from services.router.openai_serving import CLIENT_CLOSED, OpenAIServing
+from services.router.sampling import RequestLimits
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
-MAX_BODY_BYTES = 64 << 20
 
 
 def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
@@ -31,11 +31,14 @@ class HttpGateway:
         self.router = router
         self.model = router.model
         self.metrics = router.metrics
-        self.serving = OpenAIServing(router.generator, router.model)
+        self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
+        self.admission = router.admission
+        self.limits = RequestLimits.from_config(router.config)
+        self.max_body_bytes = router.config.max_payload_size
         self._api_key = router.config.api_key.encode() if router.config.api_key else None
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -68,11 +71,13 @@ class HttpGateway:
             return response
         except RouterError as e:
             status = e.status
+            self.admission.shed(e)
             return error_response(e)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             status = e.status
             return error_response(RouterError(e.status, e.text if e.status != 413 else
-                                              f"request body over {MAX_BODY_BYTES} bytes"),
+                                              f"request body over {self.max_body_bytes} bytes "
+                                              "(--max-payload-size)"),
                                   headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None)
         except asyncio.CancelledError:  # aiohttp cancels the handler when its client disconnects
             status = CLIENT_CLOSED
@@ -86,27 +91,32 @@ class HttpGateway:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
     @staticmethod
-    async def _json(request: web.Request):
-        raw = await request.read()
+    def _parse(raw: bytes, parse, model, limits: RequestLimits):
+        """Decoding, templating and tokenizing: on a worker thread."""
         try:
-            return _decode(raw)
+            body = _decode(raw)
         except msgspec.DecodeError as e:
             raise bad_request(f"malformed JSON body: {e}") from None
+        return parse(body, model, limits)
 
     def _request_id(self, request: web.Request, kind: str) -> str:
         given = request.headers.get("X-Request-Id", "")
         return given if REQUEST_ID.match(given) else self.router.generator.new_request_id(kind)
 
     async def _serve(self, request: web.Request, parse, prefix: str, chat: bool) -> web.StreamResponse:
-        parsed = parse(await self._json(request), self.model)
-        self.router.dispatcher.check_available()
-        request_id = self._request_id(request, prefix)
-        headers = {"X-Request-Id": request_id}
-        if parsed.ignored_fields:
-            names = ", ".join(parsed.ignored_fields)
-            logger.warning("request %s: ignored unknown fields: %s", request_id, names)
-            headers["X-Ignored-Fields"] = names
-        return await self.serving.respond(request, parsed, request_id, chat, headers)
+        with self.admission.admit():
+            raw = await request.read()
+            parsed = await self.admission.run(self._parse, raw, parse, self.model, self.limits)
+            self.router.dispatcher.check_available()
+            request_id = self._request_id(request, prefix)
+            headers = {"X-Request-Id": request_id}
+            if parsed.ignored_fields:
+                # As vLLM, a warning that names them; the client sees how many, never their text
+                # (a header carrying client text could split the response).
+                logger.warning("request %s: ignored unknown fields: %.500s", request_id,
+                               ", ".join(map(repr, parsed.ignored_fields)))
+                headers["X-Ignored-Fields-Count"] = str(len(parsed.ignored_fields))
+            return await self.serving.respond(request, parsed, request_id, chat, headers)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_completion, "cmpl", chat=False)

@@ -27,6 +27,9 @@ class RouterMetrics:
         self.routing_decisions = Counter(
             "pdserve:router_routing_decisions", "Requests sent to each instance.",
             ["role", "instance"], registry=r)
+        self.requests_shed = Counter(
+            "pdserve:router_requests_shed", "Requests refused with 429 (code: router_at_capacity, the "
+            "router's own cap; overloaded, every engine tried at capacity).", ["code"], registry=r)
         self.client_aborts = Counter(
             "pdserve:router_client_aborts", "Requests the client abandoned (disconnect, cancel).",
             registry=r)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.router.errors import RouterError, bad_request, unsupported
-from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, prepare
+from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, prepare
 from services.router.served_model import ServedModel
 
 _KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "a boolean"),
@@ -18,7 +18,9 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+    "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")  # vLLM's words
 
 
 @dataclass
@@ -49,7 +51,12 @@ class Body:
         types, what = _KINDS[kind]
         if isinstance(value, bool) and kind != "bool" or not isinstance(value, types):
             raise bad_request(f"{name} must be {what}, got {type(value).__name__}: {value!r:.40}", name)
-        return float(value) if kind == "number" else value
+        if kind != "number":
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float
+            raise bad_request(f"{name} is out of range", name) from None
 
 
 def _check_model(model: ServedModel, b: Body) -> str:
@@ -118,7 +125,7 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> list[tuple]:
+def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_prompts: int) -> list[tuple]:
     """prompt: a string, a list of strings, a list of token ids or a list of token-id lists
     -> [(token ids, the text or None)]."""
     if isinstance(raw, str):
@@ -128,10 +135,13 @@ def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> lis
     if not isinstance(raw, list) or not raw:
         raise bad_request("prompt must be a string, an array of strings, an array of token ids or an "
                           "array of token-id arrays (and not empty)", "prompt")
+    if len(raw) > max_prompts:
+        raise bad_request(f"prompt has {len(raw)} items; at most {max_prompts} are allowed per request "
+                          "(--max-prompts-per-request)", "prompt")
     out = []
     for item in raw:
         if isinstance(item, str):
-            out.append((model.encode(item, add_special_tokens=add_special_tokens), item))
+            out.append((model.encode_prompt(item, "prompt", add_special_tokens=add_special_tokens), item))
         elif _is_token_ids(item):
             out.append((item, None))
         else:
@@ -140,7 +150,7 @@ def completion_prompts(raw, model: ServedModel, add_special_tokens: bool) -> lis
     return out
 
 
-def parse_completion(body, model: ServedModel) -> ParsedRequest:
+def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest:
     b = Body(body, COMPLETION_FIELDS)
     name = _check_model(model, b)
     _unsupported_features(b)
@@ -160,9 +170,10 @@ def parse_completion(body, model: ServedModel) -> ParsedRequest:
     knobs["logprobs"] = logprobs
     knobs["prompt_logprobs"] = logprobs if echo else None
     stream, include_usage = _stream_flags(b)
-    prompts = [prepare(model, ids, knobs, max_tokens=max_tokens, default_max_tokens=16, text=text)
-               for ids, text in completion_prompts(b.body["prompt"], model,
-                                                   b.get("add_special_tokens", "bool", True))]
+    raw = completion_prompts(b.body["prompt"], model, b.get("add_special_tokens", "bool", True),
+                             limits.max_prompts_per_request)
+    prompts = [prepare(model, ids, knobs, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text)
+               for ids, text in raw]
     return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored)
 
 
@@ -192,7 +203,23 @@ def chat_messages(raw) -> list[dict]:
     return out
 
 
-def parse_chat(body, model: ServedModel) -> ParsedRequest:
+def _chat_template(b: Body, limits: RequestLimits) -> str | None:
+    """A template sent with the request (vLLM's `chat_template`, or transformers' keyword in
+    chat_template_kwargs): arbitrary code for the renderer, so only with the operator's consent."""
+    template = b.get("chat_template", "str")
+    in_kwargs = b.get("chat_template_kwargs", "dict", {}).get("chat_template")
+    if template is None and in_kwargs is None:
+        return None
+    if not limits.trust_request_chat_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, "chat_template" if template is not None else "chat_template_kwargs",
+                          "untrusted_chat_template")
+    template = template if template is not None else in_kwargs
+    if not isinstance(template, str):
+        raise bad_request("chat_template must be a string", "chat_template_kwargs")
+    return template
+
+
+def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest:
     b = Body(body, CHAT_FIELDS)
     name = _check_model(model, b)
     _unsupported_features(b)
@@ -210,10 +237,10 @@ def parse_chat(body, model: ServedModel) -> ParsedRequest:
     logprobs = (top or 0) if want_logprobs else None
     ids = model.chat_prompt(messages, b.get("add_generation_prompt", "bool", True),
                             b.get("continue_final_message", "bool", False),
-                            b.get("chat_template_kwargs", "dict", {}))
+                            b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
     knobs = _knobs(b)
     knobs["logprobs"] = logprobs
     stream, include_usage = _stream_flags(b)
-    prompt = prepare(model, ids, knobs, max_tokens=_max_tokens(b), default_max_tokens=None,
+    prompt = prepare(model, ids, knobs, max_tokens=_max_tokens(b), default_max_tokens=None, limits=limits,
                      param="messages")
     return ParsedRequest(name, [prompt], stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored)

@@ -82,9 +82,10 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, generator: TextGenerator, model: ServedModel) -> None:
+    def __init__(self, generator: TextGenerator, model: ServedModel, max_concurrent_prompts: int) -> None:
         self.generator = generator
         self.model = model
+        self.max_concurrent_prompts = max_concurrent_prompts  # of one request's, upstream at once
 
     def _choices(self, req: ParsedRequest, chat: bool) -> list[Choice]:
         return [Choice(i, p, req, self.model, chat) for i, p in enumerate(req.prompts)]
@@ -103,7 +104,7 @@ class OpenAIServing:
                       chat: bool, headers: dict) -> web.StreamResponse:
         choices = self._choices(req, chat)
         created = int(time.time())
-        chunks = merge(self._streams(request_id, req))
+        chunks = merge(self._streams(request_id, req), self.max_concurrent_prompts)
         if not req.stream:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in chunks:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.processor import validate_sampling
 from engine.request import InvalidRequestError, SamplingParams
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb
@@ -11,6 +12,20 @@ from services.router.errors import bad_request
 from services.router.served_model import ServedModel
 
 MAX_LOGPROBS = 20
+# A stop string longer than this is no stop string: each one is searched at every step.
+MAX_STOP_SEQUENCE_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, from the router's flags."""
+    max_stop_sequences: int = 64
+    max_prompts_per_request: int = 256
+    trust_request_chat_template: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> "RequestLimits":
+        return cls(config.max_stop_sequences, config.max_prompts_per_request, config.trust_request_chat_template)
 
 
 @dataclass
@@ -39,8 +54,17 @@ def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None, p
     return max_tokens
 
 
+def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
+    if len(stop) > limits.max_stop_sequences:
+        raise bad_request(f"stop has {len(stop)} sequences; at most {limits.max_stop_sequences} are allowed",
+                          "stop")
+    if any(len(s) > MAX_STOP_SEQUENCE_CHARS for s in stop):
+        raise bad_request(f"each stop sequence must be at most {MAX_STOP_SEQUENCE_CHARS} characters", "stop")
+
+
 def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens: int | None,
-            default_max_tokens: int | None, text: str | None = None, param: str = "prompt") -> PreparedPrompt:
+            default_max_tokens: int | None, limits: RequestLimits, text: str | None = None,
+            param: str = "prompt") -> PreparedPrompt:
     """`knobs`: SamplingParams keyword arguments other than max_tokens, as the client sent them.
 
     max_tokens None takes `default_max_tokens` (capped by the room left) or, if that is None
@@ -48,7 +72,6 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
     """
     if not token_ids:
         raise bad_request("the prompt is empty", param)
-    model.check_token_ids(token_ids, param)
     if max_tokens is None:
         room = check_context(model, len(token_ids), None, param)
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
@@ -56,14 +79,15 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
         if max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         check_context(model, len(token_ids), max_tokens, param)
+    model.check_token_ids(token_ids, param)  # after the length check: a bounded scan
+    check_stop(tuple(knobs.get("stop", ())), limits)
     try:
         params = SamplingParams(max_tokens=max_tokens, **knobs)
-    except InvalidRequestError as e:
+        validate_sampling(params, model.vocab_size)  # what the engines refuse, refused here first
+        # Stop strings travel too, but engines drop them: they are the router's to honour.
+        return PreparedPrompt(token_ids, params, sampling_to_proto(params), text)
+    except InvalidRequestError as e:  # its message starts with the parameter's name
         message = str(e)
         raise bad_request(message, message.split(" ", 1)[0]) from None
     except TypeError as e:  # a value of the wrong type reached a comparison
         raise bad_request(f"invalid sampling parameters: {e}") from None
-    if any(not 0 <= t < model.vocab_size for t in params.stop_token_ids):
-        raise bad_request("stop_token_ids must be token ids of this model", "stop_token_ids")
-    # Stop strings travel too, but engines drop them: they are the router's to honour.
-    return PreparedPrompt(token_ids, params, sampling_to_proto(params), text)

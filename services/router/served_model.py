@@ -1,6 +1,7 @@
 """The model as the router serves it: name, tokenizer, chat template, context length."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -8,6 +9,7 @@ import time
 from engine.processor import load_light_tokenizer
 
 from services.router.errors import bad_request
+from services.router.prompt_limits import PromptCharBound
 
 
 # Texts on which the direct (Rust) tokenizer must agree with the transformers wrapper.
@@ -58,6 +60,13 @@ class ServedModel:
         # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
+        # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
+        # tokenized on a worker thread leaves the event loop free.
+        self._backend = getattr(self.codec, "backend", None)
+        self.char_bound = PromptCharBound(self._backend or getattr(self.tokenizer, "backend_tokenizer", None))
+        # apply_chat_template's own parameters (tokenize, return_dict, ...) never come from a request.
+        self._template_params = {n for n, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
+                                 if p.kind is not p.VAR_KEYWORD} if hasattr(self.tokenizer, "apply_chat_template") else set()
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         config = config.get("text_config", config)
@@ -77,7 +86,19 @@ class ServedModel:
             self.reported_max_len = report.max_model_len
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.codec.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_prompt(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """encode(), after refusing a text too long for the context under any tokenization."""
+        at_least = self.char_bound.min_tokens(text)
+        if at_least >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your prompt has {len(text)} characters, at least {at_least} tokens with this "
+                              "model's tokenizer. Please reduce the length of the prompt.", param,
+                              "context_length_exceeded")
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.codec.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -90,15 +111,24 @@ class ServedModel:
         return s
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
-                    continue_final_message: bool, template_kwargs: dict) -> list[int]:
+                    continue_final_message: bool, template_kwargs: dict,
+                    chat_template: str | None = None) -> list[int]:
+        """`chat_template`: a template the operator allowed requests to send (else the model's)."""
+        # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
+        # only template variables reach the template.
+        kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **template_kwargs)
+                continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # jinja errors, a model without a template, bad roles
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise bad_request("the chat template did not render text", "messages")
         # The template writes the special tokens it wants (BOS included), as in vLLM.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode_prompt(text, "messages", add_special_tokens=False)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)

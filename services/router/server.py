@@ -11,6 +11,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.discovery import make_discovery
 from services.router.dispatcher import Dispatcher
@@ -52,6 +53,7 @@ class Router:
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             max_attempts=config.max_attempts, migration_limit=config.migration_limit)
         self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
+        self.admission = Admission(config.max_concurrent_requests, self.metrics)
         self.draining = False
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -80,7 +82,7 @@ class Router:
                     c.host, self.http_port, f" and gRPC {c.host}:{self.grpc_port}" if self.grpc_port else "")
 
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.config.max_payload_size)])
         pb_grpc.add_GenerateServicer_to_server(GenerateService(self), server)
         self._grpc_health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, server)
@@ -103,6 +105,7 @@ class Router:
         if self._runner is not None:
             stopping.append(self._runner.cleanup())
         await asyncio.gather(*stopping)
+        self.admission.close()
         await self.dispatcher.drain()
         if self.discovery is not None:
             await self.discovery.close()

@@ -6,8 +6,9 @@ import contextlib
 from typing import AsyncIterator
 
 
-async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """Yields (index, item) as items arrive; the first error cancels the other streams."""
+async def merge(streams: list, max_concurrent: int | None = None) -> AsyncIterator[tuple[int, object]]:
+    """Yields (index, item) as items arrive; the first error cancels the other streams. At most
+    `max_concurrent` streams run at once (None: all); the others start, in order, as those end."""
     if len(streams) == 1:  # the common case pays for no task and no queue
         async with contextlib.aclosing(streams[0]):
             async for item in streams[0]:
@@ -15,10 +16,11 @@ async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    seats = asyncio.Semaphore(max_concurrent or len(streams))
 
     async def pump(i: int, stream) -> None:
         try:
-            async with contextlib.aclosing(stream):
+            async with seats, contextlib.aclosing(stream):
                 async for item in stream:
                     queue.put_nowait((i, item, None))
         except Exception as e:  # handed to the reader, which raises it

@@ -1,0 +1,50 @@
+"""The router's front door: a cap on generation requests in flight, and the worker threads that
+tokenize and render chat templates off the event loop."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from services.router.errors import RouterError
+
+RETRY_AFTER_S = 1
+
+
+class Admission:
+    """Shared by the HTTP gateway and the gRPC Generate front."""
+
+    def __init__(self, max_concurrent_requests: int, metrics, num_workers: int | None = None) -> None:
+        self.limit = max_concurrent_requests
+        self.metrics = metrics
+        self.in_flight = 0
+        # Tokenizing releases the GIL (the Rust tokenizer's batch call); a template renders in Python
+        # but is preempted every switch interval: either way the loop keeps serving other clients.
+        self._pool = ThreadPoolExecutor(max_workers=num_workers or min(8, os.cpu_count() or 1),
+                                        thread_name_prefix="pdserve-router-input")
+
+    @contextlib.contextmanager
+    def admit(self):
+        """One request in flight for the block; 429 (Retry-After) when the router is at its cap."""
+        if self.in_flight >= self.limit:
+            raise RouterError(429, f"the router is at capacity ({self.limit} requests in flight); retry later",
+                              code="router_at_capacity", retry_after_s=RETRY_AFTER_S)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def run(self, fn, *args):
+        """fn(*args) on a worker thread (its exceptions raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def shed(self, error: RouterError) -> None:
+        """Counts a 429, whoever refused: this router's cap or every engine tried."""
+        if error.status == 429:
+            self.metrics.requests_shed.labels(error.code or "unknown").inc()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
