@@ -3,11 +3,15 @@ to another decode and the client's answer is the undisturbed one; an abort, or a
 --migration-limit, is an error, never a 200 with part of the text."""
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import signal
 
 import grpc
 import pytest
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from services.router.cli import add_router_parser, config_from_args
 
 from router_fakes import FakeEngine, FakeServer, client_ids, fake_process, toy_generate
 from router_harness import wait_until
@@ -198,3 +202,31 @@ def test_a_sigkilled_decode_process_mid_stream(make_stack, tokenizer):
         assert not errors and finishes == ["length"]
         assert text == tokenizer.decode(toy_generate(tokenizer.encode("Hello world"), 60)[0])
         assert stack.metric(MIGRATIONS, {"outcome": "completed"}) == 1
+
+
+def test_grpc_generate_migrates_too_and_fails_loudly_past_the_limit(migration_stack, tokenizer):
+    stack = migration_stack(prefill=1, deaths=1, migration_limit=1)
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerateStub(channel)
+        request = pb.GenerateRequest(text="Hello world", sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True))
+        chunks = list(stub.Generate(request, timeout=30))
+        assert [t for c in chunks for t in c.token_ids] == toy_generate(tokenizer.encode("Hello world"), 12)[0]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+        stack.budget[0] = 2
+        decodes = stack.router.pool.instances("decode")
+        wait_until(lambda: all(i.healthy for i in decodes), what="the health checks to bring the decodes back")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "migration limit" in err.value.details()
+
+
+def test_the_migration_limit_flag():
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers(dest="command"))
+
+    def parse(*argv):
+        return config_from_args(parser.parse_args(["router", "--decode", "h:1", *argv]))
+
+    assert parse().migration_limit == 3 and parse("--migration-limit", "0").migration_limit == 0
+    with pytest.raises(ValueError, match="--migration-limit"):
+        parse("--migration-limit", "-1")
