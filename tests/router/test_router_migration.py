@@ -22,8 +22,9 @@ BODY = {"model": "tiny", "prompt": "Hello world", "max_tokens": 12, "temperature
 
 class DyingDecode(FakeEngine):
     """A decode that loses its stream after `die_after` messages, while the shared `deaths` budget
-    lasts: with `how` a status (UNAVAILABLE: the instance went away), "eof" (the stream just ends)
-    or "abort_reason" (an engine that reports finish_reason "abort")."""
+    lasts: with `how` a status (UNAVAILABLE: the instance went away), "eof" (the stream just ends),
+    "abort_reason" (an engine that reports finish_reason "abort") or, whatever `die_after`,
+    "unfinished" (the last token comes without its finish reason, then the stream ends)."""
 
     def __init__(self, *args, deaths: list[int], die_after: int, how=grpc.StatusCode.UNAVAILABLE, **kwargs) -> None:
         super().__init__("decode", *args, **kwargs)
@@ -35,7 +36,13 @@ class DyingDecode(FakeEngine):
         self.deaths[0] -= dying
         sent = 0
         async for msg in super().Decode(request, context):
-            if dying and sent == self.die_after:
+            if dying and self.how == "unfinished":
+                if msg.finish_reason:
+                    self.lost.append(request)
+                    msg.finish_reason = ""
+                    yield msg
+                    return
+            elif dying and sent == self.die_after:
                 self.lost.append(request)
                 if self.how == "eof":
                     return
@@ -107,7 +114,7 @@ def test_a_lost_decode_hands_the_stream_to_another(migration_stack, tokenizer, p
     # The survivor continued from the prompt plus what was sent, with a budget that much smaller.
     [lost] = [r for d in stack.decodes for r in d.engine.lost]
     moved = max(decode_requests(stack), key=lambda r: len(r.prompt_token_ids))
-    sent = 3 + prefill  # the dying decode's messages, after the prefill's first token
+    sent = 3 + lost.HasField("first_token_id")  # the dying decode's messages, after a prefill's first token
     assert list(moved.prompt_token_ids) == tokenizer.encode("Hello world") + ids[:sent]
     assert moved.sampling.max_tokens == 12 - sent and moved.sampling.logprobs == 2
     assert moved.request_id != lost.request_id and client_ids([moved.request_id]) == client_ids([lost.request_id])
@@ -126,8 +133,10 @@ def test_non_streaming_answer_and_stop_strings_survive_a_migration(migration_sta
     status, _, migrated = stack.post("/v1/completions", body)
     assert status == 200, migrated
     assert undated(migrated) == undated(undisturbed)
+    [lost] = [r for d in stack.decodes for r in d.engine.lost]
     moved = max(decode_requests(stack), key=lambda r: len(r.prompt_token_ids))
-    assert moved.sampling.min_tokens == 2  # 3 tokens were out already
+    sent = 2 + lost.HasField("first_token_id")
+    assert moved.sampling.min_tokens == 5 - sent and len(moved.prompt_token_ids) == len(lost.prompt_token_ids) + sent
 
 
 def test_a_stream_that_ends_without_a_finish_reason_is_migrated(migration_stack, tokenizer):
@@ -136,6 +145,14 @@ def test_a_stream_that_ends_without_a_finish_reason_is_migrated(migration_stack,
     assert status == 200 and body["choices"][0]["text"] == tokenizer.decode(
         toy_generate(tokenizer.encode("Hello world"), 12)[0])
     assert stack.metric(MIGRATIONS, {"outcome": "completed"}) == 1
+
+
+def test_a_stream_lost_after_its_last_token_ends_at_max_tokens(migration_stack, tokenizer):
+    stack = migration_stack(prefill=0, how="unfinished")
+    status, _, body = stack.post("/v1/completions", BODY)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert body["choices"][0]["text"] == tokenizer.decode(toy_generate(tokenizer.encode("Hello world"), 12)[0])
+    assert len(decode_requests(stack)) == 1  # nothing was left to generate: no migration
 
 
 @pytest.mark.parametrize("limit", [0, 1])
