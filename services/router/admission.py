@@ -11,6 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from services.router.errors import RouterError
 
 RETRY_AFTER_S = 1
+# Smaller inputs are parsed and tokenized on the loop: a few milliseconds at most, and no thread
+# hop on the common path; larger ones go to the workers.
+INLINE_BYTES = 16 << 10
 
 
 class Admission:
@@ -22,7 +25,7 @@ class Admission:
         self.in_flight = 0
         # Tokenizing releases the GIL (the Rust tokenizer's batch call); a template renders in Python
         # but is preempted every switch interval: either way the loop keeps serving other clients.
-        self._pool = ThreadPoolExecutor(max_workers=num_workers or min(8, os.cpu_count() or 1),
+        self._pool = ThreadPoolExecutor(max_workers=num_workers or max(4, min(8, os.cpu_count() or 1)),
                                         thread_name_prefix="pdserve-router-input")
 
     @contextlib.contextmanager
@@ -37,8 +40,10 @@ class Admission:
         finally:
             self.in_flight -= 1
 
-    async def run(self, fn, *args):
-        """fn(*args) on a worker thread (its exceptions raised here)."""
+    async def run(self, size: int, fn, *args):
+        """fn(*args), its input `size` bytes: on a worker thread unless small (exceptions raised here)."""
+        if size <= INLINE_BYTES:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def shed(self, error: RouterError) -> None:

@@ -59,7 +59,7 @@ class GenerateService(pb_grpc.GenerateServicer):
         try:
             self._check_auth(context)
             with self.admission.admit():
-                prompt = await self.admission.run(self._prepare, request)
+                prompt = await self.admission.run(request.ByteSize(), self._prepare, request)
                 self.router.dispatcher.check_available()
                 request_id = request.request_id or self.router.generator.new_request_id("gen")
                 num_tokens, num_cached = 0, None

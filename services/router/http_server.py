@@ -106,7 +106,7 @@ class HttpGateway:
     async def _serve(self, request: web.Request, parse, prefix: str, chat: bool) -> web.StreamResponse:
         with self.admission.admit():
             raw = await request.read()
-            parsed = await self.admission.run(self._parse, raw, parse, self.model, self.limits)
+            parsed = await self.admission.run(len(raw), self._parse, raw, parse, self.model, self.limits)
             self.router.dispatcher.check_available()
             request_id = self._request_id(request, prefix)
             headers = {"X-Request-Id": request_id}

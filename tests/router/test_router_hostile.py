@@ -235,3 +235,43 @@ def test_no_client_text_reaches_a_response_header(make_stack):
         assert resp.status == 200 and resp.getheader("X-Request-Id").startswith("cmpl-")
     finally:
         conn.close()
+
+
+def _tokenizer(normalizer=None, pre_tokenizer=None):
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "abc": 1, "abcdefgh": 2}, unk_token="[UNK]"))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    return tok
+
+
+def test_the_character_bound_holds_only_where_it_can_be_justified(tokenizer):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    from services.router.prompt_limits import PromptCharBound
+
+    def bound(**kwargs):
+        return PromptCharBound(_tokenizer(**kwargs)).chars_per_token
+
+    assert bound() == 8  # the longest vocabulary entry
+    assert bound(normalizer=normalizers.NFC()) == 32  # NFC composes up to 4 code points into one
+    assert bound(normalizer=normalizers.Sequence([normalizers.Replace("  ", " "), normalizers.Lowercase()])) == 16
+    assert bound(pre_tokenizer=pre_tokenizers.ByteLevel()) == 8
+    # Anything that can drop characters outright: no bound, the check is off (never a wrong 400).
+    for kwargs in ({"normalizer": normalizers.Strip()}, {"normalizer": normalizers.Replace(Regex(r"\s+"), " ")},
+                   {"normalizer": normalizers.Replace("x", "")}, {"normalizer": normalizers.BertNormalizer()},
+                   {"pre_tokenizer": pre_tokenizers.Whitespace()},
+                   {"pre_tokenizer": pre_tokenizers.Split(" ", "removed")}):
+        assert bound(**kwargs) is None, kwargs
+        assert PromptCharBound(_tokenizer(**kwargs)).min_tokens("x" * 10 ** 6) == 0
+    # On the served tokenizer, the bound is below the real count even for texts built to tokenize
+    # into few tokens (its longest tokens repeated, runs of spaces, combining marks).
+    backend = tokenizer.backend_tokenizer
+    real = PromptCharBound(backend)
+    longest = max(backend.get_vocab(), key=len)
+    for text in (backend.decode([backend.token_to_id(longest)]) * 500, " " * 5000, "e\u0301" * 2000,
+                 "hello world " * 300):
+        assert real.min_tokens(text) <= len(backend.encode(text, add_special_tokens=False).ids)
