@@ -53,7 +53,25 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "service account, else ~/.kube/config)")
     _flag(p, "--kube-api-url", "kubernetes: an API server URL to talk to without credentials "
           "(kubectl proxy, tests)")
-    _flag(p, "--policy", "routing policy", default="round_robin", choices=["round_robin", "least_load"])
+    _flag(p, "--policy", "routing policy: kv_aware (least cost: tokens left to prefill after the instance's "
+          "cached prefix, from the engines' KV events, plus its load), least_load, round_robin; auto: "
+          "kv_aware where the instances publish KV events (--kv-events-config), else round_robin",
+          default="auto", choices=["auto", "kv_aware", "least_load", "round_robin"])
+    _flag(p, "--kv-overlap-score-weight", "kv_aware: weight of the prompt tokens left to prefill against the "
+          "instance's load in tokens", default=1.0, type=float)
+    _flag(p, "--router-temperature", "kv_aware: softmax temperature over the normalised costs (0: the least "
+          "cost, ties rotate)", default=0.0, type=float)
+    _flag(p, "--kv-low-confidence-weight", "kv_aware: weight of cached blocks an instance reported before "
+          "an event gap that replay could not fill", default=0.5, type=float)
+    _flag(p, "--pd-policy", "disaggregated mode: always (every prompt on a prefill instance), never (decode "
+          "instances compute their prompts), conditional (the decode computes when few prompt tokens are "
+          "uncached there, or the prefill pool is queueing while it has room); auto: conditional where the "
+          "decode instances publish KV events, else always", default="auto",
+          choices=["auto", "conditional", "always", "never"])
+    _flag(p, "--max-local-prefill-length", "conditional: a decode instance computes a prompt itself when at "
+          "most this many of its tokens are not in its prefix cache", default=512, type=int)
+    _flag(p, "--max-prefill-queue-tokens", "conditional: above this many outstanding tokens on the least "
+          "loaded prefill instance, a decode instance with room computes the prompt", default=8192, type=int)
     _flag(p, "--api-key", "require 'Authorization: Bearer KEY' on /v1/* and on gRPC Generate "
           "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
     _flag(p, "--max-model-len", "context length limit (default: the smallest any instance reports, "
@@ -100,6 +118,10 @@ def config_from_args(args) -> RouterConfig:
         model=args.model, served_model_name=args.served_model_name or args.model,
         prefill=parse_addresses(args.prefill), decode=parse_addresses(args.decode), host=args.host,
         port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=args.api_key or None,
+        kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
+        kv_low_confidence_weight=args.kv_low_confidence_weight, pd_policy=args.pd_policy,
+        max_local_prefill_length=args.max_local_prefill_length,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
         prefill_timeout_s=args.prefill_timeout, max_attempts=args.max_attempts,
         migration_limit=args.migration_limit,

@@ -41,7 +41,13 @@ class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     grpc_port: int = 50050  # < 0: no gRPC front
-    policy: str = "round_robin"
+    policy: str = "auto"  # auto: kv_aware where the instances publish KV events, else round_robin
+    kv_overlap_score_weight: float = 1.0  # kv_aware: weight of the tokens left to prefill against load
+    router_temperature: float = 0.0  # kv_aware: softmax temperature over normalised costs; 0: least cost
+    kv_low_confidence_weight: float = 0.5  # KV index entries older than an unreplayed gap count this much
+    pd_policy: str = "auto"  # auto | always | never | conditional (disaggregated mode only)
+    max_local_prefill_length: int = 512  # conditional: uncached prompt tokens a decode computes itself
+    max_prefill_queue_tokens: int = 8192  # conditional: prefill queue beyond which a decode with room computes
     api_key: str | None = None
     max_model_len: int | None = None  # None: what the instances report, else config.json
     request_timeout_s: float = 600.0
@@ -70,8 +76,17 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self._check_discovery()
-        if self.policy not in ("round_robin", "least_load"):
-            raise ValueError(f"unknown routing policy {self.policy!r}; choose round_robin or least_load")
+        if self.policy not in ("round_robin", "least_load", "kv_aware", "auto"):
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose round_robin, least_load, kv_aware "
+                             "or auto")
+        if self.pd_policy not in ("auto", "always", "never", "conditional"):
+            raise ValueError(f"unknown --pd-policy {self.pd_policy!r}; choose auto, always, never or conditional")
+        if self.kv_overlap_score_weight < 0 or self.router_temperature < 0:
+            raise ValueError("--kv-overlap-score-weight and --router-temperature must be >= 0")
+        if not 0 <= self.kv_low_confidence_weight <= 1:
+            raise ValueError("--kv-low-confidence-weight must be in [0, 1]")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue_tokens < 0:
+            raise ValueError("--max-local-prefill-length and --max-prefill-queue-tokens must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
         if self.migration_limit < 0:

@@ -12,6 +12,7 @@ import grpc
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.router.errors import RouterError, overloaded
 from services.router.instances import Instance, InstancePool
+from services.router.pd_policy import PdPolicy
 from services.router.policy import RouteRequest, RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,10 @@ def _refuse_abort(inst: Instance, finish_reason: str | None) -> None:
 class Dispatcher:
     def __init__(self, pool: InstancePool, policy: RoutingPolicy, metrics, *, disaggregated: bool,
                  request_timeout_s: float, prefill_timeout_s: float, max_attempts: int,
-                 migration_limit: int = 0) -> None:
+                 migration_limit: int = 0, pd_policy: "PdPolicy | None" = None) -> None:
         self.pool = pool
         self.policy = policy
+        self.pd_policy = pd_policy  # disaggregated mode: prefill remotely, or on the decode itself
         self.metrics = metrics
         self.disaggregated = disaggregated
         self.request_timeout_s = request_timeout_s
@@ -177,8 +179,12 @@ class Dispatcher:
                        deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
         """One upstream request: prefill (when disaggregated) then a decode stream; raises
         StreamLost when the decode instance is lost after it began."""
-        decode_route = RouteRequest(request_id, "decode", prompt_token_ids)
-        if not self.disaggregated:
+        decode_route = RouteRequest(request_id, "decode", prompt_token_ids, sampling.cache_salt or None)
+        local = not self.disaggregated
+        if not local and self.pd_policy is not None:
+            decision = self.pd_policy.decide(decode_route, lost)
+            decode_route, local = decision.route, not decision.disaggregate
+        if local:
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling)
             async for chunk in self._decode(decode_route, req, deadline, lost):
@@ -213,7 +219,7 @@ class Dispatcher:
                        deadline: float) -> tuple[Instance, pb.PrefillResponse]:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                 sampling=sampling, publish_kv=True)
-        route = RouteRequest(request_id, "prefill", prompt_token_ids)
+        route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None)
         tried: list[Instance] = []
         failures: list[str] = []
         codes: set[grpc.StatusCode] = set()

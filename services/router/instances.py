@@ -157,7 +157,7 @@ class InstancePool:
                 continue  # removed while it was being checked
             was = inst.healthy
             self._set_health(inst, ok, reason)
-            if ok and not was and self._load_interval_s is None:
+            if ok and not was:  # a first report now: its limits and KV events endpoint, before any poll
                 await self._fetch_load(inst)
 
     def mark_unhealthy(self, inst: Instance, reason: str) -> None:

@@ -55,6 +55,9 @@ class RouterMetrics:
         self.e2e = Histogram(
             "pdserve:router_e2e_request_latency_seconds", "Request latency, arrival to last token.",
             buckets=E2E_BUCKETS, registry=r)
+        self.pd_decisions = Counter(
+            "pdserve:router_pd_decisions", "Conditional disaggregation: where each prompt was computed "
+            "(prefill_remote | decode_local), and why.", ["decision", "reason"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

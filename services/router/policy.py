@@ -3,18 +3,26 @@ from __future__ import annotations
 
 import abc
 import itertools
+import math
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.block_hash import hash_request_tokens
 from services.router.instances import Instance
+from services.router.kv_index import KvIndex
 
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy may look at. Prefix-aware routing will hash `prompt_token_ids` into blocks."""
+    """What a policy may look at: the prompt (hashed into blocks by kv_aware, with the request's
+    cache salt), and an instance to prefer when it is a candidate (conditional disaggregation
+    decided for that decode instance)."""
     request_id: str
     role: str
     prompt_token_ids: Sequence[int]
+    cache_salt: str | None = None
+    prefer: str | None = None  # an instance address
 
 
 class RoutingPolicy(abc.ABC):
@@ -24,9 +32,24 @@ class RoutingPolicy(abc.ABC):
     # True: the pool polls every instance's GetLoad report for this policy.
     needs_load_reports: bool = False
 
-    @abc.abstractmethod
     def select(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
+        if request.prefer is not None:
+            for inst in candidates:
+                if inst.address == request.prefer:
+                    return inst
+        return self.choose(candidates, request)
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
         ...
+
+    def uncached_tokens(self, inst: Instance, request: RouteRequest) -> int | None:
+        """Prompt tokens the instance would still compute, if the policy knows its cache."""
+        return None
+
+    def knows_caches(self, instances: Sequence[Instance]) -> bool:
+        """True when the policy sees the prefix cache of one of `instances` at least."""
+        return False
 
 
 class RoundRobin(RoutingPolicy):
@@ -35,7 +58,7 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    def select(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
+    def choose(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
         return candidates[next(self._counters[request.role]) % len(candidates)]
 
 
@@ -51,17 +74,88 @@ class LeastLoad(RoutingPolicy):
     def __init__(self) -> None:
         self._tiebreak = RoundRobin()
 
-    def select(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
+    def choose(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
         lowest = min(i.load_score for i in candidates)
         best = [i for i in candidates if i.load_score == lowest]
-        return best[0] if len(best) == 1 else self._tiebreak.select(best, request)
+        return best[0] if len(best) == 1 else self._tiebreak.choose(best, request)
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoad)}
+class KvAware(RoutingPolicy):
+    """The instance of least cost, as NVIDIA Dynamo's KV router, counted in tokens:
+
+        cost(i) = overlap_weight * (prompt tokens - tokens of the prompt's leading blocks i caches)
+                  + load(i)   (outstanding tokens i reported, plus tokens routed to it since)
+
+    Cached blocks come from the KV index (the engines' KV events), weighted down where the
+    instance's event stream has an unreplayed gap. temperature 0 takes the least cost (ties
+    rotate); above 0 samples softmax(-normalised cost / temperature), spreading near-ties.
+    """
+
+    name = "kv_aware"
+    needs_load_reports = True
+
+    def __init__(self, index: KvIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
+                 rng: random.Random | None = None) -> None:
+        self.index = index
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self._rng = rng or random.Random()
+        self._tiebreak = RoundRobin()
+
+    def knows_caches(self, instances: Sequence[Instance]) -> bool:
+        return any(self.index.block_size(i.address) for i in instances)
+
+    def uncached_tokens(self, inst: Instance, request: RouteRequest) -> int | None:
+        n = len(request.prompt_token_ids)
+        block_size = self.index.block_size(inst.address)
+        if not block_size:
+            return None
+        hashes = hash_request_tokens(request.prompt_token_ids, block_size, request.cache_salt)
+        return max(0, round(n - self.index.matched_tokens(inst.address, hashes)))
+
+    def costs(self, candidates: Sequence[Instance], request: RouteRequest) -> list[float]:
+        hashes_by_size: dict[int, list[bytes]] = {}
+        n = len(request.prompt_token_ids)
+        out = []
+        for inst in candidates:
+            block_size = self.index.block_size(inst.address)
+            matched = 0.0
+            if block_size:
+                if block_size not in hashes_by_size:
+                    hashes_by_size[block_size] = hash_request_tokens(request.prompt_token_ids, block_size,
+                                                                     request.cache_salt)
+                matched = self.index.matched_tokens(inst.address, hashes_by_size[block_size])
+            out.append(self.overlap_weight * (n - matched) + inst.load_score)
+        return out
+
+    def choose(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
+        costs = self.costs(candidates, request)
+        lowest, highest = min(costs), max(costs)
+        if self.temperature <= 0 or highest == lowest:
+            best = [i for i, c in zip(candidates, costs) if c == lowest]
+            return best[0] if len(best) == 1 else self._tiebreak.choose(best, request)
+        weights = [math.exp(-((c - lowest) / (highest - lowest)) / self.temperature) for c in costs]
+        return self._rng.choices(list(candidates), weights)[0]
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+class Auto(KvAware):
+    """kv_aware where the candidates publish KV events, round robin where none does."""
+
+    name = "auto"
+
+    def choose(self, candidates: Sequence[Instance], request: RouteRequest) -> Instance:
+        if self.knows_caches(candidates):
+            return super().choose(candidates, request)
+        return self._tiebreak.choose(candidates, request)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, KvAware, Auto)}
+
+
+def make_policy(name: str, index: KvIndex | None = None, **kv_options) -> RoutingPolicy:
+    """kv_aware and auto need the KV index (kv_options: overlap_weight, temperature)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if issubclass(POLICIES[name], KvAware):
+        return POLICIES[name](index if index is not None else KvIndex(), **kv_options)
+    return POLICIES[name]()

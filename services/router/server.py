@@ -20,7 +20,9 @@ from services.router.grpc_front import GenerateService
 from services.router.http_server import HttpGateway
 from services.router.instances import InstancePool
 from services.router.metrics import RouterMetrics
-from services.router.policy import make_policy
+from services.router.kv_index import KvIndex
+from services.router.pd_policy import PdPolicy
+from services.router.policy import KvAware, make_policy
 from services.router.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -39,19 +41,28 @@ class Router:
         self.metrics = RouterMetrics()
         self.model = ServedModel(resolve_model_path(config.model), config.served_model_name,
                                  config.max_model_len, tokenizer)
-        self.policy = make_policy(config.policy)
+        self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
+        self.metrics.registry.register(self.kv_index)
+        self.policy = make_policy(config.policy, self.kv_index, overlap_weight=config.kv_overlap_score_weight,
+                                  temperature=config.router_temperature)
+        conditional = config.disaggregated and config.pd_policy == "conditional"
         self.discovery = make_discovery(config)  # None: the static --prefill/--decode lists
         sources = {r: self.discovery.describe(r) for r in self.discovery.services} if self.discovery else None
         self.pool = InstancePool(
             config.prefill, config.decode, self.metrics,
             health_interval_s=config.health_check_interval_s,
-            load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports else None,
+            load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports or conditional else None,
             on_load=self.model.on_load_report, drain_grace_s=config.request_timeout_s, sources=sources,
             auth=config.engine_auth)
         self.dispatcher = Dispatcher(
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
-            max_attempts=config.max_attempts, migration_limit=config.migration_limit)
+            max_attempts=config.max_attempts, migration_limit=config.migration_limit,
+            pd_policy=PdPolicy(config.pd_policy, self.policy, self.pool, self.metrics,
+                               max_local_prefill_tokens=config.max_local_prefill_length,
+                               max_prefill_queue_tokens=config.max_prefill_queue_tokens)
+            if config.disaggregated else None)
+        self._kv_sync: asyncio.Task | None = None
         self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, self.metrics)
         self.draining = False
@@ -66,6 +77,8 @@ class Router:
         await self.pool.start()
         if self.discovery is not None:
             await self.discovery.start(self.pool.update)
+        if isinstance(self.policy, KvAware):  # subscribes to the KV events each instance advertises
+            self._kv_sync = asyncio.create_task(self.kv_index.run_sync(self.pool, c.load_poll_interval_s))
         self._runner = web.AppRunner(HttpGateway(self).make_app(), handler_cancellation=True,
                                      shutdown_timeout=c.drain_timeout_s, access_log=None)
         await self._runner.setup()
@@ -109,5 +122,9 @@ class Router:
         await self.dispatcher.drain()
         if self.discovery is not None:
             await self.discovery.close()
+        if self._kv_sync is not None:
+            self._kv_sync.cancel()
+            await asyncio.gather(self._kv_sync, return_exceptions=True)
+        await self.kv_index.close()
         await self.pool.close()
         logger.info("router stopped")

@@ -1,0 +1,81 @@
+"""Conditional disaggregation: per request, a prefill instance computes the prompt, or the decode does.
+
+`--pd-policy`:
+- auto (the default when both pools exist): conditional where the router knows the decode
+  instances' caches (they publish KV events, --kv-events-config), else always;
+- always: every prompt goes to a prefill instance (the decode pulls its KV);
+- never: every decode instance computes its prompts itself (colocated serving on the decode pool);
+- conditional, as Dynamo's conditional disaggregation and
+  llm-d's P/D decider: the decode instance the routing policy picks computes the prompt itself when
+    * the prompt tokens it would still compute (after its own prefix cache, as the KV index knows
+      it) are at most `max_local_prefill_tokens` (a short or mostly cached prompt: a transfer and a
+      second hop cost more than the compute), or
+    * the prefill pool is queueing: its least loaded instance has more than
+      `max_prefill_queue_tokens` outstanding, while that decode has room (no request waiting and
+      KV cache usage under `decode_room_usage`), or no prefill instance is healthy;
+  else the prompt goes to a prefill instance.
+Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from services.router.instances import InstancePool
+from services.router.policy import RouteRequest, RoutingPolicy
+
+PD_POLICIES = ("auto", "always", "never", "conditional")
+
+
+@dataclass(frozen=True)
+class PdDecision:
+    disaggregate: bool
+    reason: str  # always | never | no_kv_events | short_uncached | prefill_queue | no_prefill | long_uncached
+    route: RouteRequest  # the decode route, preferring the instance the decision was made for
+
+
+class PdPolicy:
+    def __init__(self, mode: str, routing: RoutingPolicy, pool: InstancePool, metrics, *,
+                 max_local_prefill_tokens: int = 512, max_prefill_queue_tokens: int = 8192,
+                 decode_room_usage: float = 0.9) -> None:
+        if mode not in PD_POLICIES:
+            raise ValueError(f"unknown pd policy {mode!r}; choose one of {', '.join(PD_POLICIES)}")
+        self.mode = mode
+        self.routing = routing
+        self.pool = pool
+        self.metrics = metrics
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.decode_room_usage = decode_room_usage
+
+    def decide(self, route: RouteRequest, exclude=()) -> PdDecision:
+        decision = self._decide(route, exclude)
+        self.metrics.pd_decisions.labels("prefill_remote" if decision.disaggregate else "decode_local",
+                                         decision.reason).inc()
+        return decision
+
+    def _decide(self, route: RouteRequest, exclude) -> PdDecision:
+        if self.mode in ("always", "never"):
+            return PdDecision(self.mode == "always", self.mode, route)
+        decodes = [i for i in self.pool.healthy("decode") if i not in exclude]
+        if not decodes:
+            return PdDecision(True, "always", route)  # the dispatcher answers for the missing decode
+        if self.mode == "auto" and not self.routing.knows_caches(decodes):
+            return PdDecision(True, "no_kv_events", route)
+        decode = self.routing.select(decodes, route)
+        local = replace(route, prefer=decode.address)
+        uncached = self.routing.uncached_tokens(decode, route)
+        if uncached is None:
+            uncached = len(route.prompt_token_ids)
+        if uncached <= self.max_local_prefill_tokens:
+            return PdDecision(False, "short_uncached", local)
+        prefills = self.pool.healthy("prefill")
+        if not prefills:
+            return PdDecision(False, "no_prefill", local)
+        queue = min(i.load_score for i in prefills)
+        if queue > self.max_prefill_queue_tokens and self._has_room(decode):
+            return PdDecision(False, "prefill_queue", local)
+        return PdDecision(True, "long_uncached", route)
+
+    def _has_room(self, decode) -> bool:
+        report = decode.load
+        return report is None or (report.num_waiting == 0 and report.kv_cache_usage < self.decode_room_usage)
