@@ -1,15 +1,17 @@
-"""End to end: a decode process killed with SIGKILL while it streams a greedy completion; the router
-migrates the request to another decode (prompt + the tokens sent, prefilled again) and the client's
-answer, streamed or not, is the undisturbed one, token for token."""
+"""End to end: a decode process killed with SIGKILL (or its engine core killed) while it streams a
+greedy completion; the router migrates the request to another decode (prompt + the tokens sent,
+prefilled again) and the client's answer, streamed or not, is the undisturbed one, token for token."""
 from __future__ import annotations
 
 import concurrent.futures
 import http.client
 import json
+import os
+import signal
 
 import pytest
 
-from service_procs import poll_until
+from service_procs import children_of, poll_until
 from stack import SERVED_MODEL, Stack, StackSpec
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +22,8 @@ MIGRATED = ("pdserve:router_migrations_total", {"outcome": "completed"})
 
 @pytest.fixture(scope="module")
 def stack(e2e_model):
-    """Its own stack: each test kills one of its three decodes."""
-    with Stack(e2e_model, StackSpec(prefills=1, decodes=3)) as s:
+    """Its own stack: each test kills one of its four decodes."""
+    with Stack(e2e_model, StackSpec(prefills=1, decodes=4)) as s:
         yield s
 
 
@@ -41,17 +43,25 @@ def undisturbed(stack, body) -> dict:
     return out
 
 
-def kill_the_serving_decode(stack: Stack) -> None:
-    """SIGKILL to the decode that runs the request, once it has streamed some of it."""
+def kill_the_serving_decode(stack: Stack, core: bool = False) -> None:
+    """SIGKILL to the decode that runs the request (or to its engine core process)."""
     def serving():
         running = [d for d in stack.live(stack.decodes) if d.load().num_running]
         return running[0] if running else None
 
     assert poll_until(lambda: serving() is not None, 30), "no decode runs the request"
-    stack.kill(serving())
+    decode = serving()
+    if not core:
+        stack.kill(decode)
+        return
+    (pid,) = [p for p in children_of(decode.proc.pid)  # not multiprocessing's resource tracker
+              if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    stack.killed.append(decode)  # it fails its requests with UNAVAILABLE and exits non-zero
+    os.kill(pid, signal.SIGKILL)
 
 
-def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturbed):
+@pytest.mark.parametrize("core", [False, True], ids=["decode_process", "engine_core"])
+def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturbed, core):
     before = stack.router.metric(*MIGRATED)
     conn = http.client.HTTPConnection("127.0.0.1", stack.router.port, timeout=120)
     try:
@@ -64,7 +74,7 @@ def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturb
             if line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
                 if len(events) == 8:
-                    kill_the_serving_decode(stack)
+                    kill_the_serving_decode(stack, core)
     finally:
         conn.close()
     assert not [e for e in events if "error" in e], events[-1]
