@@ -147,19 +147,20 @@ class Dispatcher:
                         yield chunk
                     return
                 except StreamLost as e:
+                    self._abort_later(e.inst, upstream_id)  # it may be alive, only cut off from us
+                    if sampling.max_tokens - len(generated) <= 0:  # lost with its last token sent
+                        outcome = "completed"
+                        yield TokenChunk([], finish_reason="length")
+                        return  # nothing left to migrate
                     if migrating:
                         self.metrics.migrations.labels("lost_again").inc()
                     migrating = False
-                    self._abort_later(e.inst, upstream_id)  # it may be alive, only cut off from us
                     lost.append(e.inst)
                     if len(lost) > self.migration_limit:
                         self.metrics.migrations.labels("limit_reached").inc()
                         raise RouterError(502, f"{e.reason}; not migrated: the migration limit "
                                                f"({self.migration_limit}) is reached",
                                           code="migration_limit_reached") from None
-                    if sampling.max_tokens - len(generated) <= 0:  # lost with its last token sent
-                        yield TokenChunk([], finish_reason="length")
-                        return  # before any migration: nothing to count
                     logger.warning("request %s lost after %d tokens (%s); migrating it to another "
                                    "decode instance (migration %d of at most %d)", request_id,
                                    len(generated), e.reason, len(lost), self.migration_limit)

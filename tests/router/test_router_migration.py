@@ -148,7 +148,7 @@ def test_a_stream_that_ends_without_a_finish_reason_is_migrated(migration_stack,
 
 
 def test_a_stream_lost_after_its_last_token_ends_at_max_tokens(migration_stack, tokenizer):
-    stack = migration_stack(prefill=0, how="unfinished")
+    stack = migration_stack(prefill=0, how="unfinished", migration_limit=0)  # none needed
     status, _, body = stack.post("/v1/completions", BODY)
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert body["choices"][0]["text"] == tokenizer.decode(toy_generate(tokenizer.encode("Hello world"), 12)[0])
