@@ -161,9 +161,9 @@ def _refusing(handler, method: str, log: _RefusalLog):
     return grpc.stream_stream_rpc_method_handler(streaming)
 
 
-class _AddToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Puts the bearer token on every call of a channel (plaintext or TLS alike)."""
+class _AddToken:
+    """Puts the bearer token on every call of a channel (plaintext or TLS alike). grpc.aio files an
+    interceptor under the first call shape it implements, hence one subclass per shape."""
 
     def __init__(self, token: bytes) -> None:
         self._entry = (TOKEN_METADATA, "Bearer " + token.decode())
@@ -171,17 +171,28 @@ class _AddToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClient
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         return details._replace(metadata=grpc.aio.Metadata(*tuple(details.metadata or ()), self._entry))
 
+
+class _AddTokenUnaryUnary(_AddToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AddTokenUnaryStream(_AddToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AddTokenStreamUnary(_AddToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _AddTokenStreamStream(_AddToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
+
+
+_ADD_TOKEN = (_AddTokenUnaryUnary, _AddTokenUnaryStream, _AddTokenStreamUnary, _AddTokenStreamStream)
 
 
 @dataclass(frozen=True)
@@ -219,7 +230,7 @@ class ChannelAuth:
 
     def aio_channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
         options = list(options or [])
-        interceptors = [_AddToken(self.token)] if self.token else None
+        interceptors = [cls(self.token) for cls in _ADD_TOKEN] if self.token else None
         if not self.tls:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         if self.server_name:
