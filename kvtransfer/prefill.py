@@ -154,7 +154,8 @@ class PrefillConnector(KVConnector):
         except (KVTransferError, _BrokenConnection) as e:  # the peer went away or broke the protocol
             if not authenticated:
                 self._count("rejected_peers")
-                log.warning("kvtransfer peer refused during the handshake: %s", e)
+                log.warning("kvtransfer peer %s refused during the handshake: it did not prove the "
+                            "deployment's KV secret and engine token (%s)", _peer_name(sock), e)
             else:
                 log.debug("kvtransfer connection closed: %s", e)
         except Exception:  # noqa: BLE001 - a transport bug must not kill the server, only this connection
@@ -247,6 +248,13 @@ class PrefillConnector(KVConnector):
             raise _BrokenConnection(f"transfer {msg.transfer_id} failed: {e}") from e
         self._count("pulls_served")
         self._count("bytes_sent", nbytes)
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername() or "(local)")
+    except OSError:
+        return "(gone)"
 
 
 class _BrokenConnection(Exception):
