@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import trustme
 
 from chart_tools import by_kind, container, render
+
+
+TLS_MOUNT = "/etc/pdserve/tls"
+
+
+def mounted_tls_secret(folder) -> dict[str, bytes]:
+    """What a cert-manager Certificate's Secret holds, as files named like its keys."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("pdserve-engine.llm.svc")
+    files = {"ca.crt": ca.cert_pem.bytes(), "tls.crt": cert.cert_chain_pems[0].bytes(),
+             "tls.key": cert.private_key_pem.bytes()}
+    for key, data in files.items():
+        (folder / key).write_bytes(data)
+    return files
 
 
 def parser(*hooks) -> argparse.ArgumentParser:
@@ -17,9 +32,10 @@ def parser(*hooks) -> argparse.ArgumentParser:
     return p
 
 
-@pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only"],
+@pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only", "engine-mtls"],
                          ids=lambda v: v or "defaults")
-def test_rendered_args_parse_with_the_pdserve_clis(value_set):
+def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
+    from services.common.auth import ServerAuth
     from services.decode.cli import add_parsers as add_decode_parsers
     from services.planner.cli import add_planner_parser, config_from_args as planner_config
     from services.prefill.cli import add_parser as add_prefill_parser
@@ -27,14 +43,19 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set):
 
     cli = parser(add_prefill_parser, add_decode_parsers, add_router_parser, add_planner_parser)
     deployments = by_kind(render("3", value_set), "Deployment")
+    tls = mounted_tls_secret(tmp_path)
     for name, deployment in deployments.items():
-        args = cli.parse_args(container(deployment)["args"])
+        # The TLS Secret's files where the chart mounts them, here under tmp_path.
+        args = cli.parse_args([a.replace(TLS_MOUNT, str(tmp_path)) for a in container(deployment)["args"]])
         role = name.rsplit("-", 1)[1]
         assert args.command == role
         if role == "router":
             config = router_config(args)
             assert config.disaggregated and config.discovery in ("dns", "kubernetes")
+            assert config.engine_auth.ca_certs == (tls["ca.crt"] if value_set == "engine-mtls" else None)
         elif role == "planner":
             assert set(planner_config(args).roles) == {"prefill", "decode"}
         else:
             assert args.metrics_port and args.kv_transport == ("ucx" if value_set == "gpu-ucx-rdma" else "tcp")
+            auth = ServerAuth.from_args(args)
+            assert auth.describe() == ("mutual TLS" if value_set == "engine-mtls" else "none")

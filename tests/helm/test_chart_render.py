@@ -9,7 +9,7 @@ import pytest
 from chart_tools import (KUBE_VERSIONS, NAMESPACE, by_kind, container, helm, lint, render, validate, CHART)
 
 HELMS = ("3", "4")
-VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc")
+VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc", "engine-mtls")
 ENGINES = ("pd-pdserve-prefill", "pd-pdserve-decode")
 
 
@@ -74,8 +74,9 @@ def test_engines_probe_grpc_health_with_a_generous_startup_and_the_router_http_h
         if name in ENGINES:
             assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"]} == startup["grpc"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # download + load a model
-        else:
-            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:  # alive is not ready: an engine outage takes routers out of the Service, never restarts them
+            assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+            assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"} == startup["httpGet"]
 
 
 def test_router_finds_the_engines_through_their_headless_services():

@@ -17,6 +17,7 @@ CASES = {
     "PVC source without a claim": ({"model.source": "pvc"}, "/model/pvc"),
     "typo in a role block": ({"decode.replica": 2}, "additional properties 'replica' not allowed"),
     "accelerator count below zero": ({"prefill.accelerator.count": -1}, "at '/prefill/accelerator/count'"),
+    "typo in engineAuth": ({"engineAuth.tls.secret": "x"}, "additional properties 'secret' not allowed"),
 }
 # What a schema cannot compare, the templates check (`fail`); helm lint reports those as [INFO] only.
 TEMPLATE_CASES = {
@@ -24,6 +25,7 @@ TEMPLATE_CASES = {
                       "prefill.autoscaling: minReplicas (5) is above maxReplicas (2)"),
     "planner with no role": ({"planner.enabled": True, "planner.prefill.enabled": False,
                               "planner.decode.enabled": False}, "the planner scales nothing"),
+    "TLS without its Secret": ({"engineAuth.tls.enabled": True}, "name the Secret holding tls.crt, tls.key and ca.crt"),
 }
 
 

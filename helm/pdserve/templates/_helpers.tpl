@@ -47,6 +47,60 @@ app.kubernetes.io/part-of: pdserve
 {{- default (printf "%s-kv" (include "pdserve.fullname" .)) .Values.kvTransfer.secret.existingSecret }}
 {{- end }}
 
+{{- define "pdserve.authSecretName" -}}
+{{- default (printf "%s-engine-auth" (include "pdserve.fullname" .)) .Values.engineAuth.token.existingSecret }}
+{{- end }}
+
+{{/* A Secret with one random value (unless `value` is given), kept across upgrades: root, name, key, value, role. */}}
+{{- define "pdserve.generatedSecret" -}}
+{{- $value := .value }}
+{{- if not $value }}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- if and $existing (hasKey (default dict $existing.data) .key) }}
+{{- $value = index $existing.data .key | b64dec }}
+{{- else }}
+{{- $value = randAlphaNum 48 }}
+{{- end }}
+{{- end }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  labels: {{- include "pdserve.labels" (dict "root" .root "role" .role) | nindent 4 }}
+type: Opaque
+data:
+  {{ .key }}: {{ $value | b64enc | quote }}
+{{- end }}
+
+{{/* Engine authentication for a role (router, prefill, decode): its environment, arguments, volume. */}}
+{{- define "pdserve.engineAuthEnv" -}}
+{{- $t := .root.Values.engineAuth.token }}
+{{- if $t.enabled }}
+- name: PDSERVE_AUTH_TOKEN  # engines demand it, the router presents it
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.authSecretName" .root }}
+      key: {{ $t.key }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.engineAuthArgs" -}}
+{{- $tls := .root.Values.engineAuth.tls }}
+{{- if $tls.enabled }}
+{{- if eq .role "router" }}
+- --engine-ssl-ca-certs=/etc/pdserve/tls/ca.crt
+- --engine-ssl-certfile=/etc/pdserve/tls/tls.crt
+- --engine-ssl-keyfile=/etc/pdserve/tls/tls.key
+- --engine-ssl-server-name={{ default (printf "%s-engine" (include "pdserve.fullname" .root)) $tls.serverName }}
+{{- else }}
+- --ssl-certfile=/etc/pdserve/tls/tls.crt
+- --ssl-keyfile=/etc/pdserve/tls/tls.key
+- --ssl-ca-certs=/etc/pdserve/tls/ca.crt
+- --health-port={{ $tls.healthPort }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.grpcPort" -}}
 {{- if eq .role "router" }}{{ .root.Values.router.grpcPort }}{{ else }}{{ index .root.Values.engine.grpcPorts .role }}{{ end }}
 {{- end }}
@@ -66,6 +120,9 @@ app.kubernetes.io/part-of: pdserve
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
 {{- fail (printf "%s.autoscaling: minReplicas (%v) is above maxReplicas (%v)" $role $a.minReplicas $a.maxReplicas) }}
 {{- end }}
+{{- end }}
+{{- if and .Values.engineAuth.tls.enabled (not .Values.engineAuth.tls.secretName) }}
+{{- fail "engineAuth.tls.enabled: name the Secret holding tls.crt, tls.key and ca.crt in engineAuth.tls.secretName" }}
 {{- end }}
 {{- if and .Values.planner.enabled (not (or .Values.planner.prefill.enabled .Values.planner.decode.enabled)) }}
 {{- fail "planner.enabled: the planner scales nothing: enable planner.prefill and/or planner.decode" }}
@@ -208,6 +265,11 @@ podAffinity:
 - name: dshm
   mountPath: /dev/shm
 {{- end }}
+{{- if .root.Values.engineAuth.tls.enabled }}
+- name: engine-tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{- define "pdserve.volumes" -}}
@@ -236,6 +298,14 @@ podAffinity:
   emptyDir:
     medium: Memory
     sizeLimit: {{ .root.Values.kvTransfer.shm.sizeLimit }}
+{{- end }}
+{{- with .root.Values.engineAuth.tls }}
+{{- if .enabled }}
+- name: engine-tls
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -284,14 +354,20 @@ podAffinity:
 {{- end }}
 {{- end }}
 
+{{/* The router: alive (/livez) is not ready (/readyz, an engine reachable): an engine outage must not
+restart routers. Engines: gRPC health, on the plaintext health port when the gRPC port wants TLS. */}}
 {{- define "pdserve.probes" -}}
-{{- $check := "" }}
+{{- $live := "" }}
+{{- $ready := "" }}
 {{- if eq .role "router" }}
-{{- $check = dict "httpGet" (dict "path" "/health" "port" "http") }}
+{{- $live = dict "httpGet" (dict "path" "/livez" "port" "http") }}
+{{- $ready = dict "httpGet" (dict "path" "/readyz" "port" "http") }}
 {{- else }}
-{{- $check = dict "grpc" (dict "port" (int (include "pdserve.grpcPort" .))) }}
+{{- $tls := .root.Values.engineAuth.tls }}
+{{- $live = dict "grpc" (dict "port" (int (ternary $tls.healthPort (include "pdserve.grpcPort" .) $tls.enabled))) }}
+{{- $ready = $live }}
 {{- end }}
-startupProbe: {{- toYaml (merge (deepCopy .v.probes.startup) $check) | nindent 2 }}
-readinessProbe: {{- toYaml (merge (deepCopy .v.probes.readiness) $check) | nindent 2 }}
-livenessProbe: {{- toYaml (merge (deepCopy .v.probes.liveness) $check) | nindent 2 }}
+startupProbe: {{- toYaml (merge (deepCopy .v.probes.startup) $live) | nindent 2 }}
+readinessProbe: {{- toYaml (merge (deepCopy .v.probes.readiness) $ready) | nindent 2 }}
+livenessProbe: {{- toYaml (merge (deepCopy .v.probes.liveness) $live) | nindent 2 }}
 {{- end }}
