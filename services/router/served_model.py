@@ -50,6 +50,12 @@ def make_codec(tokenizer):
     return fast
 
 
+def _named_parameters(fn) -> set[str]:
+    if fn is None:
+        return set()
+    return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD}
+
+
 class ServedModel:
     """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
 
@@ -65,8 +71,7 @@ class ServedModel:
         self._backend = getattr(self.codec, "backend", None)
         self.char_bound = PromptCharBound(self._backend or getattr(self.tokenizer, "backend_tokenizer", None))
         # apply_chat_template's own parameters (tokenize, return_dict, ...) never come from a request.
-        self._template_params = {n for n, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
-                                 if p.kind is not p.VAR_KEYWORD} if hasattr(self.tokenizer, "apply_chat_template") else set()
+        self._template_params = _named_parameters(getattr(self.tokenizer, "apply_chat_template", None))
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         config = config.get("text_config", config)

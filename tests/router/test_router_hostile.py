@@ -78,6 +78,9 @@ def test_body_cap_is_413_with_an_openai_body(make_stack):
     err = assert_error(stack.post("/v1/completions", {"prompt": "x" * 3000}), 413, contains="over 2000 bytes")
     assert err["type"] == "invalid_request_error"
     assert stack.post("/v1/completions", OK)[0] == 200
+    with grpc.insecure_channel(stack.grpc_target) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(text="x" * 3000), timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # gRPC's own answer to an oversized message
     parser = add_router_parser(__import__("argparse").ArgumentParser().add_subparsers())
     config = config_from_args(parser.parse_args(["--decode", "127.0.0.1:1"]))
     assert config.max_payload_size == 8 << 20 and config.max_concurrent_requests == 1024
