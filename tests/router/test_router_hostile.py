@@ -278,3 +278,14 @@ def test_the_character_bound_holds_only_where_it_can_be_justified(tokenizer):
     for text in (backend.decode([backend.token_to_id(longest)]) * 500, " " * 5000, "e\u0301" * 2000,
                  "hello world " * 300):
         assert real.min_tokens(text) <= len(backend.encode(text, add_special_tokens=False).ids)
+
+
+def test_every_engine_at_capacity_is_counted_as_shed(make_stack):
+    stack = make_stack(prefill_kwargs=[{"fail": grpc.StatusCode.RESOURCE_EXHAUSTED, "fail_times": -1}])
+    err = assert_error(stack.post("/v1/completions", OK), 429, contains="at capacity")
+    assert err["code"] == "overloaded"
+    with grpc.insecure_channel(stack.grpc_target) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stack.metric("pdserve:router_requests_shed_total", {"code": "overloaded"}) == 2
+    assert stack.metric("pdserve:router_requests_shed_total", {"code": "router_at_capacity"}) == 0
