@@ -6,10 +6,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.device import resolve_device
+from engine.request import InvalidRequestError
 
 SAMPLING = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
             SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=2, max_tokens=8, logprobs=2),
-            SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=(3, 10 ** 6))]
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=(3, 976))]
 
 
 def test_auto_is_the_first_gpu_else_the_cpu():
@@ -38,3 +39,6 @@ def test_every_sampling_path_runs_on_the_device_and_seeds_repeat(tiny_llama, dev
     assert all(len(t) == 8 for t in first[:2]) and len(first[2]) >= 4
     assert 3 not in first[2][:3]  # min_tokens: no stop token before the fourth
     assert all(len(e) >= 2 for e in runs[0][1].outputs[0].logprobs)
+    # An out-of-vocabulary stop id is refused before it reaches the sampler (as vLLM does).
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        LLM(tiny_llama, device=device).generate([[5, 6]], SamplingParams(min_tokens=2, stop_token_ids=(10 ** 6,)))
