@@ -92,7 +92,7 @@ class HttpGateway:
 
     @staticmethod
     def _parse(raw: bytes, parse, model, limits: RequestLimits):
-        """Decoding, templating and tokenizing: on a worker thread."""
+        """Decoding, templating and tokenizing (on a worker thread unless the body is small)."""
         try:
             body = _decode(raw)
         except msgspec.DecodeError as e:
