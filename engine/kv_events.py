@@ -126,6 +126,8 @@ class ZmqEventPublisher:
         self.replay_endpoint: str | None = None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            # A ROUTER drops what exceeds a peer's send queue: room for a whole buffer's replay.
+            self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
             self.replay_endpoint = self._bind(self._replay, config.replay_endpoint)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)

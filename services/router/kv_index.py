@@ -55,6 +55,7 @@ class InstanceStream:
     gaps_lost: int = 0
     epoch_changes: int = 0
     task: asyncio.Task | None = None
+    replay_socket: object | None = None  # DEALER to the replay endpoint, while followed
 
     def weight(self, block_hash: bytes, low_confidence_weight: float) -> float | None:
         seq = self.blocks.get(block_hash)
@@ -180,7 +181,7 @@ class KvIndex:
             self.drop_stream(address)
         for address, (endpoint, replay, epoch, block_size) in wanted.items():
             stream = self.streams.get(address)
-            if stream is not None and stream.endpoint == endpoint:
+            if stream is not None and (stream.endpoint, stream.replay_endpoint) == (endpoint, replay):
                 if epoch != stream.report_epoch:  # a restart GetLoad shows before any batch of it
                     stream.report_epoch = epoch
                     if epoch != stream.epoch:
@@ -212,21 +213,17 @@ class KvIndex:
         sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(stream.endpoint)
-        replay = None
-        if stream.replay_endpoint:
-            replay = self._context().socket(zmq.DEALER)
-            replay.connect(stream.replay_endpoint)
         try:
-            await self._catch_up(stream, replay)  # the history before this subscription
+            await self._catch_up(stream)  # the history before this subscription
             while True:
                 if not await sub.poll(int(self.resync_interval_s * 1000)):
-                    await self._catch_up(stream, replay)  # quiet: anything the SUB socket missed?
+                    await self._catch_up(stream)  # quiet: anything the SUB socket missed?
                     continue
                 _, seq_bytes, payload = await sub.recv_multipart()
                 seq, batch = int.from_bytes(seq_bytes, "big"), self._decoder.decode(payload)
                 if not self.apply(stream, seq, batch):
                     lost = stream.gaps_lost
-                    await self._catch_up(stream, replay)
+                    await self._catch_up(stream)
                     if stream.next_seq < seq and batch.epoch == stream.epoch:
                         self.lost_gap(stream, seq)  # no replay socket, or it did not answer
                     if stream.gaps_lost == lost:
@@ -239,29 +236,46 @@ class KvIndex:
             self._clear(stream)
         finally:
             sub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
+            self._close_replay(stream)
 
-    async def _catch_up(self, stream: InstanceStream, replay) -> None:
+    def _close_replay(self, stream: InstanceStream) -> None:
+        if stream.replay_socket is not None:
+            stream.replay_socket.close(linger=0)
+            stream.replay_socket = None
+
+    async def _catch_up(self, stream: InstanceStream) -> None:
         """Replays from the next expected seq; a replay that starts past it is a lost gap."""
-        if replay is None:
+        import zmq
+
+        if not stream.replay_endpoint:
             return
-        try:
-            batches = await asyncio.wait_for(self._replay(replay, stream.next_seq), self.replay_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("KV index: %s's replay did not answer in %.1fs", stream.address, self.replay_timeout_s)
-            return
-        stream.last_update = time.monotonic()
-        for seq, batch in batches:
-            if not self.apply(stream, seq, batch):
-                self.lost_gap(stream, seq)
-                self.apply(stream, seq, batch)
+        if stream.replay_socket is None:
+            stream.replay_socket = self._context().socket(zmq.DEALER)
+            stream.replay_socket.connect(stream.replay_endpoint)
+        for _ in range(2):  # twice when the replay shows a new epoch: then from its start
+            try:
+                batches = await self._replay(stream.replay_socket, stream.next_seq)
+            except asyncio.TimeoutError:
+                # What it still sends belongs to this request: a new socket leaves it behind.
+                logger.warning("KV index: %s's replay stalled for %.1fs", stream.address, self.replay_timeout_s)
+                self._close_replay(stream)
+                return
+            stream.last_update = time.monotonic()
+            for seq, batch in batches:
+                if batch.epoch != stream.epoch:
+                    self.restart(stream, batch.epoch)
+                    break
+                if not self.apply(stream, seq, batch):
+                    self.lost_gap(stream, seq)
+                    self.apply(stream, seq, batch)
+            else:
+                return
 
     async def _replay(self, sock, start: int) -> list[tuple[int, KVEventBatch]]:
         await sock.send_multipart((b"", start.to_bytes(8, "big")))
         out = []
         while True:
-            _, _, seq_bytes, payload = await sock.recv_multipart()
+            _, _, seq_bytes, payload = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
             if seq_bytes == END_SEQ:
                 return out
             out.append((int.from_bytes(seq_bytes, "big"), self._decoder.decode(payload)))
