@@ -78,8 +78,8 @@ def test_token_is_required_on_every_service_but_health(token_engine):
 
 def test_token_from_a_file(e2e_model, tmp_path):
     (tmp_path / "token").write_text(TOKEN + "\n")  # as `kubectl create secret --from-file` keeps it
-    svc = Service("colocated", e2e_model, "--num-blocks", "64", "--auth-token-file", str(tmp_path / "token"),
-                  "--inproc").wait_ready()
+    svc = Service("colocated", e2e_model, "--num-blocks", "64", "--auth-token-file", str(tmp_path / "token")
+                  ).wait_ready()
     try:
         with grpc.insecure_channel(svc.address) as ch:
             engine = pb_grpc.EngineStub(ch)
@@ -126,7 +126,7 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mtls_engine(e2e_model, pki):
     paths, health_port = pki["paths"], free_port()
-    svc = Service("colocated", e2e_model, "--num-blocks", "64", "--inproc", "--ssl-certfile", paths["engine.pem"],
+    svc = Service("colocated", e2e_model, "--num-blocks", "64", "--ssl-certfile", paths["engine.pem"],
                   "--ssl-keyfile", paths["engine.key"], "--ssl-ca-certs", paths["ca.pem"],
                   "--health-port", str(health_port))
     svc.health_address = f"127.0.0.1:{health_port}"
@@ -166,6 +166,25 @@ def test_mutual_tls_refuses_clients_without_the_deployments_certificate(mtls_eng
         assert health(ch) == health_pb2.HealthCheckResponse.SERVING
         load = pb_grpc.EngineStub(ch).GetLoad
         assert code_of(lambda: load(pb.LoadRequest(), timeout=10)) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_router_reaches_mtls_engines_with_its_client_certificate(mtls_engine, pki, e2e_model):
+    """The router dials engines by address and checks the name the certificate holds instead."""
+    paths = pki["paths"]
+    with pytest.MonkeyPatch.context() as mp:
+        for flag, value in (("CA_CERTS", paths["ca.pem"]), ("CERTFILE", paths["router.pem"]),
+                            ("KEYFILE", paths["router.key"]), ("SERVER_NAME", "pdserve-engine")):
+            mp.setenv(f"PDSERVE_ROUTER_ENGINE_SSL_{flag}", value)
+        router = RouterProcess(e2e_model, [], [mtls_engine.address])
+    try:
+        router.wait_ready(1)
+        body = json.dumps({"model": "tiny", "prompt": "The old king", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{router.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] == 5
+    finally:
+        assert router.stop() == 0
 
 
 # ---- end to end -------------------------------------------------------------------------------
