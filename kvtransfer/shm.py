@@ -1,6 +1,11 @@
 """shm transport (same host): the prefill's KV cache lives in a sealed memfd that each decode
 peer maps read-only; a pull is one copy from the prefill's blocks into the decode's blocks.
 
+A GPU cache cannot live in a memfd: a GPU prefill keeps a host mirror there instead and stages
+the pulled blocks into it (pinned buffers, side stream: kvtransfer.staging.HostStaging) before
+it tells the puller, with one byte, that they are there; a GPU decode copies the blocks from the
+mapping into pinned buffers and up to its cache chunk by chunk.
+
 The memfd travels over the unix control socket (SCM_RIGHTS), so nothing is left in /dev/shm
 if either process dies, and the decode side cannot write the prefill's memory (PROT_READ).
 """
@@ -18,9 +23,11 @@ from typing import Any, Sequence
 import torch
 
 from kvtransfer.connector import DecodeTransport, PrefillTransport
-from kvtransfer.errors import BlockRangeError, ProtocolError, TransferTimeout
+from kvtransfer.errors import BlockRangeError, PeerLost, ProtocolError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.staging import cache_views
+from kvtransfer.staging import HostStaging, as_bytes, block_views, cache_views
+
+STAGED = b"\x01"  # a GPU prefill's "the blocks are in the mirror now"
 
 
 def _tensors(buf: Any, layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
@@ -52,16 +59,21 @@ def copy_blocks(src: Sequence[memoryview], src_blocks: int, src_ids: Sequence[in
                 dst_layer[dst_base + d * h:dst_base + (d + n) * h] = src_layer[src_base + s * h:src_base + (s + n) * h]
 
 
+def _staged(layout: KVLayout, host_staging: bool | None) -> bool:
+    """Through pinned host buffers: GPU caches always; CPU caches only when asked (tests)."""
+    return torch.device(layout.device).type != "cpu" if host_staging is None else host_staging
+
+
 class ShmPrefillTransport(PrefillTransport):
     name = "shm"
 
-    def __init__(self, layout: KVLayout, kernel_backend: Any = None):
+    def __init__(self, layout: KVLayout, kernel_backend: Any = None, host_staging: bool | None = None):
         super().__init__(layout, kernel_backend)
-        if torch.device(layout.device).type != "cpu":
-            raise ValueError("the shm transport serves CPU KV caches; use ucx or nccl for GPU memory")
+        self.host_staging = _staged(layout, host_staging)
         self._fd = -1
         self._map: mmap.mmap | None = None
         self._size = 0
+        self._mirror: list[torch.Tensor] | None = None  # GPU caches: their host copy in the memfd
 
     def listen(self, host: str, port: int, advertise_host: str) -> tuple[socket.socket, str]:
         name = f"pdserve-kv-{os.getpid()}-{os.urandom(6).hex()}"
@@ -79,6 +91,10 @@ class ShmPrefillTransport(PrefillTransport):
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self._fd, self._size, self._map = fd, size, mmap.mmap(fd, size)
         caches = _tensors(self._map, self.layout, num_blocks)
+        if self.host_staging:
+            self._mirror = caches
+            caches = [torch.zeros(self.layout.cache_shape(num_blocks), dtype=self.layout.torch_dtype,
+                                  device=self.layout.device) for _ in range(self.layout.num_layers)]
         super().register_kv_caches(caches)
         return caches
 
@@ -89,11 +105,27 @@ class ShmPrefillTransport(PrefillTransport):
     def open_peer(self, sock: socket.socket, client_info: dict) -> tuple[Any, dict, list[int]]:
         if self._fd < 0:
             raise ProtocolError("no KV caches allocated yet")
-        return None, {"num_blocks": self.num_blocks, "size": self._size}, [self._fd]
+        staged = self._mirror is not None
+        peer = HostStaging(self.layout, self.layout.device) if staged else None
+        return peer, {"num_blocks": self.num_blocks, "size": self._size, "staged": staged}, [self._fd]
 
     def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
                     transfer_id: int, timeout_s: float) -> None:
-        """Nothing to send: the puller reads the blocks; the pinned lease keeps them until `Finish`."""
+        """CPU caches: nothing to send, the puller reads the blocks (the pinned lease keeps them
+        until `Finish`). GPU caches: stage them into the mirror first, then say so."""
+        if peer is None:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        first_layer = [0]
+
+        def to_mirror(host: torch.Tensor) -> None:
+            l0 = first_layer[0]
+            for layer, blocks in zip(self._mirror[l0:l0 + host.shape[0]], host):
+                layer[:, ids] = blocks
+            first_layer[0] += host.shape[0]
+
+        peer.send_host(self.kernels, self.kv_caches, block_ids, to_mirror)
+        sock.sendall(STAGED)
 
     def close(self) -> None:
         self.kv_caches = None
@@ -107,16 +139,20 @@ class _PeerMapping:
     key: tuple[int, int, int]  # (device, inode, size) of the peer's memfd
     layers: list[memoryview]
     num_blocks: int
+    staged: bool  # a GPU prefill: wait for its STAGED byte before reading
     connections: int = 0
 
 
 class ShmDecodeTransport(DecodeTransport):
     name = "shm"
 
-    def __init__(self, layout: KVLayout, kernel_backend: Any = None):
+    def __init__(self, layout: KVLayout, kernel_backend: Any = None, host_staging: bool | None = None):
         super().__init__(layout, kernel_backend)
+        self.host_staging = _staged(layout, host_staging)
         self._peers_lock = threading.Lock()
         self._peers: dict[tuple[int, int, int], _PeerMapping] = {}
+        self._flat: list[memoryview] | None = None
+        self._staging = threading.local()  # GPU caches: one HostStaging per transfer thread
 
     def connect(self, endpoint: str, timeout_s: float) -> socket.socket:
         if not endpoint.startswith("unix:@"):
@@ -155,7 +191,7 @@ class ShmDecodeTransport(DecodeTransport):
                     view = memoryview(mapping)
                     peer = self._peers[key] = _PeerMapping(
                         key, [view[i * layer_bytes:(i + 1) * layer_bytes] for i in range(self.layout.num_layers)],
-                        num_blocks)
+                        num_blocks, bool(server_info.get("staged", False)))
                 peer.connections += 1
                 return peer
         finally:
@@ -172,11 +208,38 @@ class ShmDecodeTransport(DecodeTransport):
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        self._flat = cache_views(kv_caches)
+        self._flat = None if self.host_staging else cache_views(kv_caches)
 
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
                     remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
         if any(not 0 <= b < peer.num_blocks for b in remote_block_ids):
             raise BlockRangeError(f"remote block ids outside the peer's {peer.num_blocks} blocks")
-        copy_blocks(peer.layers, peer.num_blocks, remote_block_ids, self._flat, self.num_blocks, local_block_ids,
-                    self.layout.half_block_bytes, deadline)
+        if peer.staged:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                if sock.recv(1) != STAGED:
+                    raise PeerLost("the shm peer hung up before staging the blocks")
+            except socket.timeout:
+                raise TransferTimeout("the shm peer did not stage the blocks before the deadline") from None
+        if self._flat is not None:
+            copy_blocks(peer.layers, peer.num_blocks, remote_block_ids, self._flat, self.num_blocks,
+                        local_block_ids, self.layout.half_block_bytes, deadline)
+            return
+        staging = getattr(self._staging, "staging", None)
+        if staging is None:
+            staging = self._staging.staging = HostStaging(self.layout, self.layout.device)
+        first_layer = [0]
+
+        def from_mapping(host: torch.Tensor) -> None:
+            # The chunk's layers in wire order (layer, K/V, block) straight into the pinned buffer.
+            if time.monotonic() > deadline:
+                raise TransferTimeout("shm copy passed its deadline")
+            l0 = first_layer[0]
+            dst, offset = as_bytes(host), 0
+            for view in block_views(peer.layers[l0:l0 + host.shape[0]], self.layout, peer.num_blocks,
+                                    remote_block_ids):
+                dst[offset:offset + len(view)] = view
+                offset += len(view)
+            first_layer[0] += host.shape[0]
+
+        staging.recv_host(self.kernels, self.kv_caches, local_block_ids, from_mapping)

@@ -109,3 +109,88 @@ class Staging:
             if k + 1 < len(chunks):
                 current = post(k + 1)
             kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)
+
+
+class HostStaging(Staging):
+    """Staging for socket transports: each chunk goes through a pinned host buffer. On CUDA the
+    gather and the device-to-host copy of chunk k+1 run on a side stream while chunk k is on the
+    wire (and on receive, the copy up and the scatter of chunk k while chunk k+1 arrives). On the
+    CPU the host buffer is the staging buffer itself.
+
+    The callbacks move one host buffer over the wire and return when it is done."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        super().__init__(layout, device, chunk_bytes)
+        self.on_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self._hosts = [torch.empty(0, dtype=layout.torch_dtype, pin_memory=self.on_cuda) for _ in range(2)]
+
+    def host_view(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        if not self.on_cuda:
+            return like
+        if self._hosts[slot].numel() < like.numel():
+            self._hosts[slot] = torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
+        return self._hosts[slot][:like.numel()].view(like.shape)
+
+    def _on_side_stream(self):
+        from contextlib import nullcontext
+
+        return torch.cuda.stream(self.stream) if self.on_cuda else nullcontext()
+
+    def _record(self) -> "torch.cuda.Event | None":
+        if not self.on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def send_host(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  send: Callable[[torch.Tensor], None]) -> None:
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+        if self.on_cuda:  # the blocks were written on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_side_stream():
+            ids = self._ids(block_ids)
+
+        def stage(k: int) -> tuple[torch.Tensor, Any]:
+            l0, l1 = chunks[k]
+            with self._on_side_stream():
+                buf = self.view(k % 2, l1 - l0, len(block_ids))
+                kernels.gather_blocks(kv_caches[l0:l1], ids, out=buf)
+                host = self.host_view(k % 2, buf)
+                if host is not buf:
+                    host.copy_(buf, non_blocking=True)
+                return host, self._record()
+
+        # Chunk k+1 is staged into the other slot while chunk k is sent; the send of chunk k-1,
+        # the slot's previous user, has returned, so its buffers are free.
+        pending = stage(0)
+        for k in range(len(chunks)):
+            host, copied = pending
+            if k + 1 < len(chunks):
+                pending = stage(k + 1)
+            if copied is not None:
+                copied.synchronize()
+            send(host)
+
+    def recv_host(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  recv: Callable[[torch.Tensor], None]) -> None:
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+        with self._on_side_stream():
+            ids = self._ids(block_ids)
+        copied: list[Any] = [None, None]
+        for k, (l0, l1) in enumerate(chunks):
+            slot = k % 2
+            with self._on_side_stream():
+                buf = self.view(slot, l1 - l0, len(block_ids))
+            if copied[slot] is not None:
+                copied[slot].synchronize()  # chunk k-2 has left this host buffer
+            host = self.host_view(slot, buf)
+            recv(host)
+            with self._on_side_stream():
+                if host is not buf:
+                    buf.copy_(host, non_blocking=True)
+                kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)
+                copied[slot] = self._record()
+        if self.on_cuda:
+            self.stream.synchronize()  # every block is in the cache before the pull is reported done

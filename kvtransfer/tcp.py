@@ -3,7 +3,9 @@
 On CPU the blocks go straight from the prefill's cache to the decode's cache with vectored
 I/O (sendmsg / recvmsg_into over the blocks' own memory: no staging copy on either side).
 For GPU caches, or with direct_io=False, blocks are gathered into a staging buffer by the
-kernel interface and streamed chunk by chunk.
+kernel interface and streamed chunk by chunk through pinned host buffers, the copies of one
+chunk on a side stream while the previous one is on the wire (kvtransfer.staging.HostStaging).
+The wire carries the same bytes either way, so a CPU engine pulls from a GPU one and back.
 """
 from __future__ import annotations
 
@@ -11,21 +13,17 @@ import socket
 import struct
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kvtransfer.connector import DecodeTransport, PrefillTransport
 from kvtransfer.errors import PeerLost, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.staging import DEFAULT_CHUNK_BYTES, Staging, as_bytes, block_views, cache_views
+from kvtransfer.staging import DEFAULT_CHUNK_BYTES, HostStaging, as_bytes, block_views, cache_views
 
 IOV_MAX = 1024
 BATCH_BYTES = 4 << 20  # bytes of iovecs handed to one sendmsg / recvmsg_into call
-
-
-def _done() -> None:
-    pass
 
 
 def _kernel_timeout(sock: socket.socket, deadline: float) -> None:
@@ -121,8 +119,8 @@ class _Mode:
         self.direct = on_cpu if self.requested is None else self.requested
         self.flat = cache_views(kv_caches) if self.direct else []
 
-    def peer_state(self) -> Staging | None:
-        return None if self.direct else Staging(self.layout, self.layout.device, self.chunk_bytes)
+    def peer_state(self) -> HostStaging | None:
+        return None if self.direct else HostStaging(self.layout, self.layout.device, self.chunk_bytes)
 
 
 class TcpPrefillTransport(PrefillTransport):
@@ -146,11 +144,8 @@ class TcpPrefillTransport(PrefillTransport):
         if self.mode.direct:
             send_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, block_ids), deadline)
         else:
-            def start(buf: torch.Tensor) -> Callable[[], None]:
-                send_views(sock, [as_bytes(buf.cpu())], deadline)  # a socket send is done when it returns
-                return _done
-
-            peer.send(self.kernels, self.kv_caches, block_ids, start)
+            peer.send_host(self.kernels, self.kv_caches, block_ids,
+                           lambda host: send_views(sock, [as_bytes(host)], deadline))
 
 
 class TcpDecodeTransport(DecodeTransport):
@@ -174,11 +169,5 @@ class TcpDecodeTransport(DecodeTransport):
             recv_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, local_block_ids), deadline)
             return
 
-        def start(buf: torch.Tensor) -> Callable[[], None]:
-            host = buf if buf.device.type == "cpu" else torch.empty_like(buf, device="cpu")
-            recv_views(sock, [as_bytes(host)], deadline)
-            if host is not buf:
-                buf.copy_(host)
-            return _done
-
-        peer.recv(self.kernels, self.kv_caches, local_block_ids, start)
+        peer.recv_host(self.kernels, self.kv_caches, local_block_ids,
+                       lambda host: recv_views(sock, [as_bytes(host)], deadline))
