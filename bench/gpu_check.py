@@ -8,7 +8,8 @@
 (c) a disaggregated stack on the GPU (`pdserve up --device cuda`, router + prefill + decode) per KV
     transport, greedy completions through the HTTP gateway compared with a colocated stack, and the
     decode's KV transfer rate against the device copy bandwidth;
-(d) decode step time at batch 1, 32 and 256 (eager: CUDA graphs are not implemented yet).
+(d) decode step time at batch 1, 32 and 256 with CUDA graphs and with --enforce-eager, against the
+    step's memory-bound floor (the weights and the batch's KV read once at the copy bandwidth).
 A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
 Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
 `python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
@@ -139,25 +140,49 @@ def engine_throughput(model: str, size: dict, device: str, rates: dict) -> dict:
             "engine_gpu_roofline_fraction": floor / engine_s}
 
 
-def decode_steps(model: str, size: dict, device: str) -> dict:
-    """Seconds per decode-only step at several batch sizes (eager)."""
+def decode_step_s(model: str, size: dict, device: str, batch: int, prompt_len: int, **engine_args):
+    """Median seconds of one decode-only engine step (schedule, inputs, forward, sampling, copy-back)
+    at `batch` requests of prompt_len tokens; and the engine's own account of its graphs."""
     from engine import LLM, SamplingParams
     from engine.request import Request
 
-    result = {}
+    llm = LLM(model, device=device, dtype=size["dtype"], max_num_seqs=batch,
+              kv_cache_memory_bytes=int(size["kv_gib"] * (1 << 30)), **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=10_000 if size is FULL else 200, ignore_eos=True)
+    core = llm.engine
+    for i in range(batch):
+        core.add_request(Request(f"s{i}", [10 + i] * prompt_len, params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()):
+        core.step()
+    seconds = timed(core.step, repeat=30)
+    stats, off = core.stats(), core.runner.cuda_graphs_off_reason
+    core.abort_requests([f"s{i}" for i in range(batch)])
+    core.shutdown()
+    return seconds, stats, off
+
+
+def decode_steps(model: str, size: dict, device: str, rates: dict) -> dict:
+    """Seconds per decode-only step at several batch sizes, CUDA graphs on and off, and the step's
+    floor: every weight and the batch's KV read once at the measured copy bandwidth."""
+    import torch
+
+    elem = torch.empty((), dtype=getattr(torch, size["dtype"])).element_size()
+    h, i, layers, v = size["hidden"], size["intermediate"], size["layers"], size["vocab"]
+    kv_dim = h // size["heads"] * size["kv_heads"]
+    weight_bytes = (2 * v * h + layers * (h * (h + 2 * kv_dim) + h * h + 3 * h * i)) * elem
+    kv_per_token = 2 * layers * kv_dim * elem
+    prompt_len = 128
+    result: dict = {"batch": {}}
     for batch in ((1, 2, 4) if size is SMALL else (1, 32, 256)):
-        llm = LLM(model, device=device, dtype=size["dtype"], max_num_seqs=batch,
-                  kv_cache_memory_bytes=int(size["kv_gib"] * (1 << 30)))
-        params = SamplingParams(temperature=0, max_tokens=10_000 if size is FULL else 200, ignore_eos=True)
-        for i in range(batch):
-            llm.engine.add_request(Request(f"s{i}", [10 + i] * 128, params))
-        core = llm.engine
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()):
-            core.step()
-        result[batch] = timed(core.step, repeat=30)
-        core.abort_requests([f"s{i}" for i in range(batch)])
-        del llm
-    return {"decode_step_s": result, "cuda_graphs": "not implemented yet: eager only"}
+        graphs_s, stats, off = decode_step_s(model, size, device, batch, prompt_len)
+        eager_s, _, _ = decode_step_s(model, size, device, batch, prompt_len, enforce_eager=True)
+        floor = (weight_bytes + batch * (prompt_len + 20) * kv_per_token) / rates["copy_bytes_per_s"]
+        # padded_s: the default path (padded buffers; a CUDA graph replay where graphs are captured).
+        result["batch"][batch] = {"padded_s": graphs_s, "eager_s": eager_s, "speedup": eager_s / graphs_s,
+                                  "floor_s": floor, "vs_floor": graphs_s / floor,
+                                  "cuda_graph_replays": stats["cuda_graph_replays"]}
+        result["cuda_graphs"] = "captured" if off is None else f"not available: {off}"
+    return result
 
 
 def run_stack(model: str, device: str, transport: str | None, prompts: list[list[int]]) -> dict:
@@ -266,7 +291,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-gpu-check-") as tmp:
         model = make_model(os.path.join(tmp, "llama-1b" if not args.small else "tiny"), size)
         steps = {"tests": lambda: gpu_tests(args.small), "engine": lambda: engine_throughput(model, size, device, rates),
-                 "decode": lambda: decode_steps(model, size, device),
+                 "decode": lambda: decode_steps(model, size, device, rates),
                  "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
                                                 device, rates, 24 if args.small else 800)}
         for part in parts:
