@@ -1,10 +1,16 @@
 # syntax=docker/dockerfile:1
-# pdserve: one image for every role; the role is the command:
-#   docker run --gpus all IMAGE prefill --model /models/m ...   (or decode, router, planner, colocated)
+# pdserve: one image for every role; the role is the command. Every engine role runs on the GPU
+# (--device auto picks the first one the container sees), with CUDA graphs for decode steps:
+#   docker run --gpus all IMAGE prefill --model /models/m --dtype bfloat16 ...
+#   docker run --gpus all IMAGE decode --model /models/m --dtype bfloat16 --async-scheduling ...
+#   (or colocated, router, planner; --enforce-eager, --cuda-graph-sizes as vLLM's)
 # Build: make image   (docker build -t ghcr.io/pdserve/pdserve:<version> .)
-
-# CUDA-enabled PyTorch (its torch satisfies pyproject's torch>=2.4 and is kept as is).
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+#
+# BASE_IMAGE is the CUDA build of PyTorch the image runs on (its torch and Triton are kept as
+# they are: pyproject asks torch>=2.4 and any triton). Pick the tag whose CUDA the nodes' driver
+# supports, e.g. --build-arg BASE_IMAGE=pytorch/pytorch:2.9.1-cuda13.0-cudnn9-runtime; the
+# build fails unless it has a CUDA torch and a Triton with `triton.knobs` (3.4 or newer).
+ARG BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 LABEL org.opencontainers.image.title="pdserve" \
@@ -37,7 +43,9 @@ RUN pip install grpcio-tools \
  && pip install -e ".[triton,ucx]" \
  && pip uninstall -y grpcio-tools \
  && python -m compileall -q engine kernels kvtransfer services bench \
- && pdserve --help >/dev/null
+ && pdserve --help >/dev/null \
+ && python -c "import torch, triton; assert torch.version.cuda, 'BASE_IMAGE has a CPU-only torch'; \
+triton.knobs.runtime; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
 
 # Non-root; the chart runs it with a read-only root filesystem, caches on a volume under $HOME.
 RUN useradd --uid 1000 --user-group --create-home --home-dir /home/pdserve --shell /usr/sbin/nologin pdserve
