@@ -1,6 +1,7 @@
 """make gpu-check: the GPU half of pdserve on one CUDA GPU, in one report file (under 8 minutes).
 
-(a) the GPU test subset: the kernel tests (on the GPU) and the engine tests' CUDA variants;
+(a) the GPU test subset: the kernel tests (on the GPU), the engine tests' CUDA variants (CUDA graphs
+    and async scheduling included) and KV staging between GPU and CPU caches;
 (b) engine throughput on a random-weight 1.1B Llama (hidden 2048, 22 layers, 32/4 heads, vocab
     32000, bf16; 256 requests, prompts 128-1,024, outputs 128-384, ignore_eos) against transformers
     `generate` in static batches of 64 on the same GPU, and the fraction of the workload's floor
@@ -258,7 +259,8 @@ def disaggregated(model: str, device: str, rates: dict, prompt_len: int) -> dict
 
 
 def gpu_tests(small: bool) -> dict:
-    runs = {"kernels": ["tests/kernels"], "engine (cuda)": ["tests/engine", "-k", "cuda"]}
+    runs = {"kernels": ["tests/kernels"], "engine (cuda)": ["tests/engine", "-k", "cuda"],
+            "kv staging (cuda)": ["tests/kvtransfer/test_staging.py"]}
     result = {}
     for name, args in runs.items():
         t0 = time.perf_counter()
