@@ -102,7 +102,7 @@ class Dispatcher:
                 f"no other healthy {route.role} instance to retry on")
             raise RouterError(503, reason, code="no_healthy_instance")
         inst = self.policy.select(candidates, route)
-        inst.routed_tokens += len(route.prompt_token_ids)
+        inst.routed_tokens += self.policy.added_load(inst, route)
         self.metrics.routing_decisions.labels(route.role, inst.address).inc()
         return inst
 

@@ -51,6 +51,10 @@ class RoutingPolicy(abc.ABC):
         """True when the policy sees the prefix cache of one of `instances` at least."""
         return False
 
+    def added_load(self, inst: Instance, request: RouteRequest) -> int:
+        """Tokens of work routing the request adds to the instance, until its next load report."""
+        return len(request.prompt_token_ids)
+
 
 class RoundRobin(RoutingPolicy):
     name = "round_robin"
@@ -112,6 +116,10 @@ class KvAware(RoutingPolicy):
             return None
         hashes = hash_request_tokens(request.prompt_token_ids, block_size, request.cache_salt)
         return max(0, round(n - self.index.matched_tokens(inst.address, hashes)))
+
+    def added_load(self, inst: Instance, request: RouteRequest) -> int:
+        uncached = self.uncached_tokens(inst, request)  # the cached part is no work for the instance
+        return len(request.prompt_token_ids) if uncached is None else uncached
 
     def costs(self, candidates: Sequence[Instance], request: RouteRequest) -> list[float]:
         hashes_by_size: dict[int, list[bytes]] = {}

@@ -1,0 +1,301 @@
+"""kv_aware routing and conditional disaggregation: the cost and the decisions with fake instances,
+then through the HTTP gateway with fake engines that publish real KV events."""
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from engine.block_hash import hash_request_tokens
+from engine.kv_events import BlockStored, KVEventBatch, KVEventsConfig, ZmqEventPublisher
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.router.config import RouterConfig
+from services.router.kv_index import KvIndex
+from services.router.metrics import RouterMetrics
+from services.router.pd_policy import PdPolicy
+from services.router.policy import Auto, KvAware, RouteRequest, make_policy
+from services.router.server import Router
+
+from router_fakes import FakeEngine, FakeServer, KVRegistry
+from router_harness import Stack, wait_until
+
+BS = 4
+PROMPT = list(range(100, 140))  # 10 blocks
+
+
+def inst(address: str, load: int = 0, **report):
+    return SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None)
+
+
+def index_with(holdings: dict[str, list[int]], salt: str | None = None, gap_before: dict | None = None) -> KvIndex:
+    """An index where instance -> the leading tokens of PROMPT it caches (in blocks of BS)."""
+    index = KvIndex()
+    for address, tokens in holdings.items():
+        stream = index.add_stream(address, "tcp://x:1", "", epoch=1, block_size=BS)
+        hashes = hash_request_tokens(tokens, BS, salt)
+        batch = KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, tokens, BS, None, "GPU", None)], epoch=1)
+        assert index.apply(stream, 0, batch)
+        if gap_before and address in gap_before:
+            index.lost_gap(stream, gap_before[address])
+    return index
+
+
+def route(prompt=PROMPT, role="decode", salt=None) -> RouteRequest:
+    return RouteRequest("r", role, prompt, cache_salt=salt)
+
+
+def test_cost_is_tokens_left_to_prefill_plus_load():
+    index = index_with({"warm": PROMPT[:32], "cold": []})
+    policy = KvAware(index, overlap_weight=1.0)
+    warm, cold = inst("warm", load=0), inst("cold", load=0)
+    assert policy.costs([warm, cold], route()) == [8, 40]
+    assert policy.select([cold, warm], route()) is warm
+    warm.load_score = 33  # busier than the cache saves: 8 + 33 > 40 + 0
+    assert policy.select([cold, warm], route()) is cold
+    assert KvAware(index, overlap_weight=2.0).select([cold, warm], route()) is warm  # 16 + 33 < 80
+    assert policy.uncached_tokens(warm, route()) == 8 and policy.uncached_tokens(inst("unknown"), route()) is None
+
+
+def test_only_the_leading_run_of_blocks_counts_and_salts_isolate():
+    index = index_with({"a": PROMPT[:8] + [0] * 4 + PROMPT[12:40]})  # block 2 differs: the run stops there
+    assert KvAware(index).costs([inst("a")], route()) == [32]
+    salted = index_with({"a": PROMPT}, salt="tenant-1")
+    policy = KvAware(salted)
+    assert policy.costs([inst("a")], route(salt="tenant-1")) == [0]
+    assert policy.costs([inst("a")], route(salt="tenant-2")) == [40]
+    assert policy.costs([inst("a")], route()) == [40]
+
+
+def test_entries_older_than_an_unreplayed_gap_count_less():
+    index = index_with({"stale": PROMPT, "fresh": PROMPT[:20]}, gap_before={"stale": 5})
+    index.low_confidence_weight = 0.5
+    policy = KvAware(index)
+    # stale: 40 cached tokens at half confidence -> 20 left; fresh: 20 certain -> 20 left; a tie.
+    assert policy.costs([inst("stale"), inst("fresh")], route()) == [20, 20]
+    index.low_confidence_weight = 0.25
+    assert policy.select([inst("stale"), inst("fresh")], route()).address == "fresh"
+
+
+def test_ties_rotate_and_temperature_spreads_near_ties():
+    index = index_with({"a": [], "b": []})
+    a, b = inst("a"), inst("b")
+    policy = KvAware(index)
+    assert [policy.select([a, b], route()).address for _ in range(4)] == ["a", "b", "a", "b"]
+    near = index_with({"a": PROMPT[:36], "b": PROMPT[:32]})  # costs 4 and 8
+    assert {KvAware(near).select([a, b], route()).address for _ in range(20)} == {"a"}
+    hot = KvAware(near, temperature=1.0, rng=random.Random(3))
+    picks = [hot.select([a, b], route()).address for _ in range(400)]
+    # softmax(-normalised cost / T): a has weight e^0, b e^-1 -> about 73% / 27%.
+    assert 0.62 < picks.count("a") / 400 < 0.84
+
+
+def test_auto_is_round_robin_until_instances_publish_events():
+    index = KvIndex()
+    policy = make_policy("auto", index)
+    assert isinstance(policy, Auto) and policy.needs_load_reports
+    a, b = inst("a"), inst("b")
+    assert [policy.select([a, b], route()).address for _ in range(3)] == ["a", "b", "a"]
+    stream = index.add_stream("b", "tcp://x:1", "", epoch=1, block_size=BS)
+    index.apply(stream, 0, KVEventBatch(0.0, [BlockStored(hash_request_tokens(PROMPT, BS), None, PROMPT, BS,
+                                                          None, "GPU", None)], epoch=1))
+    assert {policy.select([a, b], route()).address for _ in range(3)} == {"b"}
+    with pytest.raises(ValueError, match="kv_aware"):
+        make_policy("prefix_magic")
+
+
+class FakePool:
+    def __init__(self, prefill: list, decode: list) -> None:
+        self.roles = {"prefill": prefill, "decode": decode}
+
+    def healthy(self, role: str) -> list:
+        return self.roles[role]
+
+
+def decide(mode: str, index: KvIndex, prefill_load: int = 0, decode_report=None, prompt=PROMPT, **kw):
+    metrics = RouterMetrics()
+    decode = inst("d", **(decode_report or {}))
+    pool = FakePool([inst("p", load=prefill_load)], [decode])
+    pd = PdPolicy(mode, make_policy("auto", index), pool, metrics, **kw)
+    decision = pd.decide(route(prompt))
+    return decision, metrics
+
+
+@pytest.mark.parametrize("cached,prefill_load,report,expect", [
+    (36, 0, None, (False, "short_uncached")),  # 4 tokens left to compute here
+    (0, 0, None, (True, "long_uncached")),
+    (0, 50_000, dict(num_waiting=0, kv_cache_usage=0.3), (False, "prefill_queue")),
+    (0, 50_000, dict(num_waiting=3, kv_cache_usage=0.3), (True, "long_uncached")),  # the decode has no room
+    (0, 50_000, dict(num_waiting=0, kv_cache_usage=0.95), (True, "long_uncached")),
+])
+def test_conditional_decisions(cached, prefill_load, report, expect):
+    index = index_with({"d": PROMPT[:cached]})
+    decision, metrics = decide("conditional", index, prefill_load, report, max_local_prefill_tokens=16,
+                               max_prefill_queue_tokens=10_000)
+    assert (decision.disaggregate, decision.reason) == expect
+    if not decision.disaggregate:
+        assert decision.route.prefer == "d"  # the decode the decision was made for serves it
+    label = "prefill_remote" if expect[0] else "decode_local"
+    assert metrics.registry.get_sample_value("pdserve:router_pd_decisions_total",
+                                             {"decision": label, "reason": expect[1]}) == 1
+
+
+def test_short_prompts_stay_local_even_when_the_decode_cache_is_cold():
+    decision, _ = decide("conditional", index_with({"d": []}), prompt=PROMPT[:12], max_local_prefill_tokens=16)
+    assert (decision.disaggregate, decision.reason) == (False, "short_uncached")
+
+
+def test_fixed_and_auto_pd_policies():
+    index = index_with({"d": PROMPT})
+    assert decide("always", index)[0].disaggregate and decide("always", index)[0].reason == "always"
+    assert not decide("never", index)[0].disaggregate
+    assert (decide("auto", index, max_local_prefill_tokens=16)[0].reason) == "short_uncached"
+    assert decide("auto", KvIndex())[0].reason == "no_kv_events"  # no events: every prompt to a prefill
+    with pytest.raises(ValueError, match="pd policy"):
+        PdPolicy("sometimes", make_policy("auto", KvIndex()), FakePool([], []), RouterMetrics())
+
+
+# -- through the HTTP gateway, with fakes publishing real KV events ---------------------------------
+
+
+class PublishingFake(FakeEngine):
+    """A fake engine that caches what it computes and says so in KV events, as an engine does."""
+
+    def __init__(self, role: str, registry: KVRegistry, name: str) -> None:
+        super().__init__(role, registry, name=name)
+        self.publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0",
+                                                          replay_endpoint="tcp://127.0.0.1:0"))
+        self.extra_load = 0  # tokens queued elsewhere, added to what GetLoad reports
+        self.salts: list[str] = []
+
+    def _cache(self, prompt, sampling: pb.SamplingParams) -> None:
+        self.salts.append(sampling.cache_salt)
+        hashes = hash_request_tokens(list(prompt), BS, sampling.cache_salt or None)
+        self.publisher.publish([BlockStored(hashes, None, list(prompt)[:len(hashes) * BS], BS, None, "GPU", None)])
+
+    async def Prefill(self, request, context):
+        self._cache(request.prompt_token_ids, request.sampling)
+        return await super().Prefill(request, context)
+
+    async def Decode(self, request, context):
+        self._cache(request.prompt_token_ids, request.sampling)  # computed here, or pulled: cached here
+        async for msg in super().Decode(request, context):
+            yield msg
+
+    async def GetLoad(self, request, context):
+        report = await super().GetLoad(request, context)
+        report.block_size = BS
+        report.outstanding_tokens += self.extra_load
+        report.kv_events_endpoint = self.publisher.endpoint.replace("127.0.0.1", "0.0.0.0")  # a wildcard bind
+        report.kv_events_replay_endpoint = self.publisher.replay_endpoint
+        report.kv_events_epoch = self.publisher.epoch
+        return report
+
+
+@pytest.fixture
+def kv_stack(loop_thread, tiny_model_path, tokenizer):
+    made = []
+
+    def make(prefill: int, decode: int, **config) -> Stack:
+        async def build():
+            registry = KVRegistry()
+            fakes = [PublishingFake("prefill", registry, f"prefill-{i}") for i in range(prefill)]
+            fakes += [PublishingFake("decode", registry, f"decode-{i}") for i in range(decode)]
+            servers = [await FakeServer(f).start() for f in fakes]
+            cfg = dict(model=tiny_model_path, served_model_name="tiny", host="127.0.0.1", port=0, grpc_port=-1,
+                       prefill=tuple(s.address for s in servers[:prefill]),
+                       decode=tuple(s.address for s in servers[prefill:]),
+                       health_check_interval_s=0.1, load_poll_interval_s=0.05, drain_timeout_s=5.0)
+            cfg.update(config)
+            router = Router(RouterConfig(**cfg), tokenizer=tokenizer)
+            await router.start()
+            return Stack(loop_thread, router, servers[:prefill], servers[prefill:])
+
+        stack = loop_thread.run(build())
+        made.append(stack)
+        wait_until(lambda: len(stack.router.kv_index.streams) == prefill + decode, what="KV subscriptions")
+        return stack
+
+    yield make
+    for stack in made:
+        async def teardown(stack=stack):
+            await stack.router.stop()
+            for s in stack.prefills + stack.decodes:
+                await s.stop(0)
+                s.engine.publisher.shutdown()
+        loop_thread.run(teardown())
+
+
+def complete(stack: Stack, prompt: list[int], **extra) -> dict:
+    status, _, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 3, **extra})
+    assert status == 200, body
+    return body
+
+
+def indexed(stack: Stack, server, prompt, salt=None) -> bool:
+    hashes = hash_request_tokens(prompt, BS, salt)
+    return stack.router.kv_index.matched_tokens(server.address, hashes) == len(hashes) * BS
+
+
+def test_kv_aware_sends_shared_prefixes_to_the_instance_that_caches_them(kv_stack):
+    stack = kv_stack(0, 3, policy="kv_aware", kv_overlap_score_weight=4.0)  # the fakes report 100 tokens a request
+    tenant = [7] * 48
+    complete(stack, tenant + [8, 9, 10, 11])
+    owner = next(d for d in stack.decodes if d.engine.requests)
+    wait_until(lambda: indexed(stack, owner, tenant), what="the first prompt's blocks in the index")
+    for i in range(6):
+        complete(stack, tenant + [20 + i] * 5)
+    assert len(owner.engine.requests) == 7 and sum(len(d.engine.requests) for d in stack.decodes) == 7
+    assert stack.metric("pdserve:router_kv_index_blocks", {"instance": owner.address}) >= 12
+
+
+def test_cache_salt_reaches_the_engines_and_isolates_tenants_in_routing(kv_stack):
+    stack = kv_stack(0, 2, policy="kv_aware")
+    prompt = [9] * 40
+    complete(stack, prompt, cache_salt="tenant-a")
+    owner = next(d for d in stack.decodes if d.engine.requests)
+    other = next(d for d in stack.decodes if d is not owner)
+    assert owner.engine.salts == ["tenant-a"]
+    wait_until(lambda: indexed(stack, owner, prompt, "tenant-a"), what="tenant-a's blocks")
+    assert not indexed(stack, owner, prompt, "tenant-b")
+    complete(stack, prompt, cache_salt="tenant-b")  # no shared cache: the idle instance gets it
+    assert other.engine.salts == ["tenant-b"]
+    status, _, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
+    status, _, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "cache_salt": 5})
+    assert status == 400 and "cache_salt" in body["error"]["message"]
+
+
+def test_conditional_disaggregation_through_the_gateway(kv_stack):
+    stack = kv_stack(1, 1, pd_policy="conditional", max_local_prefill_length=16, max_prefill_queue_tokens=5000)
+    (prefill,), (decode,) = stack.prefills, stack.decodes
+
+    def local_requests():
+        return [r for r in decode.engine.requests if not r.HasField("first_token_id")]
+
+    complete(stack, [11] * 8)  # short: the decode computes it
+    assert not prefill.engine.requests and len(local_requests()) == 1
+    long_prompt = list(range(200, 260))
+    complete(stack, long_prompt)  # long and cold: prefilled remotely
+    assert len(prefill.engine.requests) == 1 and len(decode.engine.requests) == 2
+    wait_until(lambda: indexed(stack, decode, long_prompt), what="the decode's cache in the index")
+    complete(stack, long_prompt + [5, 6])  # 2 tokens uncached at the decode: local
+    assert len(prefill.engine.requests) == 1 and len(local_requests()) == 2
+    prefill.engine.extra_load = 100_000  # the prefill pool queues; the decode has room
+    wait_until(lambda: stack.router.pool.instances("prefill")[0].load_score >= 100_000, what="a load report")
+    complete(stack, list(range(400, 460)))
+    assert len(prefill.engine.requests) == 1 and len(local_requests()) == 3
+    counts = {(d, r): stack.metric("pdserve:router_pd_decisions_total", {"decision": d, "reason": r})
+              for d, r in [("decode_local", "short_uncached"), ("prefill_remote", "long_uncached"),
+                           ("decode_local", "prefill_queue")]}
+    assert counts == {("decode_local", "short_uncached"): 2, ("prefill_remote", "long_uncached"): 1,
+                      ("decode_local", "prefill_queue"): 1}
+
+
+@pytest.mark.parametrize("mode,remote", [("always", 2), ("never", 0)])
+def test_always_and_never(kv_stack, mode, remote):
+    stack = kv_stack(1, 1, pd_policy=mode)
+    complete(stack, [11] * 8)
+    complete(stack, list(range(200, 260)))
+    assert len(stack.prefills[0].engine.requests) == remote and len(stack.decodes[0].engine.requests) == 2
