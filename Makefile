@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -66,6 +66,11 @@ bench-pd: $(STAMP) $(GENERATED)
 
 bench-router: $(STAMP) $(GENERATED)
 	$(VPY) bench/router_bench.py
+
+# Faults under twice the local stack's capacity (< 10 minutes); exits 1 if anything is lost.
+# `make soak SOAK_ARGS="--duration 60"`: shorter; bench/soak.py --help for the knobs.
+soak: $(STAMP) $(GENERATED)
+	$(VPY) bench/soak.py $(SOAK_ARGS)
 
 # The Helm chart: its tests (render + lint with Helm 3 and 4, strict schema validation), then a package.
 chart: $(STAMP)

@@ -43,6 +43,24 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60) -> int:
     return proc.returncode
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of pid, from /proc (a service's engine core; nothing orphaned)."""
+    by_parent: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    by_parent.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for child in by_parent.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 

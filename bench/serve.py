@@ -12,6 +12,15 @@ from bench.metrics import RequestResult, parse_slos, summarize
 from bench.workloads import BenchRequest, poisson_arrivals, sharegpt, shared_prefix, synthetic
 
 
+async def sse_events(resp: aiohttp.ClientResponse):
+    """The JSON events of an OpenAI server-sent-event stream; None for its closing [DONE]."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            yield None if data == b"[DONE]" else json.loads(data)
+
+
 async def send_one(session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest,
                    headers: dict, exact_output: bool) -> RequestResult:
     """One streamed completion; times each chunk that carries tokens."""
@@ -27,17 +36,14 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, req: Be
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for chunk in sse_events(resp):
+                if chunk is None:
                     break
-                chunk = json.loads(data)
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"].get("completion_tokens", result.output_len)
                     result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if result.ttft == 0.0:

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import stop_process
+from bench.procs import descendants, stop_process
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -127,20 +127,4 @@ def alive(pids: list[int]) -> list[int]:
     return [p for p in pids if os.path.exists(f"/proc/{p}")]
 
 
-def children_of(pid: int) -> list[int]:
-    """Every live descendant of pid (from /proc), to check that nothing is orphaned."""
-    by_parent: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                by_parent.setdefault(int(fields[1]), []).append(int(entry))
-            except (OSError, IndexError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        for child in by_parent.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+children_of = descendants  # every live descendant of a pid, to check that nothing is orphaned
