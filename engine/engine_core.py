@@ -106,21 +106,31 @@ class EngineCore:
                 or self.scheduler.has_pending_transfers())
 
     def step(self) -> list[EngineCoreOutput]:
-        if self._in_flight is not None:  # launched with the previous step: its turn to be collected
+        if self._in_flight is not None:  # launched ahead by the previous call: collect it now
             step, self._in_flight = self._in_flight, None
+            self._launch_ahead(step, scheduler_idle=True)
             return self.scheduler.update_from_output(step.scheduler_output, self.runner.collect(step))
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled and not scheduler_output.finished_req_ids:
             time.sleep(0.0005)  # only KV in flight: let the transfer threads run
         step = self.runner.launch(scheduler_output)
-        if self.config.scheduler.async_scheduling:
-            # Queue step n+1 behind step n before n's tokens reach the CPU, for the rows that
-            # surely continue; the scheduler sees n+1 only once n is settled.
-            following = next_decode_step(step, self.max_model_len, self.config.cache.block_size)
-            if following is not None:
-                self._in_flight = self.runner.launch(following, prev=step)
-                self.num_async_steps += 1
+        self._launch_ahead(step)
         return self.scheduler.update_from_output(scheduler_output, self.runner.collect(step))
+
+    def _launch_ahead(self, step: LaunchedStep, scheduler_idle: bool = False) -> None:
+        """Async scheduling: queue step n+1 behind step n before n's tokens reach the CPU, for the
+        rows that surely continue; the scheduler sees n+1 only once n is settled. A chain of such
+        steps goes on while they carry every running request and none waits (scheduler_idle:
+        the scheduler would have nothing else to do); otherwise it runs once n is collected."""
+        if not self.config.scheduler.async_scheduling:
+            return
+        following = next_decode_step(step, self.max_model_len, self.config.cache.block_size)
+        if following is None:
+            return
+        if scheduler_idle and (self.scheduler.num_waiting or len(following.scheduled) != len(self.scheduler.running)):
+            return  # (the rows are running requests: as many as the running batch means all of it)
+        self._in_flight = self.runner.launch(following, prev=step)
+        self.num_async_steps += 1
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -100,3 +100,14 @@ def test_aborts_mid_run(tiny_llama, device):
 def test_preemption_context_limit_and_eager(tiny_llama, device, kwargs):
     requests = workload(500, 10, seed=4, temperature=0.0, ignore_eos=True)
     compare(tiny_llama, device, requests, **kwargs)
+
+
+def test_steps_run_ahead_in_a_chain_while_the_scheduler_is_idle(tiny_llama, device):
+    """One request, nothing waiting: every decode step but those that open a new block (the
+    scheduler allocates it) is queued before the previous one's token is known."""
+    prompt = [(5, 6, 7), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)]
+    core = make_core(tiny_llama, device, True)
+    out = drive(core, [(list(prompt[0]), prompt[1])])
+    assert out == drive(make_core(tiny_llama, device, False), [(list(prompt[0]), prompt[1])])
+    stats = core.stats()
+    assert stats["num_async_steps"] >= 0.8 * stats["decode_buffer_steps"] > 0
