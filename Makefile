@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router soak gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -66,6 +66,10 @@ bench-pd: $(STAMP) $(GENERATED)
 
 bench-router: $(STAMP) $(GENERATED)
 	$(VPY) bench/router_bench.py
+
+# KV-aware routing (least_load vs kv_aware) and conditional disaggregation (always/never/conditional).
+bench-routing: $(STAMP) $(GENERATED)
+	$(VPY) bench/routing_bench.py
 
 # Faults under twice the local stack's capacity (< 10 minutes); exits 1 if anything is lost.
 # `make soak SOAK_ARGS="--duration 60"`: shorter; bench/soak.py --help for the knobs.

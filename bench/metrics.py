@@ -13,6 +13,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds from send to the first token
     itl: list[float] = field(default_factory=list)  # gaps between streamed token chunks
     latency: float = 0.0  # send to last byte
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
     success: bool = False
     error: str = ""
 
@@ -69,6 +70,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "failed": len(results) - len(ok),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,

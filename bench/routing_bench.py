@@ -1,0 +1,203 @@
+"""`make bench-routing`: KV-aware routing and conditional disaggregation, through the HTTP gateway.
+
+One prefill and two decode instances (every one publishing KV events), a router restarted per
+configuration; fresh prompts per configuration (no run profits from another's cache).
+(a) multi-tenant shared prefixes: 12 tenants, 1,024-token tenant prefixes + 64-token questions,
+    tenants in random order, Poisson arrivals; least_load against kv_aware (both with
+    --pd-policy conditional: only kv_aware knows where a prefix is cached). TTFT p50/p90, prefix
+    hit rate (cached prompt tokens / prompt tokens, from usage), throughput.
+(b) mixed: half the prompts of at most 64 tokens, half of 1-2k tokens; --pd-policy always vs never
+    (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs.
+Prints routing_kv_aware_vs_least_load_ttft_p90_ratio and pd_conditional_vs_best_goodput_ratio,
+writes JSON results and a figure under build/bench-routing (docs/routing.md has a table).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.metrics import parse_slos  # noqa: E402
+from bench.procs import Proc, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.serve import run_benchmark  # noqa: E402
+from bench.workloads import BenchRequest, shared_prefix, synthetic  # noqa: E402
+
+BUILD = os.path.join(ROOT, "build", "bench-routing")
+# Small enough for a 2-core box, large enough that a 1k-token prefill (~0.2 s) dwarfs routing.
+MODEL_SHAPE = dict(arch="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
+                   num_heads=4, num_kv_heads=2, max_position_embeddings=4096, initializer_range=0.02)
+KV_EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
+
+
+def ensure_model() -> str:
+    path = os.path.join(BUILD, "model")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from engine.tiny import make_tiny_model
+        make_tiny_model(path, **MODEL_SHAPE)
+    return path
+
+
+class Fleet:
+    """One prefill and two decode engines, kept for every configuration; a router per configuration."""
+
+    def __init__(self, model: str, logs: str, num_blocks: int) -> None:
+        self.model, self.logs, self.procs = model, logs, []
+        self.env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
+        common = ["--model", model, "--num-threads", "1", "--max-model-len", "4096", "--num-blocks", str(num_blocks),
+                  "--kv-transport", "tcp", "--kv-events-config", KV_EVENTS]
+        self.addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for i, role in enumerate(("prefill", "decode", "decode")):
+            port = free_port()
+            self.procs.append(Proc(f"{role}{i}", pdserve_cmd(role, *common, "--port", str(port)), env=self.env,
+                                   log_dir=logs))
+            self.addresses[role].append(f"127.0.0.1:{port}")
+        wait_until(lambda: all(grpc_serving(a) for v in self.addresses.values() for a in v), self.procs, "engines")
+        self.router: Proc | None = None
+
+    def start_router(self, name: str, policy: str, pd_policy: str, extra: list[str]) -> str:
+        port = free_port()
+        self.router = Proc(f"router-{name}", pdserve_cmd(
+            "router", "--model", self.model, "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1",
+            "--prefill", self.addresses["prefill"][0], "--decode", ",".join(self.addresses["decode"]),
+            "--policy", policy, "--pd-policy", pd_policy, *extra), env=self.env, log_dir=self.logs)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(f"{url}/health"), [self.router, *self.procs], f"router {name}")
+        return url
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+    def stop(self) -> None:
+        self.stop_router()
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def tenants_workload(num_tenants: int, per_tenant: int, prefix_len: int, question_len: int, output_len: int,
+                     seed: int) -> list[BenchRequest]:
+    reqs = shared_prefix(num_tenants, per_tenant, prefix_len, f"fixed:{question_len}", f"fixed:{output_len}",
+                         vocab_size=4000, seed=seed)
+    random.Random(seed).shuffle(reqs)  # tenants arrive in random order, not in turn
+    return reqs
+
+
+def mixed_workload(num: int, seed: int) -> list[BenchRequest]:
+    short = synthetic(num // 2, "uniform:8:64", "fixed:32", vocab_size=4000, seed=seed)
+    long = synthetic(num - num // 2, "uniform:1024:2048", "fixed:32", vocab_size=4000, seed=seed + 1000)
+    reqs = short + long
+    random.Random(seed).shuffle(reqs)
+    return reqs
+
+
+def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra) -> dict:
+    url = fleet.start_router(name, policy, pd_policy, extra)
+    try:
+        s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
+    finally:
+        fleet.stop_router()
+    s["label"] = name
+    s["prefix_hit_rate"] = s["total_cached_tokens"] / max(1, s["total_input_tokens"])
+    print(f"  {name:<24} TTFT p50 {s['median_ttft_ms']:8.0f} ms  p90 {s['p90_ttft_ms']:8.0f} ms  "
+          f"TPOT p50 {s['median_tpot_ms']:6.1f} ms  hit rate {100 * s['prefix_hit_rate']:5.1f}%  "
+          f"{s['request_throughput']:.2f} req/s  {s['output_throughput']:6.1f} tok/s  "
+          f"goodput {s.get('request_goodput', 0):.3f} req/s ({100 * s.get('slo_attainment', 0):.0f}% in SLO)  "
+          f"failed {s['failed']}", flush=True)
+    return s
+
+
+def plot(results: dict[str, dict], out: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, names, title in ((axes[0], ("least_load", "kv_aware"), "(a) multi-tenant shared prefixes"),
+                             (axes[1], ("always", "never", "conditional"), "(b) mixed prompt lengths")):
+        for name in names:
+            if name in results:
+                xs = np.sort([t * 1000 for t in results[name]["ttfts"] if t > 0])
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "routing_ttft_cdf.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tenants", type=int, default=12)
+    ap.add_argument("--per-tenant", type=int, default=5, help="(a) requests per tenant")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--rate-a", type=float, default=1.5, help="(a) requests/s, Poisson")
+    ap.add_argument("--mixed-prompts", type=int, default=40, help="(b) requests")
+    ap.add_argument("--rate-b", type=float, default=1.0, help="(b) requests/s, Poisson")
+    ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:100"], help="(b) SLOs (ms)")
+    ap.add_argument("--num-blocks", type=int, default=600,
+                    help="KV blocks of 16 tokens per engine: ~8 of the 12 tenant prefixes fit in one")
+    ap.add_argument("--max-local-prefill-length", type=int, default=256)
+    ap.add_argument("--parts", default="a,b")
+    ap.add_argument("--out", default=os.path.join(BUILD, "results"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    logs = os.path.join(BUILD, "logs")
+    os.makedirs(logs, exist_ok=True)
+    model = ensure_model()
+    slos = parse_slos(args.goodput)
+    local = ["--max-local-prefill-length", str(args.max_local_prefill_length)]
+    print(f"model: random Llama {MODEL_SHAPE}, float32; 1 prefill + 2 decode engines (1 thread each, "
+          f"{args.num_blocks} KV blocks of 16 tokens), every one publishing KV events", flush=True)
+    fleet = Fleet(model, logs, args.num_blocks)
+    results: dict[str, dict] = {}
+    try:
+        asyncio.run(run_benchmark(fleet.start_router("warmup", "round_robin", "always", []), None,
+                                  synthetic(3, "fixed:64", "fixed:4", vocab_size=4000, seed=99), progress=False))
+        fleet.stop_router()
+        if "a" in args.parts:
+            print(f"(a) {args.tenants} tenants x {args.per_tenant} requests, {args.prefix_len}-token prefixes + "
+                  f"{args.question_len}-token questions, 16 output tokens, {args.rate_a:g} req/s", flush=True)
+            for i, policy in enumerate(("least_load", "kv_aware")):
+                reqs = tenants_workload(args.tenants, args.per_tenant, args.prefix_len, args.question_len, 16,
+                                        seed=10 + i)
+                results[policy] = run(fleet, policy, policy, "conditional", reqs, args.rate_a, slos, local)
+        if "b" in args.parts:
+            print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
+                  f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms)", flush=True)
+            for i, pd in enumerate(("always", "never", "conditional")):
+                reqs = mixed_workload(args.mixed_prompts, seed=20 + i)
+                results[pd] = run(fleet, pd, "kv_aware", pd, reqs, args.rate_b, slos, local)
+    finally:
+        fleet.stop()
+    for name, s in results.items():
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump(s, f)
+    print(f"figure: {plot(results, args.out)}")
+    if "least_load" in results and "kv_aware" in results:
+        ratio = results["kv_aware"]["p90_ttft_ms"] / results["least_load"]["p90_ttft_ms"]
+        print(f"routing_kv_aware_vs_least_load_ttft_p90_ratio={ratio:.3f}  (target <= 0.3)")
+    if all(k in results for k in ("always", "never", "conditional")):
+        best = max(results["always"]["request_goodput"], results["never"]["request_goodput"])
+        ratio = results["conditional"]["request_goodput"] / best if best > 0 else float("inf")
+        print(f"pd_conditional_vs_best_goodput_ratio={ratio:.3f}  (target >= 1.1)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
