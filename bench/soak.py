@@ -230,7 +230,11 @@ class Faults:
         if decode_back is not None:
             await decode_back
         await self.at(0.60)
-        await self.kill(s.decodes[-1], f"{s.decodes[-1].name}'s engine core", s.kill_engine_core)
+        if s.decodes[0].ready():
+            await self.kill(s.decodes[-1], f"{s.decodes[-1].name}'s engine core", s.kill_engine_core)
+        else:  # never the whole decode pool at once
+            self.missed.append(f"{s.decodes[-1].name}'s engine core not killed: {s.decodes[0].name} is not back")
+            self.note(self.missed[-1])
         await asyncio.gather(*self.restoring)
 
     async def cut_kv_pull(self, proxy) -> None:

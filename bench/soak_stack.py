@@ -141,7 +141,10 @@ class SoakStack:
     def __init__(self, model: str, prefills: int, decodes: int, engine_args: list[str], prefill_args: list[str],
                  router_args: list[str], log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
-        env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(16))
+        # A build cache of the soak's own for the CPU kernels: engines restarted mid-run load them at
+        # once instead of queueing behind (or for ever, if its holder was killed) another tree's build.
+        env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(16),
+                   PDSERVE_CACHE_DIR=os.environ.get("PDSERVE_CACHE_DIR", os.path.join(os.path.dirname(os.path.abspath(log_dir)), "cache")))
         self.proxies: list[KVCutProxy] = []
         self.prefills, self.decodes = [], []
         self.stopping = False
