@@ -111,3 +111,42 @@ def test_steps_run_ahead_in_a_chain_while_the_scheduler_is_idle(tiny_llama, devi
     assert out == drive(make_core(tiny_llama, device, False), [(list(prompt[0]), prompt[1])])
     stats = core.stats()
     assert stats["num_async_steps"] >= 0.8 * stats["decode_buffer_steps"] > 0
+
+
+def test_engine_core_process_with_stop_strings(tiny_llama):
+    """Through the front end and the engine core's own process: a stop string found by the front
+    end stops the request in the core while a step ahead may carry it; streams equal the offline API."""
+    import asyncio
+
+    from engine import LLM
+    from engine.async_engine import AsyncEngine
+
+    prompts = ["The old king", "Green river stone", "a b c", "Winter"]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = [o.outputs[0].text for o in LLM(tiny_llama).generate(prompts, plain)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[len(text) // 2:][:3]])
+              if len(text) > 8 else plain for text in first]
+    expected = LLM(tiny_llama).generate(prompts, params)
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, multiprocess=True, async_scheduling=True)
+        try:
+            async def run(prompt, p):
+                text, reason = "", None
+                async for out in engine.generate(prompt, p):
+                    text += out.delta_text
+                    reason = out.outputs[0].finish_reason
+                return text, reason
+            results = await asyncio.gather(*(run(pr, p) for pr, p in zip(prompts, params)))
+            for _ in range(100):  # the core reports its counters every 50 ms
+                if engine.stats().get("num_async_steps", 0) > 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.stats()["num_async_steps"] > 0
+            return results
+        finally:
+            await engine.shutdown()
+
+    got = asyncio.run(main())
+    assert got == [(o.outputs[0].text, o.outputs[0].finish_reason) for o in expected]
+    assert any(reason == "stop" for _, reason in got)
