@@ -14,7 +14,8 @@ def _generate(args) -> int:
 
     async def main() -> int:
         engine = await AsyncEngine.create(args.model, device=args.device, dtype=args.dtype,
-                                          max_model_len=args.max_model_len)
+                                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                                          async_scheduling=args.async_scheduling)
         try:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -67,6 +68,8 @@ def add_engine_commands(sub) -> None:
     g.add_argument("--device", default="auto", help="auto (the first visible GPU, else the CPU), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action="store_true", help="queue step n+1 while step n runs")
     g.set_defaults(func=_generate)
 
     t = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a real tokenizer")
