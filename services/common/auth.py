@@ -47,6 +47,13 @@ def _read(path: str | None, flag: str) -> bytes | None:
         raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
+def _key_pair(certfile: str | None, keyfile: str | None, prefix: str) -> tuple[bytes | None, bytes | None]:
+    cert, key = _read(certfile, f"{prefix}ssl-certfile"), _read(keyfile, f"{prefix}ssl-keyfile")
+    if bool(cert) != bool(key):
+        raise ValueError(f"{prefix}ssl-certfile and {prefix}ssl-keyfile go together")
+    return cert, key
+
+
 @dataclass(frozen=True)
 class ServerAuth:
     """What an engine demands of its callers. Built once from the flags (files read at start-up)."""
@@ -57,9 +64,7 @@ class ServerAuth:
 
     @classmethod
     def from_args(cls, args) -> "ServerAuth":
-        cert, key = _read(args.ssl_certfile, "--ssl-certfile"), _read(args.ssl_keyfile, "--ssl-keyfile")
-        if bool(cert) != bool(key):
-            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        cert, key = _key_pair(args.ssl_certfile, args.ssl_keyfile, "--")
         ca = _read(args.ssl_ca_certs, "--ssl-ca-certs")
         if ca and not cert:
             raise ValueError("--ssl-ca-certs (client certificates) needs --ssl-certfile and --ssl-keyfile")
@@ -208,10 +213,8 @@ class ChannelAuth:
     def from_flags(cls, token: str | None = None, token_file: str | None = None, ca_certs: str | None = None,
                    certfile: str | None = None, keyfile: str | None = None,
                    server_name: str | None = None, prefix: str = "--engine-") -> "ChannelAuth":
-        cert, key = _read(certfile, f"{prefix}ssl-certfile"), _read(keyfile, f"{prefix}ssl-keyfile")
+        cert, key = _key_pair(certfile, keyfile, prefix)
         ca = _read(ca_certs, f"{prefix}ssl-ca-certs")
-        if bool(cert) != bool(key):
-            raise ValueError(f"{prefix}ssl-certfile and {prefix}ssl-keyfile go together")
         if (cert or server_name) and not ca:
             raise ValueError(f"{prefix}ssl-certfile/{prefix}ssl-server-name need {prefix}ssl-ca-certs (TLS)")
         return cls(read_token(token, token_file, f"{prefix}auth-token"), ca, cert, key, server_name or None)

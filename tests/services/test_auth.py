@@ -255,3 +255,30 @@ def test_router_probes_during_an_engine_outage(token_stack):
         decode.proc.send_signal(signal.SIGCONT)
     assert poll_until(lambda: http_get(f"{stack.url}/readyz")[0] == 200, 60, interval=0.2)
     assert http_get(f"{stack.url}/livez")[0] == 200
+
+
+def test_router_credential_flags_are_checked_at_start(pki, tmp_path):
+    import argparse
+
+    from services.router.cli import add_router_parser, config_from_args
+
+    cli = argparse.ArgumentParser()
+    add_router_parser(cli.add_subparsers())
+    paths = pki["paths"]
+
+    def config(*flags: str):
+        return config_from_args(cli.parse_args(["router", "--decode", "127.0.0.1:50061", *flags]))
+
+    for flags, message in (
+            (("--engine-ssl-certfile", paths["router.pem"]), "--engine-ssl-certfile and --engine-ssl-keyfile go together"),
+            (("--engine-ssl-certfile", paths["router.pem"], "--engine-ssl-keyfile", paths["router.key"]),
+             "need --engine-ssl-ca-certs"),
+            (("--engine-ssl-ca-certs", str(tmp_path / "missing.pem")), "--engine-ssl-ca-certs: cannot read"),
+            (("--engine-auth-token", "a", "--engine-auth-token-file", paths["ca.pem"]), "not both")):
+        with pytest.raises(ValueError, match=message):
+            config(*flags)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    auth = config("--engine-auth-token-file", str(tmp_path / "token"), "--engine-ssl-ca-certs", paths["ca.pem"],
+                  "--engine-ssl-certfile", paths["router.pem"], "--engine-ssl-keyfile", paths["router.key"]).engine_auth
+    assert (auth.token, auth.ca_certs, auth.describe()) == (TOKEN.encode(), pki["ca.pem"], "mutual TLS + token")
+    assert TOKEN not in repr(auth) and "PRIVATE KEY" not in repr(auth)
