@@ -30,6 +30,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: on CUDA through pinned
+    memory and a non-blocking copy (a pageable copy would wait for every step queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Samples one token per row, on the logits' device. Seeded rows draw from their own
     generator (on that device), so a request's tokens do not depend on what else is in the batch."""
@@ -66,17 +75,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        any_greedy = any(p.greedy for p in params)
+        temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], dev, torch.float32)
         logits = logits / temps[:, None]
         top_k = top_p = min_p = None
         vocab = logits.shape[-1]
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
+            top_k = on_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], dev)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_p = on_device([p.top_p for p in params], dev)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = on_device([p.min_p for p in params], dev)
         probs = torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one noise row per request.
         noise = torch.empty_like(probs)
@@ -93,7 +102,9 @@ class Sampler:
             else:
                 noise[i].exponential_(generator=self.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled) if greedy.any() else sampled
+        if not any_greedy:
+            return sampled
+        return torch.where(on_device([p.greedy for p in params], dev), logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _hide_stop_tokens(logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
@@ -110,7 +121,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        index = torch.tensor([rows, cols], device=logits.device)
+        index = on_device([rows, cols], logits.device)
         logits[index[0], index[1]] = float("-inf")  # one indexed write for the batch
         return logits
 
