@@ -197,8 +197,9 @@ class Faults:
     async def kill(self, service, what: str, kill) -> asyncio.Task | None:
         """kill -9, then the crash as the supervisor saw it; returns the wait for the service's return."""
         restarts, exits = len(service.restarts), len(service.exits)
+        at = time.monotonic()
         pid = await asyncio.to_thread(kill, service)
-        self.note(f"kill -9 {what} (pid {pid})")
+        self.note(f"kill -9 {what} (pid {pid})", at)
         deadline = time.monotonic() + 90
         while len(service.exits) == exits:
             if time.monotonic() > deadline:
