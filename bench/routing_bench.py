@@ -20,6 +20,7 @@ import os
 import random
 import secrets
 import sys
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -102,6 +103,10 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
     url = fleet.start_router(name, policy, pd_policy, extra)
     try:
         s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            s["pd_decisions"] = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                                 for line in resp.read().decode().splitlines()
+                                 if line.startswith("pdserve:router_pd_decisions_total{")}
     finally:
         fleet.stop_router()
     s["label"] = name
@@ -111,6 +116,7 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
           f"{s['request_throughput']:.2f} req/s  {s['output_throughput']:6.1f} tok/s  "
           f"goodput {s.get('request_goodput', 0):.3f} req/s ({100 * s.get('slo_attainment', 0):.0f}% in SLO)  "
           f"failed {s['failed']}", flush=True)
+    print(f"    pd decisions: {s['pd_decisions']}", flush=True)
     return s
 
 
@@ -132,7 +138,8 @@ def plot(results: dict[str, dict], out: str) -> str:
         ax.set_ylabel("fraction of requests")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
     fig.tight_layout()
     path = os.path.join(out, "routing_ttft_cdf.png")
     fig.savefig(path, dpi=120)
