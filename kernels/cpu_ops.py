@@ -1,11 +1,14 @@
 """Build-on-first-use C++ kernels for CPUs (torch cpp_extension); None when no compiler."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 
 logger = logging.getLogger(__name__)
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "cpu_attention.cpp")
@@ -36,10 +39,32 @@ def load():
             source = hashlib.sha1(f.read()).hexdigest()[:10]
         build = os.path.join(root, "cpu-ext", f"{_cpu_tag()}-{source}")
         os.makedirs(build, exist_ok=True)
-        return cpp_extension.load(
-            name="pdserve_cpu_attention", sources=[_SRC], build_directory=build,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-            extra_ldflags=["-fopenmp", "-ffast-math", "-fno-finite-math-only"], verbose=False)
+        with _build_lock(build):
+            # The source is copied into the build directory: ninja's rules name the source's path,
+            # so two checkouts of the same source share one build instead of rebuilding each other's.
+            src = os.path.join(build, os.path.basename(_SRC))
+            if not os.path.exists(src):
+                shutil.copyfile(_SRC, src + ".tmp")
+                os.replace(src + ".tmp", src)
+            return cpp_extension.load(
+                name="pdserve_cpu_attention", sources=[src], build_directory=build,
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+                extra_ldflags=["-fopenmp", "-ffast-math", "-fno-finite-math-only"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...
         logger.warning("CPU attention extension unavailable (%s); using the pure torch path", e)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build: str):
+    """One builder at a time, by an flock the kernel drops when its holder dies. torch's own lock
+    (a `lock` file in the build directory) outlives a builder killed mid-build and makes every later
+    engine wait for it forever; under our flock any such file is stale, so it goes."""
+    with open(os.path.join(build, "pdserve.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build, "lock"))
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
