@@ -16,6 +16,7 @@ _GAUGES = {
     "kv_cache_usage": ("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
     "num_pinned_blocks": ("pdserve:kv_pinned_blocks", "Prefill: KV blocks pinned for decode pulls."),
     "outstanding_tokens": ("pdserve:outstanding_tokens", "Tokens still to compute or generate."),
+    "cuda_graphs_captured": ("pdserve:cuda_graphs_captured", "Decode batch sizes with a captured CUDA graph."),
 }
 _COUNTERS = {
     "prefix_cache_queries": ("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -38,6 +39,11 @@ _COUNTERS = {
     "connector_expired": ("pdserve:kv_expired_leases", "Prefill: leases that expired unpulled."),
     "connector_aborted": ("pdserve:kv_aborted_leases", "Prefill: leases aborted."),
     "kv_events_published": ("pdserve:kv_event_batches_published", "KV event batches sent on the PUB socket."),
+    "decode_buffer_steps": ("pdserve:decode_buffer_steps",
+                            "Decode-only steps run through the padded persistent buffers."),
+    "cuda_graph_replays": ("pdserve:cuda_graph_replays", "Decode steps run by replaying a CUDA graph."),
+    "num_async_steps": ("pdserve:async_scheduled_steps",
+                        "Steps queued behind the one in flight (--async-scheduling)."),
     "kv_events_dropped": ("pdserve:kv_events_dropped",
                           "KV events dropped because the publisher's queue was full (subscribers see a gap)."),
 }

@@ -11,7 +11,7 @@ from aiohttp import web
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.openai_protocol import parse_chat, parse_completion
-from services.router.openai_serving import CLIENT_CLOSED, OpenAIServing
+from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
 from services.router.sampling import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class HttpGateway:
             if not self._authorized(request):
                 raise RouterError(401, "Incorrect API key provided.", code="invalid_api_key")
             response = await handler(request)
-            status = request.get("status", response.status)
+            status = request.get(STREAM_STATUS, response.status)
             return response
         except RouterError as e:
             status = e.status

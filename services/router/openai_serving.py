@@ -20,6 +20,8 @@ from services.router.streams import merge
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 CLIENT_CLOSED = 499  # nginx's code for a client that went away: what the metrics count
+# The status a streamed response ended with (its HTTP status is already 200), for logs and metrics.
+STREAM_STATUS = web.RequestKey("pdserve_stream_status", int)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -123,10 +125,10 @@ class OpenAIServing:
                 await self._stream(response, first, chunks, choices, req, request_id, created, chat)
             except RouterError as e:  # after the headers: the error is the last event
                 logger.warning("request %s failed mid-stream: %s", request_id, e.message)
-                request["status"] = e.status
+                request[STREAM_STATUS] = e.status
                 await response.write(b"data: " + _encode(e.body()) + b"\n\n")
             except ConnectionResetError:  # the client went away; closing `chunks` aborts upstream
-                request["status"] = CLIENT_CLOSED
+                request[STREAM_STATUS] = CLIENT_CLOSED
                 self.generator.metrics.client_aborts.inc()
                 logger.info("request %s: client disconnected mid-stream; aborted", request_id)
                 return response
