@@ -79,7 +79,8 @@ class ModelRunner:
 
     def _decode_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, str | None]:
         """The decode buffers: padded, with CUDA graphs where they can be captured (else why not).
-        With enforce_eager they serve only steps fed by the previous step's ids, unpadded."""
+        Unpadded (at the step's own batch size) with enforce_eager, and where no graph can be
+        captured unless capture sizes were given."""
         sc = config.scheduler
         reason = None
         if config.model.enforce_eager:
@@ -88,7 +89,10 @@ class ModelRunner:
             reason = "no CUDA device"
         elif self.kernels.name != "triton":
             reason = f"the {self.kernels.name} kernels read sequence lengths on the host"
-        sizes = () if config.model.enforce_eager else sc.decode_batch_sizes
+        # Padding buys a graph per size; without graphs it is only extra rows of work, so the CPU
+        # pads only to sizes it was given explicitly (which rehearses the GPU path exactly).
+        pad = not config.model.enforce_eager and (reason is None or sc.cuda_graph_sizes is not None)
+        sizes = sc.decode_batch_sizes if pad else ()
         graphs = DecodeGraphs(self.model, self.kv_caches, sc.max_num_seqs, sizes, self.max_blocks_per_seq,
                               self.block_size, self.device, use_graphs=reason is None)
         return graphs, reason

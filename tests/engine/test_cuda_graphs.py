@@ -39,7 +39,8 @@ def test_padded_decode_is_token_exact(tiny_llama, num_prompts, cache, device):
     if cache == "preemption":
         kwargs["num_blocks"] = 12  # 16-token blocks: 13 prompts of up to 90 tokens cannot all fit
     eager = LLM(tiny_llama, enforce_eager=True, **kwargs)
-    padded = LLM(tiny_llama, **kwargs)
+    # Sizes given explicitly: without a GPU the engine pads only then (on CUDA it pads by default).
+    padded = LLM(tiny_llama, cuda_graph_sizes=[16], **kwargs)
     batch = prompts(eager.engine.vocab_size, num_prompts)
     # Twice: the second pass hits the prefix cache for every full block.
     for _ in range(2):
