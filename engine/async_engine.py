@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
@@ -148,13 +148,17 @@ class AsyncEngine:
         return rid, q
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, **disagg) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, admitted: Callable[[], Awaitable[None]] | None = None,
+                       **disagg) -> AsyncIterator[RequestOutput]:
         """Stream deltas (the tokens and text each step added); leaving the loop early (or
         cancellation) aborts the request. `disagg`: prefill_only / publish_kv / remote_kv /
-        first_token_id, as add_request takes them."""
+        first_token_id, as add_request takes them. `admitted` is awaited once the engine has
+        taken the request (past admission control), before its first output."""
         rid, q = self.add_request(prompt, params, request_id, priority, **disagg)
         finished = False
         try:
+            if admitted is not None:
+                await admitted()
             while not finished:
                 out = await q.get()
                 if isinstance(out, EngineDeadError):

@@ -12,6 +12,11 @@ from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.common.engine_host import EngineHost
 from services.common.grpc_server import FailedPrecondition
 
+# Sent as the stream's headers once the engine has taken the request: the router holds the
+# prefill's first token back until then, so a request every decode refuses is still a clean 429
+# rather than a stream that broke after its first token.
+ADMITTED = (("pdserve-admitted", "1"),)
+
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, host: EngineHost, pulls_kv: bool) -> None:
@@ -36,7 +41,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         start = last = time.monotonic()
         num_generated = 1 if disagg else 0  # the prefill's first token counts as generated
         first = True
-        async for out in host.engine.generate(prompt, params, request_id=rid, **disagg):
+        async for out in host.engine.generate(prompt, params, request_id=rid,
+                                              admitted=lambda: context.send_initial_metadata(ADMITTED), **disagg):
             c = out.outputs[0]
             host.raise_if_aborted(c, rid)
             now = time.monotonic()

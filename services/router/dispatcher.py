@@ -200,17 +200,21 @@ class Dispatcher:
             _refuse_abort(prefill, finish)
             if finish is None:
                 pinned = prefill
-            yield TokenChunk([resp.first_token_id],
-                             [resp.first_logprob] if resp.HasField("first_logprob") else [],
-                             finish_reason=finish, stop_reason=resp.stop_reason or None,
-                             prompt_logprobs=list(resp.prompt_logprobs), num_cached_tokens=resp.num_cached_tokens)
+            first = TokenChunk([resp.first_token_id],
+                               [resp.first_logprob] if resp.HasField("first_logprob") else [],
+                               finish_reason=finish, stop_reason=resp.stop_reason or None,
+                               prompt_logprobs=list(resp.prompt_logprobs), num_cached_tokens=resp.num_cached_tokens)
             if finish is not None:
+                yield first
                 return
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling, first_token_id=resp.first_token_id,
                                    kv_handle=resp.kv_handle)
-            async for chunk in self._decode(decode_route, req, deadline, lost):
-                pinned = None  # decode answered: it pulled the KV (or recomputed) and prefill freed it
+            # The first token waits for a decode to take the request: when every decode is full
+            # the client gets a 429 before anything was streamed, not a broken stream.
+            async for chunk in self._decode(decode_route, req, deadline, lost, first=first):
+                if chunk is not first:
+                    pinned = None  # decode answered: it pulled the KV (or recomputed) and prefill freed it
                 yield chunk
         finally:
             if pinned is not None:
@@ -242,14 +246,16 @@ class Dispatcher:
                 retrying = self._can_retry("prefill", tried)
                 self._failed(inst, request_id, e, retrying)
                 self._remaining(deadline)
-                if not retrying and codes == {Code.RESOURCE_EXHAUSTED}:
+                if not retrying and Code.RESOURCE_EXHAUSTED in codes:  # full, or full and down
                     raise overloaded("prefill", len(tried)) from None
                 if not retrying:
                     raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
                                            f"{'; '.join(failures)}", code="upstream_failed") from None
 
     async def _decode(self, route: RouteRequest, req: pb.DecodeRequest, deadline: float,
-                      lost: list[Instance]) -> AsyncIterator[TokenChunk]:
+                      lost: list[Instance], first: TokenChunk | None = None) -> AsyncIterator[TokenChunk]:
+        """The decode stream, retried on another instance until it yields a token; `first` (the
+        prefill's token) is yielded as soon as an instance has taken the request."""
         tried: list[Instance] = []
         codes: set[grpc.StatusCode] = set()
         while True:
@@ -258,7 +264,18 @@ class Dispatcher:
             call = inst.decode.Decode(req, timeout=self._remaining(deadline))
             received = False
             try:
+                if first is not None:
+                    # Headers come when the engine admitted the request (or with a refusal,
+                    # which the loop below raises); an engine that sends none before its first
+                    # token only delays this one.
+                    await call.initial_metadata()
+                    if not call.done():
+                        chunk, first = first, None
+                        yield chunk
                 async for msg in call:
+                    if first is not None:
+                        chunk, first = first, None
+                        yield chunk
                     received = True
                     _refuse_abort(inst, msg.finish_reason)
                     yield TokenChunk(list(msg.token_ids), list(msg.logprobs),
@@ -284,7 +301,7 @@ class Dispatcher:
                 retrying = self._can_retry("decode", tried, lost)
                 self._failed(inst, req.request_id, e, retrying)
                 self._remaining(deadline)
-                if not retrying and codes == {Code.RESOURCE_EXHAUSTED}:
+                if not retrying and Code.RESOURCE_EXHAUSTED in codes:  # full, or full and down
                     raise overloaded("decode", len(tried)) from None
                 if not retrying:
                     raise _upstream_error(inst, e) from None

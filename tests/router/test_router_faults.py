@@ -195,12 +195,22 @@ def test_every_instance_at_capacity_is_429_with_retry_after(make_stack, role):
     assert status == 429 and headers["Retry-After"] == "1", body
     assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "overloaded"
     assert message in body["error"]["message"]
+    # Streamed too: the prefill's first token waits for a decode to take the request, so a
+    # refusal by every decode is still the response's status, never a stream cut after a token.
     status, headers, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True})
-    if role == "prefill":  # nothing streamed yet: the status says it
-        assert status == 429 and headers["Retry-After"] == "1" and message in body["error"]["message"]
-    else:  # the prefill's first token is out: the refusal is the stream's last event
-        events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"]
-        assert status == 200 and json.loads(events[-1])["error"]["code"] == "overloaded", body
+    assert status == 429 and headers["Retry-After"] == "1" and message in body["error"]["message"], body
+
+
+def test_a_pool_full_where_it_is_not_down_is_429(make_stack):
+    """One decode at capacity and the other failing: the client should come back later (429),
+    not read a 502 about one of the instances."""
+    stack = make_stack(prefill=1, decode=2, decode_kwargs=[
+        {"fail": grpc.StatusCode.RESOURCE_EXHAUSTED, "fail_times": -1},
+        {"fail": grpc.StatusCode.UNAVAILABLE, "fail_times": -1}])
+    for stream in (False, True):
+        status, headers, body = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": stream})
+        assert status == 429 and headers["Retry-After"] == "1", body
+        assert body["error"]["code"] == "overloaded"
 
 
 def test_an_instance_at_capacity_sends_the_request_elsewhere(make_stack):
