@@ -32,7 +32,8 @@ def parser(*hooks) -> argparse.ArgumentParser:
     return p
 
 
-@pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only", "engine-mtls"],
+@pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only", "engine-mtls",
+                                       "kv-events"],
                          ids=lambda v: v or "defaults")
 def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
     from services.common.auth import ServerAuth
@@ -53,9 +54,12 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
             config = router_config(args)
             assert config.disaggregated and config.discovery in ("dns", "kubernetes")
             assert config.engine_auth.ca_certs == (tls["ca.crt"] if value_set == "engine-mtls" else None)
+            assert config.policy == ("kv_aware" if value_set == "kv-events" else "least_load")
         elif role == "planner":
             assert set(planner_config(args).roles) == {"prefill", "decode"}
         else:
             assert args.metrics_port and args.kv_transport == ("ucx" if value_set == "gpu-ucx-rdma" else "tcp")
             auth = ServerAuth.from_args(args)
             assert auth.describe() == ("mutual TLS" if value_set == "engine-mtls" else "none")
+            events = args.kv_events_config  # parsed by the engines' own --kv-events-config type
+            assert (events is not None and events.active) == (value_set == "kv-events")

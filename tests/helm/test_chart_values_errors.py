@@ -18,6 +18,9 @@ CASES = {
     "typo in a role block": ({"decode.replica": 2}, "additional properties 'replica' not allowed"),
     "accelerator count below zero": ({"prefill.accelerator.count": -1}, "at '/prefill/accelerator/count'"),
     "typo in engineAuth": ({"engineAuth.tls.secret": "x"}, "additional properties 'secret' not allowed"),
+    "typo in kvEvents": ({"kvEvents.replay_port": 5558}, "additional properties 'replay_port' not allowed"),
+    "KV events replay buffer of zero": ({"kvEvents.bufferSteps": 0}, "at '/kvEvents/bufferSteps'"),
+    "unknown router policy": ({"router.policy": "prefix"}, "at '/router/policy'"),
 }
 # What a schema cannot compare, the templates check (`fail`); helm lint reports those as [INFO] only.
 TEMPLATE_CASES = {
@@ -26,6 +29,10 @@ TEMPLATE_CASES = {
     "planner with no role": ({"planner.enabled": True, "planner.prefill.enabled": False,
                               "planner.decode.enabled": False}, "the planner scales nothing"),
     "TLS without its Secret": ({"engineAuth.tls.enabled": True}, "name the Secret holding tls.crt, tls.key and ca.crt"),
+    "KV events on the metrics port": ({"kvEvents.enabled": True, "kvEvents.port": 9090},
+                                      "kvEvents.port: port 9090 is already engine.metricsPort's"),
+    "KV events replay on the events port": ({"kvEvents.enabled": True, "kvEvents.replayPort": 5557},
+                                            "kvEvents.replayPort: port 5557 is already kvEvents.port's"),
 }
 
 

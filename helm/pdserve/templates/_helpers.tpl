@@ -105,6 +105,25 @@ data:
 {{- if eq .role "router" }}{{ .root.Values.router.grpcPort }}{{ else }}{{ index .root.Values.engine.grpcPorts .role }}{{ end }}
 {{- end }}
 
+{{/* vLLM's --kv-events-config JSON of an engine (ctx: root, role). On the host network (the shm
+transport: a prefill and a decode per node, side by side) both bind port 0, the OS picks free ones,
+and each engine advertises what it bound through GetLoad, where the router learns it. */}}
+{{- define "pdserve.kvEventsConfig" -}}
+{{- $e := .root.Values.kvEvents }}
+{{- $host := eq .root.Values.kvTransfer.transport "shm" }}
+{{- $config := dict "enable_kv_cache_events" true "publisher" "zmq"
+      "endpoint" (printf "tcp://*:%d" (ternary 0 (int $e.port) $host))
+      "replay_endpoint" (printf "tcp://*:%d" (ternary 0 (int $e.replayPort) $host))
+      "buffer_steps" (int $e.bufferSteps) "hwm" (int $e.hwm) "max_queue_size" (int $e.maxQueueSize)
+      "topic" $e.topic }}
+{{- toJson $config }}
+{{- end }}
+
+{{/* The router's --policy: kv_aware where the engines publish KV events, unless set. */}}
+{{- define "pdserve.routerPolicy" -}}
+{{- .Values.router.policy | default (ternary "kv_aware" "least_load" .Values.kvEvents.enabled) }}
+{{- end }}
+
 {{/* "hpa", "planner" or "": who owns the role's replica count (then the Deployment leaves it unset). */}}
 {{- define "pdserve.scaledBy" -}}
 {{- $planner := .root.Values.planner }}
@@ -126,6 +145,19 @@ data:
 {{- end }}
 {{- if and .Values.planner.enabled (not (or .Values.planner.prefill.enabled .Values.planner.decode.enabled)) }}
 {{- fail "planner.enabled: the planner scales nothing: enable planner.prefill and/or planner.decode" }}
+{{- end }}
+{{- $e := .Values.kvEvents }}
+{{- if $e.enabled }}
+{{- $taken := dict (toString .Values.engine.metricsPort) "engine.metricsPort" (toString .Values.kvTransfer.port) "kvTransfer.port"
+      (toString .Values.engine.grpcPorts.prefill) "engine.grpcPorts.prefill" (toString .Values.engine.grpcPorts.decode) "engine.grpcPorts.decode" }}
+{{- if .Values.engineAuth.tls.enabled }}{{ $_ := set $taken (toString .Values.engineAuth.tls.healthPort) "engineAuth.tls.healthPort" }}{{ end }}
+{{- range $key := list "port" "replayPort" }}
+{{- $port := toString (index $e $key) }}
+{{- with index $taken $port }}
+{{- fail (printf "kvEvents.%s: port %s is already %s's" $key $port .) }}
+{{- end }}
+{{- $_ := set $taken $port (printf "kvEvents.%s" $key) }}
+{{- end }}
 {{- end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $p := index $.Values.planner $role }}
