@@ -143,7 +143,10 @@ def test_a_full_queue_drops_batches_and_leaves_a_visible_gap(ctx):
         while sub.poll(200):
             seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
         assert len(seqs) == total - pub.batches_dropped
-        assert seqs == sorted(seqs) and seqs[-1] - seqs[0] + 1 > len(seqs)  # holes where batches dropped
+        # Every dropped batch is a hole in the sequence a subscriber sees (however the publisher's
+        # thread was scheduled: on a busy machine nearly all of them may drop).
+        assert seqs == sorted(seqs) and set(seqs) <= set(range(start, start + total))
+        assert len(set(range(start, start + total)) - set(seqs)) == pub.batches_dropped
         assert pub.stats()["kv_events_dropped"] == pub.events_dropped
     finally:
         pub.shutdown()
