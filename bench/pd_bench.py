@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
 
@@ -28,11 +28,7 @@ MODEL_SHAPE = dict(arch="llama", vocab_size=4096, hidden_size=512, intermediate_
 
 
 def ensure_model() -> str:
-    path = os.path.join(BUILD, "model")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        from engine.tiny import make_tiny_model
-        make_tiny_model(path, **MODEL_SHAPE)
-    return path
+    return ensure_tiny_model(os.path.join(BUILD, "model"), **MODEL_SHAPE)
 
 
 class Config:

@@ -10,6 +10,15 @@ import time
 import urllib.request
 
 
+def ensure_tiny_model(path: str, **shape) -> str:
+    """A random checkpoint of the given shape (engine.tiny), made once and kept under build/."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from engine.tiny import make_tiny_model
+
+        make_tiny_model(path, **shape)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import BenchRequest, shared_prefix, synthetic  # noqa: E402
 
@@ -38,11 +38,7 @@ KV_EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "
 
 
 def ensure_model() -> str:
-    path = os.path.join(BUILD, "model")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        from engine.tiny import make_tiny_model
-        make_tiny_model(path, **MODEL_SHAPE)
-    return path
+    return ensure_tiny_model(os.path.join(BUILD, "model"), **MODEL_SHAPE)
 
 
 class Fleet:

@@ -25,6 +25,7 @@ import aiohttp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.procs import ensure_tiny_model  # noqa: E402
 from bench.serve import sse_events  # noqa: E402
 from bench.soak_stack import SoakStack  # noqa: E402
 from bench.workloads import poisson_arrivals  # noqa: E402
@@ -355,11 +356,7 @@ def rss_growth(before: dict, after: dict) -> dict[str, tuple[float, float]]:
 
 
 def ensure_model(path: str) -> str:
-    if not os.path.exists(os.path.join(path, "config.json")):
-        from engine.tiny import make_tiny_model
-
-        make_tiny_model(path, "llama", max_position_embeddings=512)
-    return path
+    return ensure_tiny_model(path, arch="llama", max_position_embeddings=512)
 
 
 def main(argv=None) -> int:
