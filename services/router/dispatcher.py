@@ -92,6 +92,8 @@ class Dispatcher:
     def check_available(self) -> None:
         """503 up front, before anything is streamed, when a role has no healthy instance."""
         for role in ("prefill", "decode") if self.disaggregated else ("decode",):
+            if role == "prefill" and self.pd_policy is not None and self.pd_policy.serves_without_prefill():
+                continue  # the decode instances compute the prompts while no prefill is healthy
             if not self.pool.healthy(role):
                 raise RouterError(503, self.pool.unavailable_reason(role), code="no_healthy_instance")
 

@@ -47,6 +47,14 @@ class PdPolicy:
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.decode_room_usage = decode_room_usage
 
+    def serves_without_prefill(self) -> bool:
+        """Whether requests can be served while no prefill instance is healthy: the decode
+        instances compute their prompts themselves (never; conditional, and auto where it acts
+        as conditional)."""
+        if self.mode == "auto":
+            return self.routing.knows_caches(self.pool.healthy("decode"))
+        return self.mode in ("never", "conditional")
+
     def decide(self, route: RouteRequest, exclude=()) -> PdDecision:
         decision = self._decide(route, exclude)
         self.metrics.pd_decisions.labels("prefill_remote" if decision.disaggregate else "decode_local",

@@ -293,6 +293,24 @@ def test_conditional_disaggregation_through_the_gateway(kv_stack):
                       ("decode_local", "prefill_queue"): 1}
 
 
+@pytest.mark.parametrize("mode,served", [("conditional", True), ("always", False)])
+def test_no_healthy_prefill_is_served_locally_where_the_pd_policy_allows(kv_stack, mode, served):
+    """A prefill outage: conditional disaggregation keeps serving (the decode computes every
+    prompt); always-disaggregate answers 503 up front."""
+    stack = kv_stack(1, 1, pd_policy=mode, max_local_prefill_length=16)
+    (prefill,), (decode,) = stack.prefills, stack.decodes
+    stack.lt.run(prefill.stop(0))
+    wait_until(lambda: not stack.router.pool.instances("prefill")[0].healthy, what="the prefill unhealthy")
+    status, _, body = stack.post("/v1/completions", {"prompt": list(range(200, 260)), "max_tokens": 3})
+    if served:
+        assert status == 200, body
+        assert [r for r in decode.engine.requests if not r.HasField("first_token_id")], "computed on the decode"
+        assert stack.metric("pdserve:router_pd_decisions_total",
+                            {"decision": "decode_local", "reason": "no_prefill"}) == 1
+    else:
+        assert status == 503 and body["error"]["code"] == "no_healthy_instance", body
+
+
 @pytest.mark.parametrize("mode,remote", [("always", 2), ("never", 0)])
 def test_always_and_never(kv_stack, mode, remote):
     stack = kv_stack(1, 1, pd_policy=mode)
