@@ -293,10 +293,12 @@ class MPClient:
             self.proc.join(timeout=10)
             if self.proc.is_alive():
                 self.proc.kill()
+        # destroy, not term: term waits forever on any socket of the context still open, and a
+        # core that died leaves the reader's socket mid-poll.
         self.inbound.close(linger=0)
         self.outbound.close(linger=0)
-        self.ctx.term()
-        self.actx.term()
+        self.ctx.destroy(linger=0)
+        self.actx.destroy(linger=0)
         for addr in (self.in_addr, self.out_addr):
             try:
                 os.unlink(addr.removeprefix("ipc://"))

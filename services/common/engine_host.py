@@ -131,8 +131,11 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
     await service.set_serving(True)
     logger.info("%s %s ready: gRPC on %s:%d", role, engine_id, args.host, service.port)
     await service.wait_for_stop()
-    logger.info("%s %s draining (up to %.0fs)", role, engine_id, args.drain_timeout)
-    await service.drain()
+    if died:  # every request in flight failed with the core: there is nothing to let finish
+        await service.drain(grace_s=0)
+    else:
+        logger.info("%s %s draining (up to %.0fs)", role, engine_id, args.drain_timeout)
+        await service.drain()
     await engine.shutdown()
     logger.info("%s %s stopped%s", role, engine_id, " (its engine core died)" if died else "")
     return 1 if died else 0

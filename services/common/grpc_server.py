@@ -144,8 +144,10 @@ class GrpcService:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    async def drain(self) -> None:
-        """Report NOT_SERVING, refuse new RPCs, let in-flight ones finish (up to the timeout)."""
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new RPCs, let in-flight ones finish (up to the drain
+        timeout, or `grace_s`)."""
         await self.set_serving(False)
         servers = [self.server, *([self.health_server] if self.health_server is not None else [])]
-        await asyncio.gather(*(s.stop(self.drain_timeout_s) for s in servers))
+        grace = self.drain_timeout_s if grace_s is None else grace_s
+        await asyncio.gather(*(s.stop(grace) for s in servers))
