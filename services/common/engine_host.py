@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -91,6 +92,23 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
 
 
+_DEAD_CORE_EXIT_S = 20.0
+
+
+def _exit_within(seconds: float) -> None:
+    """The last resort after the engine core died: the orderly stop (gRPC, ZMQ, the connector's
+    threads) must not keep a dead instance up, holding its port and its GPU, because some library
+    thread blocks; the supervisor restarts it either way."""
+
+    def watchdog() -> None:
+        time.sleep(seconds)
+        logger.error("still stopping %.0fs after the engine core died; exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="dead-core-exit", daemon=True).start()
+
+
 async def serve(args, role: Role, service_name: str, add_servicer: Callable[[EngineHost, grpc.aio.Server], None],
                 kv_connector: KVConnectorConfig | None) -> int:
     """Run one engine service until SIGTERM; returns the exit code."""
@@ -120,6 +138,7 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
         logger.error("%s %s: %s; stopping", role, engine_id, error)
         died.append(error)
         service.request_stop()
+        _exit_within(_DEAD_CORE_EXIT_S)
 
     engine.on_death(on_engine_death)
     if args.metrics_port:
