@@ -1,0 +1,288 @@
+"""A discrete-event simulator of a pdserve fleet: router, prefill and decode pools, KV pulls, colocated instances.
+
+Each instance runs the engine scheduler's rules (engine/scheduler.py) on simulated time: running
+requests first, each taking what it still has to compute within the step's token budget
+(max_num_batched_tokens), then the FCFS waiting queue while budget and seats (max_num_seqs) last,
+the last prompt chunked to fit; a decode admits a request whose KV is remote with a seat and no
+budget, pulls it (the transfer), and runs it from the next step after the pull completes. A step
+costs what the profile's StepCost says for exactly the batch it scheduled. The router sends each
+request to the instance with the fewest outstanding tokens (ties in turn), as least_load does;
+in P/D the first token comes from the prefill and the request then goes to the least-loaded
+decode, which pulls its KV. Not modelled: the KV cache's size (no preemption), prefix-cache hits,
+the router's stale load reports, retries and migration.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.planner.costmodel import attn_units
+from services.planner.profile_data import Profile
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival: float  # seconds from the start
+    isl: int  # prompt tokens
+    osl: int  # output tokens, all generated (as bench's ignore_eos + min_tokens)
+
+    def __post_init__(self) -> None:
+        if self.arrival < 0 or self.isl < 1 or self.osl < 1:
+            raise ValueError(f"a request needs arrival >= 0, isl >= 1 and osl >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Instances of each role, all alike (one profile); P/D needs both pools, colocated neither."""
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 0
+    transport: str = "tcp"
+    max_num_batched_tokens: int | None = None  # None: the profile's
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        pd = self.num_prefill or self.num_decode
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
+            raise ValueError("instance counts must be >= 0")
+        if pd and self.num_colocated:
+            raise ValueError("a fleet is either disaggregated (prefill + decode) or colocated, not both")
+        if pd and not (self.num_prefill and self.num_decode):
+            raise ValueError("a disaggregated fleet needs at least one prefill and one decode instance")
+        if not pd and not self.num_colocated:
+            raise ValueError("a fleet needs instances")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill > 0
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_prefill + self.num_decode + self.num_colocated
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_prefill}P+{self.num_decode}D" if self.disaggregated else f"{self.num_colocated}C"
+
+
+@dataclass
+class RequestTrace:
+    """What the client of one request saw (engine times + the profile's request overhead)."""
+    request: SimRequest
+    token_times: list[float] = field(default_factory=list)  # absolute, first token first
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.request.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_times) == self.request.osl
+
+
+class _Seq:
+    """One request on one instance: computed tokens catching up to known tokens."""
+    __slots__ = ("trace", "known", "computed", "remote")
+
+    def __init__(self, trace: RequestTrace, known: int, remote: bool) -> None:
+        self.trace, self.known, self.computed, self.remote = trace, known, 0, remote
+
+    @property
+    def outstanding(self) -> int:
+        """The engine's outstanding_tokens: prompt left to compute plus tokens left to generate."""
+        return self.known - self.computed + self.trace.request.osl - len(self.trace.token_times)
+
+
+class _Instance:
+    def __init__(self, sim: "Simulation", name: str, role: str) -> None:
+        self.sim, self.name, self.role = sim, name, role
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.loading = 0  # requests admitted whose KV is being pulled (they hold seats)
+        self.link_free_at = 0.0  # pulls into this instance share its link, first come first served
+        self.busy = False
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        return sum(s.outstanding for s in itertools.chain(self.waiting, self.running)) + self.sim.loading_tokens(self)
+
+    def add(self, seq: _Seq, now: float) -> None:
+        self.waiting.append(seq)
+        if not self.busy:
+            self.start_step(now)
+
+    def start_step(self, now: float) -> None:
+        """schedule(): running first within the token budget, then waiting (FCFS) while budget and seats last."""
+        sim = self.sim
+        budget, max_seqs = sim.max_num_batched_tokens, sim.max_num_seqs
+        batch: list[tuple[_Seq, int]] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(seq.known - seq.computed, budget)
+            if n > 0:
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) + self.loading < max_seqs:
+            seq = self.waiting[0]
+            if seq.remote:  # a seat, no budget: the pull runs beside the steps
+                self.waiting.popleft()
+                self.loading += 1
+                sim.start_pull(self, seq, now)
+                continue
+            n = seq.known - seq.computed
+            if n > budget:
+                if not sim.enable_chunked_prefill:
+                    break
+                n = budget
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        if not batch:
+            self.busy = False
+            return
+        tokens = attn = kv = 0
+        for seq, n in batch:
+            tokens += n
+            attn += attn_units(n, seq.computed)
+            kv += seq.computed + n
+        seconds = sim.profile.step.seconds(tokens, attn, kv, len(batch))
+        self.busy = True
+        self.num_steps += 1
+        self.busy_s += seconds
+        sim.at(now + seconds, self.end_step, batch)
+
+    def end_step(self, now: float, batch: list[tuple[_Seq, int]]) -> None:
+        """update_from_output(): a request whose computed tokens reach its known tokens samples one."""
+        done = False
+        for seq, n in batch:
+            seq.computed += n
+            if seq.computed < seq.known:
+                continue  # a prefill chunk
+            seq.known += 1
+            trace = seq.trace
+            trace.token_times.append(now + self.sim.profile.request_overhead_s)
+            if self.role == "prefill":
+                seq.known = -1  # finished here (prefill_only); its KV waits for the decode's pull
+                done = True
+                self.sim.prefill_done(trace, now)
+            elif trace.finished:
+                seq.known = -1
+                done = True
+        if done:
+            self.running = [s for s in self.running if s.known >= 0]
+        self.start_step(now)
+
+    def kv_loaded(self, now: float, seq: _Seq) -> None:
+        self.loading -= 1
+        seq.computed = seq.known - 1  # the prompt is here; the prefill's token is computed next
+        self.running.append(seq)
+        if not self.busy:
+            self.start_step(now)
+
+
+class Simulation:
+    def __init__(self, profile: Profile, fleet: Fleet) -> None:
+        self.profile, self.fleet = profile, fleet
+        self.max_num_batched_tokens = fleet.max_num_batched_tokens or profile.max_num_batched_tokens
+        self.max_num_seqs = fleet.max_num_seqs or profile.max_num_seqs
+        self.enable_chunked_prefill = fleet.enable_chunked_prefill
+        self.transfer = profile.transfer(fleet.transport) if fleet.disaggregated else None
+        self._events: list = []
+        self._order = itertools.count()
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._loading: dict[str, list[_Seq]] = {}
+        if fleet.disaggregated:
+            self.prefills = [_Instance(self, f"prefill{i}", "prefill") for i in range(fleet.num_prefill)]
+            self.decodes = [_Instance(self, f"decode{i}", "decode") for i in range(fleet.num_decode)]
+        else:
+            self.prefills = []
+            self.decodes = [_Instance(self, f"colocated{i}", "colocated") for i in range(fleet.num_colocated)]
+
+    @property
+    def instances(self) -> list[_Instance]:
+        return self.prefills + self.decodes
+
+    def at(self, when: float, fn, *args) -> None:
+        heapq.heappush(self._events, (when, next(self._order), fn, args))
+
+    def _least_load(self, pool: list[_Instance], role: str) -> _Instance:
+        lowest = min(i.outstanding for i in pool)
+        best = [i for i in pool if i.outstanding == lowest]
+        return best[0] if len(best) == 1 else best[next(self._turn[role]) % len(best)]
+
+    def _arrive(self, now: float, trace: RequestTrace) -> None:
+        req = trace.request
+        if self.prefills:
+            inst = self._least_load(self.prefills, "prefill")
+            trace.prefill_instance = inst.name
+        else:
+            inst = self._least_load(self.decodes, "decode")
+            trace.decode_instance = inst.name
+        inst.add(_Seq(trace, req.isl, remote=False), now)
+
+    def prefill_done(self, trace: RequestTrace, now: float) -> None:
+        if trace.finished:  # osl == 1: the prefill's token was the whole answer
+            return
+        self.at(now + self.profile.pd_hop_s, self._to_decode, trace)
+
+    def _to_decode(self, now: float, trace: RequestTrace) -> None:
+        inst = self._least_load(self.decodes, "decode")
+        trace.decode_instance = inst.name
+        inst.add(_Seq(trace, trace.request.isl + 1, remote=True), now)
+
+    def start_pull(self, inst: _Instance, seq: _Seq, now: float) -> None:
+        nbytes = self.profile.kv_bytes(seq.trace.request.isl)
+        start = max(now, inst.link_free_at)
+        inst.link_free_at = start + nbytes / self.transfer.bytes_per_s
+        self._loading.setdefault(inst.name, []).append(seq)
+        self.at(inst.link_free_at + self.transfer.latency_s, self._pulled, inst, seq)
+
+    def _pulled(self, now: float, inst: _Instance, seq: _Seq) -> None:
+        self._loading[inst.name].remove(seq)
+        inst.kv_loaded(now, seq)
+
+    def loading_tokens(self, inst: _Instance) -> int:
+        return sum(s.outstanding for s in self._loading.get(inst.name, ()))
+
+    def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
+        if not self.enable_chunked_prefill:
+            too_long = [r for r in requests if r.isl > self.max_num_batched_tokens]
+            if too_long:  # the engine would hold it at the head of its queue forever
+                raise ValueError(f"a {too_long[0].isl}-token prompt never fits a step of "
+                                 f"{self.max_num_batched_tokens} tokens without chunked prefill")
+        traces = [RequestTrace(r) for r in requests]
+        for trace in traces:
+            self.at(trace.request.arrival, self._arrive, trace)
+        while self._events:
+            when, _, fn, args = heapq.heappop(self._events)
+            fn(when, *args)
+        unfinished = [t for t in traces if not t.finished]
+        assert not unfinished, f"{len(unfinished)} requests never finished (first: {unfinished[0].request})"
+        for inst in self.instances:
+            assert not (inst.waiting or inst.running or inst.loading or inst.busy), f"{inst.name} still holds work"
+        return traces
+
+
+def simulate(profile: Profile, fleet: Fleet, requests: list[SimRequest]) -> list[RequestTrace]:
+    """Every request's token times, in the order given."""
+    return Simulation(profile, fleet).run(requests)

@@ -1,0 +1,214 @@
+"""The fleet simulator: exact times for hand-computable cases, the real scheduler as its reference,
+conservation, monotonicity, and P/D's isolated decodes against colocated stalls."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, SamplingParams
+from engine.scheduler import ModelOutput, Scheduler
+from services.planner.costmodel import StepCost, TransferCost, attn_units
+from services.planner.profile_data import ModelShape, Profile
+from services.planner.sim_metrics import parse_slo, summarize
+from services.planner.simulator import Fleet, SimRequest, simulate
+from services.planner.workload import from_trace, load, poisson
+
+SHAPE = ModelShape(num_layers=8, hidden_size=512, intermediate_size=1376, num_heads=8, num_kv_heads=4,
+                   head_dim=64, vocab_size=4096, dtype_bytes=4)  # bench-pd's model: 64 KiB of KV a token
+
+
+def profile(step: StepCost, budget: int = 2048, max_seqs: int = 256, **kw) -> Profile:
+    return Profile(step=step, transfers={"tcp": TransferCost(0.004, 1e9)}, model=SHAPE,
+                   max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw)
+
+
+FLAT = StepCost(base=0.1, per_token=0.001, per_attn=0.0, per_kv_token=0.0, per_seq=0.0)
+# Roughly bench-pd's CPU: ~1 s for a 1.5k-token prompt, ~20 ms decode steps.
+CPU_LIKE = StepCost(base=0.012, per_token=4e-4, per_attn=2e-7, per_kv_token=2e-6, per_seq=5e-4)
+
+
+def test_one_colocated_request_exact_times():
+    [t] = simulate(profile(FLAT), Fleet(num_colocated=1), [SimRequest(1.0, 100, 5)])
+    assert t.ttft == pytest.approx(0.1 + 0.1)  # one 100-token step
+    assert t.itls == pytest.approx([0.101] * 4)  # decode steps of one token
+    assert t.tpot == pytest.approx(0.101)
+    assert len(t.token_times) == 5
+
+
+def test_chunked_prefill_and_context_cost_exact():
+    step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_kv_token=1e-5, per_seq=0.002)
+    [t] = simulate(profile(step, budget=128), Fleet(num_colocated=1), [SimRequest(0.0, 300, 3)])
+    # Chunks of 128, 128, 44 tokens after 0, 128 and 256 computed ones.
+    expected = sum(step.batch_seconds([(n, c)]) for n, c in ((128, 0), (128, 128), (44, 256)))
+    assert t.ttft == pytest.approx(expected)
+    assert t.itls == pytest.approx([step.batch_seconds([(1, 300)]), step.batch_seconds([(1, 301)])])
+    assert step.batch_seconds([(44, 256)]) == pytest.approx(0.05 + 0.044 + 1e-6 * attn_units(44, 256)
+                                                            + 1e-5 * 300 + 0.002)
+
+
+def test_one_disaggregated_request_exact_times():
+    prof = profile(FLAT, request_overhead_s=0.003, pd_hop_s=0.002)
+    [t] = simulate(prof, Fleet(num_prefill=1, num_decode=1), [SimRequest(0.0, 100, 4)])
+    assert t.prefill_instance == "prefill0" and t.decode_instance == "decode0"
+    assert t.ttft == pytest.approx(0.2 + 0.003)
+    # The decode gets it after the hop, pulls 7 blocks of 16 tokens x 64 KiB, then one step.
+    pull = 0.004 + 7 * 16 * SHAPE.kv_bytes_per_token / 1e9
+    assert t.itls[0] == pytest.approx(0.002 + pull + 0.101)
+    assert t.itls[1:] == pytest.approx([0.101, 0.101])
+
+
+def _reference_colocated(step: StepCost, budget: int, max_seqs: int, requests: list[SimRequest]) -> list[list[float]]:
+    """The engine's own Scheduler on a virtual clock: each step costs what `step` says for the batch
+    the scheduler chose; requests join between steps once the clock has passed their arrival."""
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    sched = Scheduler(cfg, KVCacheManager(100_000, 16, False), max_model_len=1 << 20)
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    times: list[list[float]] = [[] for _ in requests]
+    now, nxt = 0.0, 0
+    while nxt < len(pending) or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests():
+            now = max(now, requests[pending[nxt]].arrival)
+        while nxt < len(pending) and requests[pending[nxt]].arrival <= now:
+            i = pending[nxt]
+            r = requests[i]
+            sched.add_request(Request(str(i), [i % 1000 + 1] * r.isl,
+                                      SamplingParams(max_tokens=r.osl, ignore_eos=True, temperature=0)))
+            nxt += 1
+        out = sched.schedule()
+        chunks = [(n, r.num_computed_tokens) for r, n in zip(out.scheduled, out.num_scheduled_tokens)]
+        now += step.batch_seconds(chunks)
+        n_sample = sum(1 for r, n in zip(out.scheduled, out.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens)
+        for result in sched.update_from_output(out, ModelOutput([7] * n_sample)):
+            times[int(result.request_id)].append(now)
+    return times
+
+
+@pytest.mark.parametrize("budget,max_seqs", [(2048, 256), (512, 4), (96, 3)])
+def test_colocated_instance_matches_the_engine_scheduler(budget, max_seqs):
+    rng = random.Random(budget)
+    reqs, t = [], 0.0
+    for _ in range(40):
+        t += rng.expovariate(4.0)
+        reqs.append(SimRequest(t, rng.randint(20, 700), rng.randint(1, 40)))
+    traces = simulate(profile(CPU_LIKE, budget, max_seqs), Fleet(num_colocated=1), reqs)
+    expected = _reference_colocated(CPU_LIKE, budget, max_seqs, reqs)
+    for trace, ref in zip(traces, expected):
+        assert trace.token_times == pytest.approx(ref, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("fleet", [Fleet(num_colocated=3), Fleet(num_prefill=1, num_decode=2),
+                                   Fleet(num_prefill=2, num_decode=1, enable_chunked_prefill=False,
+                                         max_num_batched_tokens=1500)])
+def test_every_request_finishes_with_all_its_tokens(fleet):
+    w = poisson(2.0, 300, "uniform:16:1500", "uniform:1:60", seed=3)
+    traces = simulate(profile(CPU_LIKE, budget=1024, max_seqs=16), fleet, list(w.requests))
+    assert [t.request for t in traces] == list(w.requests)
+    for t in traces:
+        assert len(t.token_times) == t.request.osl
+        assert t.token_times[0] > t.request.arrival
+        assert all(b >= a for a, b in zip(t.token_times, t.token_times[1:]))
+    # Least load spreads the work; in P/D a one-token answer never leaves its prefill.
+    used = {t.decode_instance for t in traces if t.request.osl > 1}
+    assert used == {f"{'decode' if fleet.disaggregated else 'colocated'}{i}"
+                    for i in range(fleet.num_decode or fleet.num_colocated)}
+    assert all(t.decode_instance == "" for t in traces if fleet.disaggregated and t.request.osl == 1)
+
+
+def test_thousands_of_requests_in_seconds():
+    import time
+    w = poisson(0.6, 3000, "uniform:1024:2048", "uniform:64:128", seed=1)
+    start = time.perf_counter()
+    traces = simulate(profile(CPU_LIKE), Fleet(num_prefill=1, num_decode=1), list(w.requests))
+    assert len(traces) == 3000
+    assert time.perf_counter() - start < 30  # typically 3-4 s on one shared core
+
+
+@pytest.mark.parametrize("fleet", [Fleet(num_colocated=2), Fleet(num_prefill=1, num_decode=1)])
+def test_more_load_never_lowers_ttft(fleet):
+    base = poisson(0.1, 150, "uniform:1024:2048", "uniform:64:128", seed=5)
+    last = None
+    for factor in (1, 2, 4, 8, 16, 32):
+        s = summarize(simulate(profile(CPU_LIKE), fleet, list(base.scaled(factor).requests)))
+        cur = (s["p50_ttft_ms"], s["p90_ttft_ms"], s["mean_ttft_ms"])
+        if last is not None:
+            assert all(c >= l - 1e-9 for c, l in zip(cur, last)), (factor, cur, last)
+        last = cur
+    assert last[1] > 10 * 1000  # at 3.2 req/s the prefill is saturated: queues of seconds
+
+
+def test_colocated_decodes_stall_during_prefills_pd_decodes_do_not():
+    w = poisson(0.3, 60, "uniform:1024:2048", "uniform:64:128", seed=1)
+    slos = parse_slo("ttft:4000,tpot:100")
+    colo = summarize(simulate(profile(CPU_LIKE), Fleet(num_colocated=2), list(w.requests)), slos)
+    pd_traces = simulate(profile(CPU_LIKE), Fleet(num_prefill=1, num_decode=1), list(w.requests))
+    pd = summarize(pd_traces, slos)
+    one_prefill = CPU_LIKE.prefill_seconds(1024, 2048)
+    assert colo["max_itl_ms"] / 1000 >= one_prefill  # a decode waited for a whole prompt's step
+    worst_decode_step = CPU_LIKE.decode_seconds(256, 2048 + 128)
+    # P/D: after the handoff (the first gap holds the pull), every gap is one decode-only step.
+    assert max(x for t in pd_traces for x in t.itls[1:]) <= worst_decode_step
+    assert pd["max_itl_ms"] < colo["max_itl_ms"] / 3
+    # ... and the price: one prefill instance instead of two, so prompts queue longer.
+    assert pd["p90_ttft_ms"] > colo["p90_ttft_ms"]
+
+
+def test_summary_goodput_counts_requests_within_both_slos():
+    reqs = [SimRequest(0.0, 100, 5), SimRequest(0.0, 100, 5)]
+    [a, b] = simulate(profile(FLAT), Fleet(num_colocated=1), reqs)
+    # The engine starts a step as soon as it has work: a's 100-token prefill alone (0.2 s), then
+    # a's decode beside b's prefill (101 tokens, 0.201 s), then 2-token steps (0.102 s), b alone last.
+    assert a.token_times == pytest.approx([0.2, 0.401, 0.503, 0.605, 0.707])
+    assert b.token_times == pytest.approx([0.401, 0.503, 0.605, 0.707, 0.808])
+    s = summarize([a, b], parse_slo("ttft:500,tpot:110"))
+    assert s["p50_ttft_ms"] == pytest.approx(300.5)
+    assert s["max_itl_ms"] == pytest.approx(201.0)
+    assert s["slo_attainment"] == 0.5  # a's TPOT is 126.75 ms: b's prefill stalled it
+    assert s["request_goodput"] == pytest.approx(1 / 0.808)
+    s = summarize([a, b], parse_slo("ttft:300,tpot:200"))
+    assert s["slo_attainment"] == 0.5  # now b misses, on TTFT
+
+
+@pytest.mark.parametrize("bad", ["", "ttft:", "ttft:-1", "latency:5", "ttft:abc"])
+def test_bad_slo_is_refused(bad):
+    with pytest.raises(ValueError, match="SLO"):
+        parse_slo(bad)
+
+
+def test_bad_fleets_are_refused():
+    with pytest.raises(ValueError, match="both"):
+        Fleet(num_prefill=1, num_decode=1, num_colocated=1)
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        Fleet(num_prefill=1)
+    with pytest.raises(ValueError, match="needs instances"):
+        Fleet()
+    with pytest.raises(ValueError, match="never fits"):
+        simulate(profile(FLAT, budget=64), Fleet(num_colocated=1, enable_chunked_prefill=False),
+                 [SimRequest(0, 65, 1)])
+    with pytest.raises(ValueError, match="no 'shm' transfer"):
+        simulate(profile(FLAT), Fleet(num_prefill=1, num_decode=1, transport="shm"), [SimRequest(0, 1, 1)])
+
+
+def test_workload_files(tmp_path):
+    p = tmp_path / "w.json"
+    p.write_text(json.dumps({"rate": 2.0, "num_requests": 50, "isl": "fixed:100", "osl": "uniform:1:9", "seed": 4}))
+    w = load(str(p))
+    assert len(w.requests) == 50 and {r.isl for r in w.requests} == {100}
+    assert all(1 <= r.osl <= 9 for r in w.requests)
+    assert load(str(p)).requests == w.requests  # seeded
+    p.write_text(json.dumps({"trace": [[1.5, 10, 2], [0.5, 20, 3]]}))
+    assert load(str(p)).requests == (SimRequest(0.5, 20, 3), SimRequest(1.5, 10, 2))
+    (tmp_path / "t.jsonl").write_text('{"arrival": 0, "isl": 5, "osl": 1}\n{"arrival": 2, "isl": 6, "osl": 2}\n')
+    p.write_text(json.dumps({"trace_file": "t.jsonl"}))
+    w = load(str(p))
+    assert w.requests == (SimRequest(0.0, 5, 1), SimRequest(2.0, 6, 2)) and w.rate == pytest.approx(0.5)
+    p.write_text(json.dumps({"rate": 2.0}))
+    with pytest.raises(ValueError, match="isl, num_requests, osl"):
+        load(str(p))
+    with pytest.raises(ValueError, match="bad trace row"):
+        from_trace([[0, "x", 1]])
+    with pytest.raises(ValueError, match="isl >= 1"):
+        from_trace([[0, 0, 1]])
