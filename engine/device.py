@@ -1,4 +1,4 @@
-"""`--device auto|cpu|cuda|cuda:N` -> a torch device (auto: the first visible GPU, else the CPU)."""
+"""`--device auto|cpu|cuda|cuda:N` -> a torch device (auto: the first visible GPU, else the CPU); host lists onto it."""
 from __future__ import annotations
 
 import re
@@ -23,3 +23,12 @@ def resolve_device(spec: str) -> torch.device:
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
         device = torch.device("cuda", index)
     return device
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: on CUDA through pinned
+    memory and a non-blocking copy (a pageable copy would wait for every step queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -13,6 +13,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The core scans a request's stop ids at every step: a bounded list (the router caps it too).
 MAX_STOP_TOKEN_IDS = 256
+# Bad words are matched against the output at every step: a bounded number of bounded sequences.
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 64
 
 
 def load_tokenizer(path: str):
@@ -162,10 +165,20 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    words = params.bad_words_token_ids
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_TOKENS for w in words):
+        raise InvalidRequestError(f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
+                                  f"{MAX_BAD_WORD_TOKENS} tokens each")
+    bad = [t for w in words for t in w if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"bad_words token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
     if params.top_k > vocab_size:
         raise InvalidRequestError(f"top_k cannot be greater than the vocabulary size ({vocab_size}), "
                                   f"got {params.top_k}")
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(params, name)}")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Prefix-cache isolation (vLLM's field): requests share cached blocks only with the same salt.
     cache_salt: str | None = None
+    # OpenAI's penalties on the output so far (0: off), and HF's repetition penalty on prompt +
+    # output (1: off; a positive logit is divided by it, a negative one multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # ((token id, bias), ...) added to the logits; a dict is accepted and stored sorted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Token sequences: a sequence's last token is banned when the output so far ends with the
+    # tokens before it (a one-token sequence is always banned).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Offline API only (LLM.generate): n samples per prompt, seeded ones with seed + i; the
+    # router fans out into n engine requests itself.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +82,59 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string if provided")
+        self._check_penalties()
+        self._freeze_logit_bias()
+        self._freeze_bad_words()
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or not 0.0 < rp < math.inf:
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+
+    def _freeze_logit_bias(self) -> None:
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = [(token, bias) for token, bias in items]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+        for token, bias in pairs:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise InvalidRequestError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+
+    def _freeze_bad_words(self) -> None:
+        words = []
+        for word in self.bad_words_token_ids:
+            if isinstance(word, (str, bytes)) or not hasattr(word, "__iter__"):
+                raise InvalidRequestError("bad_words_token_ids must be sequences of token ids")
+            word = tuple(word)
+            if not word or any(isinstance(t, bool) or not isinstance(t, int) for t in word):
+                raise InvalidRequestError("bad_words_token_ids must be non-empty sequences of token ids")
+            words.append(word)
+        object.__setattr__(self, "bad_words_token_ids", tuple(words))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the three penalties is on: the next token depends on the output so far."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def depends_on_output(self) -> bool:
+        """The logits processors read the output so far (penalties, multi-token bad words): a
+        step cannot be launched before the previous token is known."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+
 
     @property
     def greedy(self) -> bool:

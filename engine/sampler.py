@@ -1,8 +1,10 @@
-"""Greedy / temperature / top-k / top-p / min-p sampling, per-request seeds, logprobs."""
+"""Logits processors, then greedy / temperature / top-k / top-p / min-p sampling, per-request seeds, logprobs."""
 from __future__ import annotations
 
 import torch
 
+from engine.device import on_device
+from engine.logits_processors import apply_logits_processors
 from engine.request import SamplingParams
 
 
@@ -30,15 +32,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list on the device without waiting for the device: on CUDA through pinned
-    memory and a non-blocking copy (a pageable copy would wait for every step queued before it)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class Sampler:
     """Samples one token per row, on the logits' device. Seeded rows draw from their own
     generator (on that device), so a request's tokens do not depend on what else is in the batch."""
@@ -62,9 +55,9 @@ class Sampler:
         the logits' device with no device-to-host copy (the caller brings them back asynchronously)."""
         params = [r.sampling_params for r in requests]
         logits = logits.float()
-        if any(p.min_tokens > r.num_output_tokens for r, p in zip(requests, params)):
-            logits = self._hide_stop_tokens(logits, requests, params)
+        # Raw logprobs, before any processor (vLLM's default logprobs mode).
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = apply_logits_processors(logits, requests)
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1), logprobs
         return self._sample(logits, requests, params), logprobs
@@ -105,25 +98,6 @@ class Sampler:
         if not any_greedy:
             return sampled
         return torch.where(on_device([p.greedy for p in params], dev), logits.argmax(dim=-1), sampled)
-
-    @staticmethod
-    def _hide_stop_tokens(logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
-        """Before min_tokens, EOS and stop token ids cannot be chosen (as vLLM does)."""
-        vocab = logits.shape[-1]
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, (r, p) in enumerate(zip(requests, params)):
-            if p.min_tokens > r.num_output_tokens:
-                banned = [t for t in (*p.stop_token_ids, *(() if r.eos_token_id is None else (r.eos_token_id,)))
-                          if 0 <= t < vocab]  # an id outside the vocabulary can never be sampled anyway
-                rows += [i] * len(banned)
-                cols += banned
-        if not rows:
-            return logits
-        logits = logits.clone()
-        index = on_device([rows, cols], logits.device)
-        logits[index[0], index[1]] = float("-inf")  # one indexed write for the batch
-        return logits
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:

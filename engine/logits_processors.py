@@ -1,0 +1,123 @@
+"""Logits processors before sampling, vectorised over the batch: logit_bias, bad words, min_tokens, penalties."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.device import on_device
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
+                            output_ids_per_row: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Row i of `logits` [rows, vocab] (float32) with requests[i]'s processors applied, in vLLM's
+    order: logit_bias added, bad words banned, EOS and stop ids hidden before min_tokens, then
+    the repetition, frequency and presence penalties. Temperature and the top-k/top-p/min-p
+    filters are the sampler's, after this.
+
+    `output_ids_per_row[i]`: the output tokens row i follows (None: each request's own output so
+    far). Speculative decoding scores k+1 positions of one request at once: pass that request
+    once per position, with its output plus the draft tokens before that position, so each
+    position sees the history it would have had. The same request may appear in many rows.
+
+    Works on the logits' device with one host-to-device copy per kind of index; nothing is read
+    back. Rows that ask for nothing come out unchanged, and a batch where no row asks for
+    anything returns `logits` itself (no copy)."""
+    params = [r.sampling_params for r in requests]
+    num_outputs = ([len(o) for o in output_ids_per_row] if output_ids_per_row is not None
+                   else [r.num_output_tokens for r in requests])
+    if not any(p.logit_bias or p.bad_words_token_ids or p.has_penalties or p.min_tokens > n
+               for p, n in zip(params, num_outputs)):
+        return logits
+    outputs = output_ids_per_row if output_ids_per_row is not None else _LazyOutputs(requests)
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    bias_rows, bias_cols, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            bias_rows.append(i)
+            bias_cols.append(token)
+            biases.append(bias)
+    if biases:
+        index = on_device([bias_rows, bias_cols], logits.device)
+        logits.index_put_((index[0], index[1]), on_device(biases, logits.device, logits.dtype), accumulate=True)
+    ban_rows, ban_cols = [], []
+    for i, (r, p) in enumerate(zip(requests, params)):
+        banned = banned_words(p.bad_words_token_ids, outputs[i]) if p.bad_words_token_ids else []
+        if p.min_tokens > num_outputs[i]:
+            banned += [*p.stop_token_ids, *(() if r.eos_token_id is None else (r.eos_token_id,))]
+        banned = [t for t in banned if 0 <= t < vocab]  # an id outside the vocabulary is never sampled
+        ban_rows += [i] * len(banned)
+        ban_cols += banned
+    if ban_rows:
+        index = on_device([ban_rows, ban_cols], logits.device)
+        logits[index[0], index[1]] = float("-inf")  # one indexed write for the batch
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        apply_penalties(logits, [requests[i] for i in penalised], [outputs[i] for i in penalised],
+                        None if len(penalised) == len(params) else penalised)
+    return logits
+
+
+class _LazyOutputs:
+    """requests[i].output_token_ids, copied out only for the rows that read it."""
+
+    def __init__(self, requests: Sequence) -> None:
+        self.requests = requests
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.requests[i].output_token_ids
+
+
+def banned_words(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of each bad word whose other tokens the output ends with (vLLM: the output
+    only, not the prompt); a one-token word always."""
+    banned = []
+    n = len(output)
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > n:
+            continue
+        if prefix == 0 or all(output[n - prefix + j] == word[j] for j in range(prefix)):
+            banned.append(word[-1])
+    return banned
+
+
+def _token_table(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids [len(rows), longest], padded with `pad`."""
+    width = max(1, max(len(r) for r in rows))
+    return on_device([list(r) + [pad] * (width - len(r)) for r in rows], device, torch.int64)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence, outputs: Sequence[Sequence[int]],
+                    rows: list[int] | None) -> None:
+    """In place on `logits` rows `rows` (None: all), as vLLM: a token seen in the prompt or the
+    output has its logit divided by repetition_penalty when positive, multiplied when not; then
+    frequency_penalty * (its count in the output) and presence_penalty * (seen in the output)
+    are subtracted."""
+    dev, vocab = logits.device, logits.shape[-1]
+    params = [r.sampling_params for r in requests]
+    # Counts over vocab + 1 columns: the padding id `vocab` lands in the last one, dropped.
+    table = _token_table(outputs, vocab, dev)
+    counts = torch.zeros(len(params), vocab + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, table, torch.ones_like(table, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    seen = counts > 0
+    index = on_device(rows, dev) if rows is not None else None
+    sub = logits if index is None else logits.index_select(0, index)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompts = _token_table([r.prompt_token_ids if p.repetition_penalty != 1.0 else () for r, p
+                                in zip(requests, params)], vocab, dev)
+        in_prompt = torch.zeros(len(params), vocab + 1, dtype=torch.bool, device=dev)
+        in_prompt.scatter_(1, prompts, True)
+        rep = on_device([p.repetition_penalty for p in params], dev, logits.dtype)[:, None]
+        scale = torch.where(in_prompt[:, :vocab] | seen, rep, torch.ones_like(rep))
+        sub = torch.where(sub > 0, sub / scale, sub * scale)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub = sub - on_device([p.frequency_penalty for p in params], dev, logits.dtype)[:, None] * counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        sub = sub - on_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None] * seen
+    if index is None:
+        logits.copy_(sub)
+    else:
+        logits.index_copy_(0, index, sub)
