@@ -26,7 +26,10 @@ def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens, cache_salt=p.cache_salt or None)
+        skip_special_tokens=p.skip_special_tokens, cache_salt=p.cache_salt or None,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids))
 
 
 def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
@@ -49,6 +52,10 @@ def check_wire_ranges(s: SamplingParams) -> None:
     check("seed", s.seed, INT64)
     for t in s.stop_token_ids:
         check("stop_token_ids", t, INT32)
+    for t, _ in s.logit_bias:
+        check("logit_bias", t, INT32)
+    for t in (t for word in s.bad_words_token_ids for t in word):
+        check("bad_words", t, INT32)
     for name in ("temperature", "top_p", "min_p"):
         value = getattr(s, name)
         if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
@@ -77,6 +84,11 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.prompt_logprobs = s.prompt_logprobs
     if s.cache_salt is not None:
         p.cache_salt = s.cache_salt
+    if s.repetition_penalty != 1.0:
+        p.repetition_penalty = s.repetition_penalty
+    p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
+    p.logit_bias.update(s.logit_bias)
+    p.bad_words_token_ids.extend(pb.TokenIds(ids=word) for word in s.bad_words_token_ids)
     return p
 
 

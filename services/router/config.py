@@ -71,6 +71,7 @@ class RouterConfig:
     max_concurrent_prompts: int = 16  # of one request's prompts, upstream at once
     max_payload_size: int = 8 << 20  # bytes of a request body (HTTP) or message (gRPC)
     max_stop_sequences: int = 64
+    max_n: int = 16  # n and best_of of one request (each sample is an engine request)
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
@@ -93,7 +94,7 @@ class RouterConfig:
             raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",
                      "load_poll_interval_s", "max_concurrent_requests", "max_prompts_per_request",
-                     "max_concurrent_prompts", "max_payload_size", "max_stop_sequences"):
+                     "max_concurrent_prompts", "max_payload_size", "max_stop_sequences", "max_n"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -10,7 +10,7 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_gr
 from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
-from services.router.sampling import PreparedPrompt, RequestLimits, prepare
+from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 
 logger = logging.getLogger(__name__)
 ENDPOINT = "/pdserve.v1.Generate/Generate"
@@ -50,6 +50,8 @@ class GenerateService(pb_grpc.GenerateServicer):
             raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
                               "with echo and logprobs", "prompt_logprobs")
         knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
+        if s.bad_words:  # text: tokenized here, as the HTTP gateway does
+            knobs["bad_words_token_ids"] += bad_words_token_ids(self.model, list(s.bad_words))
         max_tokens = knobs.pop("max_tokens")
         return prepare(self.model, ids, knobs, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
                        limits=self.limits, text=text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.router.errors import RouterError, bad_request, unsupported
-from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, prepare
+from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 from services.router.served_model import ServedModel
 
 _KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "a boolean"),
@@ -14,7 +14,8 @@ COMMON_FIELDS = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt"}
+    "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
+    "bad_words"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -26,6 +27,7 @@ UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request
 @dataclass
 class ParsedRequest:
     model: str
+    # One engine request per sample: prompt i's samples are prompts[i * best_of:(i + 1) * best_of].
     prompts: list[PreparedPrompt]
     stream: bool = False
     include_usage: bool = False
@@ -33,6 +35,8 @@ class ParsedRequest:
     echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) only
     logprobs: int | None = None  # top logprobs per token (chat: top_logprobs once logprobs is true)
     ignored_fields: list[str] = field(default_factory=list)
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # samples per prompt (>= n): the n of highest cumulative logprob are the choices
 
 
 class Body:
@@ -67,19 +71,64 @@ def _check_model(model: ServedModel, b: Body) -> str:
 
 
 def _unsupported_features(b: Body) -> None:
-    if b.get("n", "int", 1) != 1:
-        raise unsupported("n other than 1", "n")
-    if b.get("best_of", "int", 1) != 1:
-        raise unsupported("best_of other than 1", "best_of")
     if b.get("use_beam_search", "bool", False):
         raise unsupported("beam search", "use_beam_search")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if b.get(name, "number", 0.0) != 0.0:
-            raise unsupported(name, name)
-    if b.get("repetition_penalty", "number", 1.0) != 1.0:
-        raise unsupported("repetition_penalty", "repetition_penalty")
-    if b.get("logit_bias", "dict"):
-        raise unsupported("logit_bias", "logit_bias")
+
+
+def _samples(b: Body, limits: RequestLimits, stream: bool, best_of_allowed: bool) -> tuple[int, int]:
+    """(n, best_of), as OpenAI checks them; both capped by --max-n."""
+    n = b.get("n", "int", 1)
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must be in [1, {limits.max_n}] (--max-n), got {n}", "n")
+    best_of = b.get("best_of", "int")
+    if best_of is None or best_of == n:
+        return n, n
+    if not best_of_allowed:
+        raise unsupported("best_of (a /v1/completions parameter)", "best_of")
+    if best_of < n:
+        raise bad_request(f"best_of must be greater than or equal to n, got best_of={best_of} and n={n}",
+                          "best_of")
+    if best_of > limits.max_n:
+        raise bad_request(f"best_of must be at most {limits.max_n} (--max-n), got {best_of}", "best_of")
+    if stream:
+        raise bad_request("best_of greater than n cannot be streamed: the choices are known only once "
+                          "every sample is complete", "best_of")
+    return n, best_of
+
+
+def _logit_bias(b: Body) -> dict[int, float]:
+    """OpenAI's logit_bias: JSON object keys are strings, token ids in them."""
+    out = {}
+    for key, value in b.get("logit_bias", "dict", {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request(f"logit_bias values must be numbers, got {value!r:.40}", "logit_bias")
+        try:
+            out[token] = float(value)
+        except OverflowError:
+            raise bad_request("logit_bias values must be in [-100, 100]", "logit_bias") from None
+    return out
+
+
+def _bad_words(b: Body, model: ServedModel) -> tuple[tuple[int, ...], ...]:
+    words = b.body.get("bad_words")
+    if words is None:
+        return ()
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise bad_request("bad_words must be a string or an array of strings", "bad_words")
+    return bad_words_token_ids(model, words)
+
+
+def _per_sample(prompt_fn, n: int, knobs: dict) -> list[PreparedPrompt]:
+    """`prompt_fn(knobs)` for each of n samples; a seeded request's sample i has seed + i, so the
+    samples differ and the same request gives the same ones again (vLLM's rule)."""
+    seed = knobs.get("seed")
+    return [prompt_fn(knobs if seed is None or i == 0 else {**knobs, "seed": seed + i}) for i in range(n)]
 
 
 def _stop(b: Body) -> tuple[str, ...]:
@@ -93,7 +142,7 @@ def _stop(b: Body) -> tuple[str, ...]:
     raise bad_request("stop must be a string or an array of strings", "stop")
 
 
-def _knobs(b: Body) -> dict:
+def _knobs(b: Body, model: ServedModel) -> dict:
     ids = b.get("stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
@@ -103,7 +152,11 @@ def _knobs(b: Body) -> dict:
                  ignore_eos=b.get("ignore_eos", "bool", False), min_tokens=b.get("min_tokens", "int", 0),
                  include_stop_str_in_output=b.get("include_stop_str_in_output", "bool", False),
                  skip_special_tokens=b.get("skip_special_tokens", "bool", True),
-                 cache_salt=b.get("cache_salt", "str"))
+                 cache_salt=b.get("cache_salt", "str"),
+                 presence_penalty=b.get("presence_penalty", "number", 0.0),
+                 frequency_penalty=b.get("frequency_penalty", "number", 0.0),
+                 repetition_penalty=b.get("repetition_penalty", "number", 1.0),
+                 logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model))
     return knobs
 
 
@@ -166,15 +219,26 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1  # one token is computed (the engines need one) and dropped
-    knobs = _knobs(b)
-    knobs["logprobs"] = logprobs
-    knobs["prompt_logprobs"] = logprobs if echo else None
+    knobs = _knobs(b, model)
     stream, include_usage = _stream_flags(b)
+    n, best_of = _samples(b, limits, stream, best_of_allowed=True)
+    # best_of ranks the samples by their logprobs: the engines send them even when not shown.
+    knobs["logprobs"] = logprobs if best_of == n or logprobs is not None else 0
+    knobs["prompt_logprobs"] = logprobs if echo else None
     raw = completion_prompts(b.body["prompt"], model, b.get("add_special_tokens", "bool", True),
                              limits.max_prompts_per_request)
-    prompts = [prepare(model, ids, knobs, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text)
-               for ids, text in raw]
-    return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored)
+    _check_fan_out(len(raw), best_of, limits)
+    prompts = [p for ids, text in raw for p in _per_sample(
+        lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text),
+        best_of, knobs)]
+    return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored, n, best_of)
+
+
+def _check_fan_out(num_prompts: int, best_of: int, limits: RequestLimits) -> None:
+    if num_prompts * best_of > limits.max_prompts_per_request:
+        raise bad_request(f"{num_prompts} prompts of {best_of} samples each are {num_prompts * best_of} "
+                          f"generations; at most {limits.max_prompts_per_request} are allowed per request "
+                          "(--max-prompts-per-request)", "n" if num_prompts == 1 else "prompt")
 
 
 def chat_messages(raw) -> list[dict]:
@@ -238,9 +302,13 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     ids = model.chat_prompt(messages, b.get("add_generation_prompt", "bool", True),
                             b.get("continue_final_message", "bool", False),
                             b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
-    knobs = _knobs(b)
+    knobs = _knobs(b, model)
     knobs["logprobs"] = logprobs
     stream, include_usage = _stream_flags(b)
-    prompt = prepare(model, ids, knobs, max_tokens=_max_tokens(b), default_max_tokens=None, limits=limits,
-                     param="messages")
-    return ParsedRequest(name, [prompt], stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored)
+    n, _ = _samples(b, limits, stream, best_of_allowed=False)
+    _check_fan_out(1, n, limits)
+    max_tokens = _max_tokens(b)
+    prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
+                                            limits=limits, param="messages"), n, knobs)
+    return ParsedRequest(name, prompts, stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored,
+                         n=n, best_of=n)

@@ -26,7 +26,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class Choice:
-    """One prompt's answer, accumulated (non-streaming) or turned into chunks (streaming)."""
+    """One sample's answer, accumulated (non-streaming) or turned into chunks (streaming)."""
 
     def __init__(self, index: int, prompt: PreparedPrompt, req: ParsedRequest, model: ServedModel,
                  chat: bool) -> None:
@@ -37,6 +37,7 @@ class Choice:
         self.finish_reason = None
         self.stop_reason = None
         self.logprobs: dict | None = None
+        self.cumulative_logprob = 0.0  # of the generated tokens: what best_of ranks by
         self.started = False
         self._completion_lp = (CompletionLogprobs(model, req.logprobs)
                                if req.logprobs is not None and not chat else None)
@@ -60,6 +61,7 @@ class Choice:
                 text, lp = self._prompt_echo(chunk)
         if not self.req.echo_only:
             self.num_tokens += len(chunk.token_ids)
+            self.cumulative_logprob += sum(lp.logprob for lp in chunk.logprobs)
             text += chunk.text
             if self._completion_lp is not None:
                 lp = CompletionLogprobs.merge(lp, self._completion_lp.build(chunk.token_ids, chunk.logprobs))
@@ -90,7 +92,22 @@ class OpenAIServing:
         self.max_concurrent_prompts = max_concurrent_prompts  # of one request's, upstream at once
 
     def _choices(self, req: ParsedRequest, chat: bool) -> list[Choice]:
+        """One per sample; with best_of == n a sample's index is its choice's (prompt i's are
+        i * n ... i * n + n - 1); with best_of > n, `_best` numbers the chosen ones."""
         return [Choice(i, p, req, self.model, chat) for i, p in enumerate(req.prompts)]
+
+    @staticmethod
+    def _best(choices: list[Choice], req: ParsedRequest) -> list[Choice]:
+        """Per prompt, the n samples of highest cumulative logprob, best first (as vLLM)."""
+        if req.best_of == req.n:
+            return choices
+        chosen = []
+        for start in range(0, len(choices), req.best_of):
+            group = sorted(choices[start:start + req.best_of], key=lambda c: -c.cumulative_logprob)[:req.n]
+            for rank, c in enumerate(group):
+                c.index = start // req.best_of * req.n + rank
+            chosen += group
+        return chosen
 
     def _streams(self, request_id: str, req: ParsedRequest) -> list:
         n = len(req.prompts)
@@ -98,9 +115,12 @@ class OpenAIServing:
                 for i, p in enumerate(req.prompts)]
 
     @staticmethod
-    def _usage(choices: list[Choice]) -> dict:
-        return usage(sum(len(c.prompt.token_ids) for c in choices), sum(c.num_tokens for c in choices),
-                     sum(c.num_cached_tokens for c in choices))
+    def _usage(choices: list[Choice], req: ParsedRequest) -> dict:
+        """A prompt counts once however many samples it has (its first sample's cache hits);
+        every generated token counts, a best_of sample not chosen too."""
+        firsts = choices[::req.best_of]
+        return usage(sum(len(c.prompt.token_ids) for c in firsts), sum(c.num_tokens for c in choices),
+                     sum(c.num_cached_tokens for c in firsts))
 
     async def respond(self, request: web.Request, req: ParsedRequest, request_id: str,
                       chat: bool, headers: dict) -> web.StreamResponse:
@@ -112,8 +132,9 @@ class OpenAIServing:
                 async for i, chunk in chunks:
                     choices[i].add(chunk)
             body = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                    "created": created, "model": req.model, "choices": [c.as_choice() for c in choices],
-                    "usage": self._usage(choices)}
+                    "created": created, "model": req.model,
+                    "choices": [c.as_choice() for c in self._best(choices, req)],
+                    "usage": self._usage(choices, req)}
             return web.Response(body=_encode(body), content_type="application/json", headers=headers)
         async with contextlib.aclosing(chunks):
             # The first chunk comes before the headers: a request that cannot be served at all
@@ -144,15 +165,15 @@ class OpenAIServing:
             choice = choices[i]
             if chat and not choice.started:
                 delta = {"role": "assistant", "content": ""}
-                await response.write(b"data: " + _encode(make(request_id, created, req.model, i, delta,
-                                                               None, None)) + b"\n\n")
+                await response.write(b"data: " + _encode(make(request_id, created, req.model, choice.index,
+                                                               delta, None, None)) + b"\n\n")
             text, lp = choice.add(chunk)
             if not text and lp is None and chunk.finish_reason is None:
                 return
             payload = {"content": text} if chat else text
             if chat and not text and chunk.finish_reason is not None:
                 payload = {}
-            event = make(request_id, created, req.model, i, payload, lp, chunk.finish_reason,
+            event = make(request_id, created, req.model, choice.index, payload, lp, chunk.finish_reason,
                          choice.stop_reason if chunk.finish_reason else None)
             await response.write(b"data: " + _encode(event) + b"\n\n")
 
@@ -162,4 +183,4 @@ class OpenAIServing:
         if req.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             await response.write(b"data: " + _encode(usage_chunk(request_id, created, req.model, obj,
-                                                                  self._usage(choices))) + b"\n\n")
+                                                                  self._usage(choices, req))) + b"\n\n")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.processor import validate_sampling
+from engine.processor import MAX_BAD_WORDS, validate_sampling
 from engine.request import InvalidRequestError, SamplingParams
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb
@@ -14,18 +14,21 @@ from services.router.served_model import ServedModel
 MAX_LOGPROBS = 20
 # A stop string longer than this is no stop string: each one is searched at every step.
 MAX_STOP_SEQUENCE_CHARS = 1024
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask for, from the router's flags."""
     max_stop_sequences: int = 64
-    max_prompts_per_request: int = 256
+    max_prompts_per_request: int = 256  # engine requests one request fans out into (prompts x best_of)
     trust_request_chat_template: bool = False
+    max_n: int = 16  # n and best_of
 
     @classmethod
     def from_config(cls, config) -> "RequestLimits":
-        return cls(config.max_stop_sequences, config.max_prompts_per_request, config.trust_request_chat_template)
+        return cls(config.max_stop_sequences, config.max_prompts_per_request, config.trust_request_chat_template,
+                   config.max_n)
 
 
 @dataclass
@@ -60,6 +63,27 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
                           "stop")
     if any(len(s) > MAX_STOP_SEQUENCE_CHARS for s in stop):
         raise bad_request(f"each stop sequence must be at most {MAX_STOP_SEQUENCE_CHARS} characters", "stop")
+
+
+def bad_words_token_ids(model: ServedModel, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word without its leading spaces, and again with one
+    space before it when that gives a different first token and as many tokens (the word in
+    the middle of a text)."""
+    if len(words) > MAX_BAD_WORDS // 2:  # each may become two token sequences
+        raise bad_request(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS // 2} are allowed",
+                          "bad_words")
+    if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise bad_request(f"each bad word must be at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(model.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise bad_request(f"bad word {word!r} is empty once tokenized", "bad_words")
+        out.append(plain)
+        spaced = tuple(model.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
 
 
 def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens: int | None,

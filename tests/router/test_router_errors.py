@@ -40,10 +40,16 @@ def assert_error(result, status: int, param: str | None = None, contains: str = 
     ({"prompt": "hi", "top_p": 0}, "top_p", ""),
     ({"prompt": "hi", "logprobs": 50}, "logprobs", ""),
     ({"prompt": "hi", "stop": [1]}, "stop", ""),
-    ({"prompt": "hi", "n": 3}, "n", "not supported"),
-    ({"prompt": "hi", "best_of": 2}, "best_of", "not supported"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "n": 17}, "n", "--max-n"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of", "greater than or equal to n"),
+    ({"prompt": "hi", "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+    ({"prompt": "hi", "presence_penalty": 5}, "presence_penalty", "[-2, 2]"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"prompt": "hi", "logit_bias": {"5000": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "hi", "bad_words": [1]}, "bad_words", "strings"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
 ])
 def test_bad_completion_requests(stack, body, param, contains):
@@ -59,6 +65,9 @@ def test_bad_completion_requests(stack, body, param, contains):
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs", "boolean"),
+    ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n", "[1, 16]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
 ])
 def test_bad_chat_requests(stack, body, param, contains):
     assert_error(stack.post("/v1/chat/completions", body), 400, param, contains)
@@ -117,7 +126,7 @@ def test_no_healthy_instance_is_503_with_a_reason(make_stack):
 
 def test_metrics_count_requests_by_status_code(stack):
     stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
-    stack.post("/v1/completions", {"prompt": "hi", "n": 2})
+    stack.post("/v1/completions", {"prompt": "hi", "n": 99})
     stack.post("/v1/completions", b"{")
     status, _, text = stack.request("GET", "/metrics")
     assert status == 200

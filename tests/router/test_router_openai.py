@@ -143,8 +143,8 @@ def test_client_errors_come_back_as_openai_exceptions(client):
         client.completions.create(model="gpt-4", prompt="hi")
     assert "gpt-4" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hi", n=2)
-    assert "n" == e.value.param and "not supported" in e.value.message
+        client.completions.create(model="tiny", prompt="hi", n=99)
+    assert "n" == e.value.param and "--max-n" in e.value.message
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="hi", max_tokens=100000)
     with pytest.raises(openai.BadRequestError):
