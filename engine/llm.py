@@ -1,6 +1,7 @@
 """Offline API: LLM(model=...).generate(prompts, SamplingParams)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
@@ -45,10 +46,11 @@ class LLM:
         order = []
         for i, (text, ids, params) in enumerate(prepared):
             rid = str(next(self._ids))
-            order.append(rid)
-            self.output_processor.add(rid, text, ids, params)
-            self.engine.add_request(Request(rid, ids, params, eos_token_id=self.processor.eos_token_id,
-                                            priority=priority[i] if priority else 0))
+            order.append((rid, params.n))
+            for sub, sample in samples(rid, params):
+                self.output_processor.add(sub, text, ids, sample)
+                self.engine.add_request(Request(sub, ids, sample, eos_token_id=self.processor.eos_token_id,
+                                                priority=priority[i] if priority else 0))
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs, stopped = self.output_processor.process(self.engine.step())
@@ -57,4 +59,21 @@ class LLM:
             for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
-        return [final[rid] for rid in order]
+        return [final[rid] if n == 1 else merged(rid, [final[sub] for sub, _ in samples(rid, params)])
+                for (rid, n), (_, _, params) in zip(order, prepared)]
+
+
+def samples(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """n > 1: one engine request per sample, a seeded one with seed + i (vLLM's rule), so the
+    samples differ and the same call gives the same ones again."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{request_id}-{i}", dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                                      else params.seed + i)) for i in range(params.n)]
+
+
+def merged(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """The samples of one prompt as one RequestOutput, outputs indexed 0..n-1."""
+    first = outputs[0]
+    return dataclasses.replace(first, request_id=request_id, outputs=[
+        dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)])

@@ -242,3 +242,16 @@ def test_penalised_greedy_matches_transformers(tiny_llama, async_scheduling, dev
         assert out.outputs[0].token_ids == want, (prompt, p)
         changed += want != outs[len(batch) + prompts.index(prompt)].outputs[0].token_ids
     assert changed >= len(batch) // 2  # the penalties do change what greedy decoding says
+
+
+def test_llm_n_gives_distinct_reproducible_samples(llm):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, n=3, frequency_penalty=0.5)
+    out = llm.generate([[3, 4, 5], [6, 7]], params)
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [0, 1, 2]
+    first = [c.token_ids for c in out[0].outputs]
+    assert len({tuple(t) for t in first}) == 3
+    # Sample i is the request with seed + i, alone.
+    for i, tokens in enumerate(first):
+        alone = llm.generate([[3, 4, 5]], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True,
+                                                        frequency_penalty=0.5))
+        assert alone[0].outputs[0].token_ids == tokens
