@@ -117,9 +117,13 @@ class StepPoint:
                    sum(c + n for n, c in chunks), len(chunks), seconds)
 
 
-def fit_step_cost(points: Sequence[StepPoint], knees: Sequence[int] = (0,)) -> StepCost:
+KNEES = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def fit_step_cost(points: Sequence[StepPoint], knees: Sequence[int] = KNEES) -> StepCost:
     """Least squares on relative error (each point weighted by 1/time, so that 10 ms decode steps
-    count as much as 2 s prefills), coefficients kept >= 0; the knee is the candidate that fits best."""
+    count as much as 2 s prefills), coefficients kept >= 0; the knee is the candidate that fits
+    best (small batches cost one read of the weights whatever their size: CPUs have a knee too)."""
     if len(points) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(points)}")
     y = np.array([p.seconds for p in points])

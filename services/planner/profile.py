@@ -1,0 +1,233 @@
+"""`pdserve profile`: measure step costs through the real engine and KV pulls per transport; write a profile.
+
+Steps are run by an EngineCore of the model (its scheduler, model runner and sampler, as a
+service runs them), one at a time, each timed from schedule() to the sampled tokens: prefills of
+several lengths, alone and batched, chunks after a long context, decode batches of several sizes
+and contexts, and decodes mixed with a prefill chunk (what a colocated instance runs). The step
+cost model is fitted to all of them (services/planner/costmodel.py).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import sys
+import time
+
+from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
+from services.planner.profile_data import ModelShape, Profile
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class StepTimer:
+    """An engine core driven step by step; each step's batch (new tokens, context) and seconds."""
+
+    def __init__(self, model: str, device: str, num_threads: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int | None, dtype: str) -> None:
+        from engine.config import EngineConfig
+        from engine.engine_core import EngineCore
+
+        self.config = EngineConfig.create(model, device=device, num_threads=num_threads, dtype=dtype,
+                                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                          max_model_len=max_model_len)
+        self.core = EngineCore(self.config)
+        self.vocab = self.core.vocab_size
+        self._ids = itertools.count()
+        self.points: list[dict] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add(self, prompt_len: int, max_tokens: int, prompt_seed: int | None = None) -> str:
+        """A request of a fresh prompt (no prefix-cache hit), or of prompt_seed's prompt again."""
+        from engine.request import Request, SamplingParams
+
+        rid = f"p{next(self._ids)}"
+        n = next(self._ids) if prompt_seed is None else prompt_seed
+        prompt = [(n * 7919 + i * 31) % (self.vocab - 10) + 10 for i in range(prompt_len)]
+        self.core.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                   temperature=0.0)))
+        return rid
+
+    def step(self, kind: str | None) -> float:
+        """One step as EngineCore.step() runs it; recorded as a point of `kind` (None: not recorded)."""
+        sched, runner = self.core.scheduler, self.core.runner
+        start = time.perf_counter()
+        so = sched.schedule()
+        chunks = [(n, r.num_computed_tokens) for r, n in zip(so.scheduled, so.num_scheduled_tokens)]
+        sched.update_from_output(so, runner.collect(runner.launch(so)))
+        seconds = time.perf_counter() - start
+        if kind is not None and chunks:
+            self.points.append({"kind": kind, "chunks": chunks, "seconds": seconds})
+        return seconds
+
+    def drain(self) -> None:
+        """Abort whatever is left: the next measurement starts from an idle engine."""
+        self.core.abort_requests(list(self.core.scheduler.requests))
+        while self.core.has_work():
+            self.step(None)
+
+    def warm_up(self) -> None:
+        self.add(64, 4)
+        while self.core.has_unfinished_requests():
+            self.step(None)
+
+    def prefill(self, lengths: list[int], context: int = 0) -> None:
+        """One step computing a chunk of each length after `context` tokens already computed."""
+        for n in lengths:
+            self.add(context + n, 1)
+        for _ in range(context // self.config.scheduler.max_num_batched_tokens):
+            self.step(None)  # the context, in full-budget chunks
+        self.step("prefill" if context == 0 else "chunk")
+        self.drain()
+
+    def _compute_prompts(self) -> None:
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.core.scheduler.requests.values()):
+            self.step(None)
+
+    def decode(self, batch: int, context: int, steps: int, prefill_len: int = 0) -> None:
+        """`steps` decode steps of `batch` sequences at `context`; with prefill_len, each also
+        computes a new prompt of that many tokens (a colocated instance's mixed step)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        # One prompt computed once, then the batch shares its cached blocks: a 64 x 2k-token batch
+        # costs one 2k prefill to set up. Each sequence still reads its whole context every step.
+        seed, max_tokens = next(self._ids), steps + batch + 64
+        self.add(context, max_tokens, seed)
+        self._compute_prompts()
+        for _ in range(batch - 1):
+            self.add(context, max_tokens, seed)
+        self._compute_prompts()
+        for _ in range(steps):
+            if prefill_len:
+                self.add(min(prefill_len, budget - batch), 1)
+            self.step("mixed" if prefill_len else "decode")
+        self.drain()
+
+
+def _grid(quick: bool, budget: int, max_len: int) -> dict:
+    if quick:
+        return {"prefill": [[16], [64], [budget], [budget // 4] * 2], "chunk": [(32, budget)],
+                "decode": [(1, 64), (4, 128), (8, 32)], "mixed": [(2, 64, 64)], "steps": 3}
+    lengths = [n for n in (16, 64, 256, 512, 1024, 1536, 2048) if n <= budget]
+    return {"prefill": [[n] for n in lengths] + [[256] * 4, [64] * 8, [512] * 3],
+            "chunk": [(n, c) for n in (256, 1024) for c in (budget, 2 * budget) if c + n < max_len],
+            "decode": [(b, c) for b in (1, 4, 16, 64) for c in (128, 1024, 2048) if c + 128 < max_len],
+            "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
+
+
+def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
+    budget = timer.config.scheduler.max_num_batched_tokens
+    g = _grid(quick, budget, timer.max_model_len)
+    timer.warm_up()
+    for lengths in g["prefill"]:
+        for _ in range(2):
+            timer.prefill([n for n in lengths if n <= budget])
+        bar.update(1)
+    for n, context in g["chunk"]:
+        timer.prefill([n], context)
+        bar.update(1)
+    for batch, context in g["decode"]:
+        timer.decode(batch, context, g["steps"])
+        bar.update(1)
+    for batch, context, prefill_len in g["mixed"]:
+        timer.decode(batch, context, g["steps"], prefill_len)
+        bar.update(1)
+    return [StepPoint.of(p["chunks"], p["seconds"]) for p in timer.points]
+
+
+def _num_tasks(quick: bool, budget: int, max_len: int) -> int:
+    g = _grid(quick, budget, max_len)
+    return sum(len(g[k]) for k in ("prefill", "chunk", "decode", "mixed"))
+
+
+def default_model() -> str:
+    """bench-pd's random checkpoint (made on first use)."""
+    from bench.pd_bench import ensure_model
+
+    return ensure_model()
+
+
+def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_batched_tokens: int = 2048,
+                max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str = "float32",
+                transports: list[str] | None = None, quick: bool = False, progress: bool = True) -> Profile:
+    import torch
+    from tqdm import tqdm
+
+    from kvtransfer import KVLayout
+    from services.planner.profile_kv import available_transports, measure_transport
+
+    timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype)
+    hf = timer.config.model.hf_config
+    shape = ModelShape.from_hf_config(hf, _DTYPE_BYTES.get(dtype, 4))
+    block_size = timer.config.cache.block_size
+    dev = str(timer.core.runner.device)
+    transports = transports if transports is not None else available_transports(dev)
+    block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
+    total = _num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
+    with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
+        points = measure_steps(timer, quick, bar)
+        timer.core.shutdown()
+        step = fit_step_cost(points)
+        layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                          block_size=block_size, dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
+        transfers, raw_transfers = {}, {}
+        for t in transports:
+            try:
+                pts = measure_transport(t, layout, block_counts, 3 if quick else 5, tick=lambda: bar.update(1))
+            except Exception as e:  # a transport unusable here: say so in the file, profile the rest
+                raw_transfers[t] = {"unavailable": f"{type(e).__name__}: {e}"}
+                continue
+            transfers[t] = fit_transfer_cost([b for b, _ in pts], [s for _, s in pts])
+            raw_transfers[t] = {"points": [[b, s] for b, s in pts]}
+    machine = {"device": dev, "device_name": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor(),
+               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "load_avg": os.getloadavg()[0], "model_path": os.path.abspath(model), "dtype": dtype}
+    raw = {"step": {"quality": fit_quality(step, points),
+                    "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
+           "transfer": raw_transfers}
+    return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
+                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                   machine=machine, source="measured", raw=raw)
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure step and KV-transfer costs here; write a profile for "
+                                              "`pdserve plan` and the simulator",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model directory (default: bench-pd's random checkpoint)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads, as the services get (bench-pd: 1)")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--transports", default=None, help="comma-separated (default: every one usable here)")
+    p.add_argument("--out", default="profile.json")
+    p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args) -> int:
+    model = args.model or default_model()
+    transports = args.transports.split(",") if args.transports else None
+    prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
+                       args.max_model_len, args.dtype, transports, args.quick)
+    prof.save(args.out)
+    q = prof.raw["step"]["quality"]
+    s = prof.step
+    print(f"step = {s.base * 1e3:.2f} ms + {s.per_token * 1e6:.1f} us/token + {s.per_attn * 1e9:.2f} ns/attn pair "
+          f"+ {s.per_kv_token * 1e9:.1f} ns/KV token read + {s.per_seq * 1e6:.1f} us/seq "
+          f"({q['num_points']} steps, median error {100 * q['median_rel_error']:.1f}%, "
+          f"worst {100 * q['max_rel_error']:.1f}%)")
+    for t, c in prof.transfers.items():
+        print(f"KV pull over {t}: {c.latency_s * 1e3:.2f} ms + {c.bytes_per_s / 1e9:.2f} GB/s")
+    for t, d in prof.raw["transfer"].items():
+        if "unavailable" in d:
+            print(f"KV pull over {t}: not measured ({d['unavailable']})")
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,86 @@
+"""`pdserve profile --quick` on a tiny model, and the cost-model fits against known coefficients."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main as pdserve
+from services.planner.costmodel import StepCost, StepPoint, fit_step_cost, fit_transfer_cost
+from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
+
+
+def test_step_fit_recovers_known_coefficients_and_knee():
+    truth = StepCost(base=0.02, per_token=3e-4, per_attn=2e-8, per_kv_token=1e-6, per_seq=4e-4, knee_tokens=32)
+    batches = ([[(n, 0)] for n in (8, 16, 64, 256, 1024, 2048)] + [[(n, 2048)] for n in (128, 1024)]
+               + [[(1, c)] * b for b in (1, 4, 16, 64) for c in (128, 2048)] + [[(1, 128)] * 8 + [(512, 0)]])
+    points = [StepPoint.of(b, truth.batch_seconds(b)) for b in batches]
+    fit = fit_step_cost(points)
+    assert fit.knee_tokens == 32
+    for name in ("base", "per_token", "per_attn", "per_kv_token", "per_seq"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_transfer_fit_and_refusals():
+    fit = fit_transfer_cost([1 << 20, 8 << 20, 64 << 20], [0.001 + s / 2e9 for s in (1 << 20, 8 << 20, 64 << 20)])
+    assert fit.latency_s == pytest.approx(0.001) and fit.bytes_per_s == pytest.approx(2e9)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_transfer_cost([1, 1], [0.1, 0.2])
+    with pytest.raises(ValueError, match="at least 5"):
+        fit_step_cost([StepPoint(1, 1.0, 1, 1, 0.1)])
+
+
+def test_profile_file_round_trip_and_version(tmp_path):
+    prof = roofline_profile("h100", LLAMA3_8B)
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    again = Profile.load(str(path))
+    assert again.step == prof.step and again.transfers == prof.transfers and again.model == prof.model
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99"):
+        Profile.load(str(path))
+    with pytest.raises(ValueError, match="not a pdserve profile"):
+        Profile.from_json({"version": 1, "step": {}})
+
+
+def test_roofline_profile_is_sane_for_llama3_8b():
+    prof = roofline_profile("h100", LLAMA3_8B)
+    assert 7.5e9 < LLAMA3_8B.num_params < 8.5e9
+    assert LLAMA3_8B.kv_bytes_per_token == 128 * 1024
+    decode = prof.step.decode_seconds(1, 1024)
+    assert 0.005 < decode < 0.012  # a batch-1 step reads 16 GB of weights at ~2.3 TB/s
+    # Below the knee a batch costs little more than one sequence, except reading its KV cache:
+    # 64 x 1k tokens x 128 KiB = 8.6 GB, ~3.7 ms at 70% of 3.35 TB/s.
+    assert prof.step.decode_seconds(64, 16) < 1.2 * prof.step.decode_seconds(1, 16)
+    kv_read = 64 * 1025 * LLAMA3_8B.kv_bytes_per_token / (0.7 * 3.35e12)
+    assert prof.step.decode_seconds(64, 1024) - prof.step.decode_seconds(64, 16) == pytest.approx(kv_read, rel=0.05)
+    # A 2k prompt in ~70-120 ms: compute-bound past the knee.
+    assert 0.05 < prof.step.prefill_seconds(2048, 8192) < 0.15
+    assert roofline_profile("h200", LLAMA3_8B).step.decode_seconds(1, 1024) < decode
+
+
+def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path):
+    out = tmp_path / "profile.json"
+    rc = pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",
+                  "--transports", "tcp", "--out", str(out)])
+    assert rc == 0
+    prof = Profile.load(str(out))
+    hf = json.loads((tmp_path.parent / tiny_llama).joinpath("config.json").read_text())
+    assert prof.model == ModelShape.from_hf_config(hf, 4)
+    assert prof.max_num_batched_tokens == 64 and prof.source == "measured"
+    assert prof.machine["device"] == "cpu" and prof.machine["threads"] == 1 and prof.machine["torch"]
+    points = prof.raw["step"]["points"]
+    kinds = {p["kind"] for p in points}
+    assert kinds == {"prefill", "chunk", "decode", "mixed"}
+    # The quick grid's cases, as the engine's scheduler batched them:
+    assert any(p["kind"] == "chunk" and p["tokens"] == 32 and p["kv"] == 64 + 32 for p in points)
+    assert {p["seqs"] for p in points if p["kind"] == "decode"} == {1, 4, 8}
+    assert any(p["kind"] == "prefill" and p["seqs"] == 2 and p["tokens"] == 32 for p in points)
+    assert all(p["seconds"] > 0 for p in points)
+    assert prof.raw["step"]["quality"]["num_points"] == len(points)
+    tcp = prof.transfer("tcp")
+    assert tcp.bytes_per_s > 1e6  # loopback moves megabytes per second at the very least
+    assert [b for b, _ in prof.raw["transfer"]["tcp"]["points"]] == [n * 16 * prof.model.kv_bytes_per_token
+                                                                     for n in (1, 8, 32)]
