@@ -13,8 +13,9 @@ from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
-from engine.request import Request, RequestStatus
+from engine.request import DuplicateRequestError, Request, RequestStatus
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) ->
     request is finished) and frees the slot it wrote."""
     so = step.scheduler_output
     if not step.requests or so.total_num_scheduled_tokens != len(so.scheduled):
+        return None
+    if any(r.structured_output is not None for r in step.requests):
+        # n+1's grammar mask needs n's token accepted by the matcher first; leaving only the
+        # grammar rows out would idle them every other step, so the batch waits for n instead.
         return None
     rows = []
     for r in step.requests:
@@ -85,30 +90,58 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    connector_scheduler, self.kv_event_publisher)
         self._in_flight: LaunchedStep | None = None  # async scheduling: a step launched ahead
+        self.structured_output = StructuredOutputManager(config.model.path, self.vocab_size)
         self.num_async_steps = 0
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s",
                     self.runner.num_blocks, config.cache.block_size, self.max_model_len,
                     self.runner.kernels.name)
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        if request.request_id in self.structured_output.waiting:
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already in use")
+        if not self.structured_output.add(request):  # else it waits here for its grammar
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured_output.remove(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
         """Finished by the front end (a stop string matched)."""
+        self.structured_output.remove(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured_output.num_waiting > 0
 
     def has_work(self) -> bool:
         """Requests to run, a launched step to collect, or transfers whose outcome must still be collected."""
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.has_unfinished_requests() or self._in_flight is not None
                 or self.scheduler.has_pending_transfers())
 
     def step(self) -> list[EngineCoreOutput]:
+        grammars = self.structured_output
+        if grammars.num_waiting and self._in_flight is None and not self.scheduler.has_unfinished_requests():
+            grammars.wait(0.005)  # nothing else to run: wait for a compile rather than spin
+        failed = self._admit_compiled(*grammars.take_settled()) if grammars.num_waiting else []
+        return failed + self._step()
+
+    def _admit_compiled(self, ready: list[Request], failed: list[tuple[Request, str]]) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled go to the scheduler; one that did not compile fails alone
+        (finish_reason abort with the reason: the service turns it into INVALID_ARGUMENT)."""
+        outputs = []
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                failed.append((request, str(e)))
+        for request, why in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=why,
+                                            finished=True))
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self._in_flight is not None:  # launched ahead by the previous call: collect it now
             step, self._in_flight = self._in_flight, None
             self._launch_ahead(step, scheduler_idle=True)
@@ -139,13 +172,14 @@ class EngineCore:
         s = self.scheduler
         kv = self.kv_cache_manager
         stats = {
-            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_running": s.num_running, "num_waiting": s.num_waiting + self.structured_output.num_waiting,
             "num_blocks": kv.block_pool.num_blocks, "num_free_blocks": kv.block_pool.num_free_blocks,
             "kv_cache_usage": kv.usage, "num_pinned_blocks": s.num_held_blocks,
             "prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
             "num_async_steps": self.num_async_steps,
             **self.runner.stats,
+            **self.structured_output.stats(),
             # Work still owed: prompt tokens to compute plus tokens to generate (for routing).
             "outstanding_tokens": sum(r.num_tokens - r.num_computed_tokens
                                       + r.sampling_params.max_tokens - r.num_output_tokens
@@ -159,6 +193,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.close()
         if self.kv_event_publisher is not None:

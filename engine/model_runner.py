@@ -17,6 +17,7 @@ from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
 from engine.request import Request
 from engine.sampler import Sampler
+from engine.structured_output.bitmask import GrammarBitmask
 from engine.scheduler import ModelOutput, SchedulerOutput
 from kernels import get_backend
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self._block_table = np.zeros((sc.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 1, dtype=np.int64)
         self.sampler = Sampler(config.model.seed, self.device)
+        self.grammar_bitmask = GrammarBitmask(sc.max_num_seqs, arch.vocab_size, self.device)
         # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
         self.block_ids: dict[str, list[int]] = {}
         self.decode_graphs, self.cuda_graphs_off_reason = self._decode_graphs(config)
@@ -201,6 +203,7 @@ class ModelRunner:
             return step
         step.requests = [reqs[i] for i in sample_rows.tolist()]
         logits = self.model.compute_logits(hidden)
+        logits = self.grammar_bitmask.apply(logits, step.requests)  # structured outputs' rows
         step.sampled, step.logprobs = self.sampler.select(logits, step.requests)
         if self.device.type == "cuda":
             host = self._sampled_host[self._sampled_slot][:len(step.requests)]

@@ -6,6 +6,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from engine.structured_output.params import StructuredOutputsParams
+
 
 class InvalidRequestError(ValueError):
     """The request itself is wrong (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
@@ -56,6 +58,8 @@ class SamplingParams:
     # Offline API only (LLM.generate): n samples per prompt, seeded ones with seed + i; the
     # router fans out into n engine requests itself.
     n: int = 1
+    # Guided decoding: the output must match a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,10 +155,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 6
     # Prefill-only: the first token did not end the request, another engine decodes the rest.
     FINISHED_REMOTE_DECODE = 7
+    # Held by the engine core's structured output manager until its grammar is compiled.
+    WAITING_FOR_FSM = 8
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_REMOTE_DECODE
 
     @property
     def finish_reason(self) -> str | None:
@@ -190,6 +196,8 @@ class Request:
         self.queue_time: float | None = None  # arrival -> first scheduled, seconds
         self.block_hashes: list[bytes] = []  # engine.block_hash, one per full block
         self.stop_reason: int | str | None = None
+        # engine.structured_output.StructuredOutputRequest when the params ask for a grammar.
+        self.structured_output = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per
         # prompt token after the first, (logprob, [(token id, logprob), ...top-n]).
         self.prompt_logprobs: list | None = [] if self.sampling_params.prompt_logprobs is not None else None

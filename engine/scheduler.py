@@ -275,6 +275,10 @@ class Scheduler:
         return results
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        if request.structured_output is not None:
+            status = self._advance_grammar(request, token)
+            if status is not None:
+                return status
         params = request.sampling_params
         num_tokens = len(request.all_token_ids)
         num_out = num_tokens - request.num_prompt_tokens
@@ -288,6 +292,16 @@ class Scheduler:
         if status is None and request.prefill_only:
             return RequestStatus.FINISHED_REMOTE_DECODE
         return status
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Structured outputs: the matcher takes each appended token; a grammar that has reached
+        its end (it accepted its stop token) finishes the request with "stop"."""
+        grammar = request.structured_output
+        if not grammar.accept_token(token):  # the mask allowed it: a broken invariant, not input
+            request.stop_reason = f"structured outputs: sampled token {token} does not match the grammar"
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
 
     # -- KV connector and aborts --------------------------------------------------------
     def _update_from_kv_output(self, kv_out: "KVConnectorOutput") -> None:
