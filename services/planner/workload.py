@@ -38,10 +38,16 @@ class Workload:
     def mean_osl(self) -> float:
         return sum(r.osl for r in self.requests) / len(self.requests)
 
-    def scaled(self, factor: float) -> "Workload":
-        """The same requests arriving `factor` times as fast."""
-        return Workload(tuple(SimRequest(r.arrival / factor, r.isl, r.osl) for r in self.requests),
-                        f"{self.description} x{factor:g}")
+    def scaled(self, factor: float, min_requests: int = 0) -> "Workload":
+        """The same requests arriving `factor` times as fast, repeated one copy after another until
+        there are `min_requests`: a short trace at a high rate is one burst, which a fleet may
+        absorb whatever its steady-state capacity."""
+        reqs = [SimRequest(r.arrival / factor, r.isl, r.osl) for r in self.requests]
+        start = reqs[0].arrival
+        period = (reqs[-1].arrival - start) * len(reqs) / max(1, len(reqs) - 1) or 1.0 / factor
+        copies = max(1, -(-min_requests // len(reqs)))
+        tiled = [SimRequest(r.arrival + k * period, r.isl, r.osl) for k in range(copies) for r in reqs]
+        return Workload(tuple(tiled), f"{self.description} x{factor:g}")
 
 
 def poisson(rate: float, num_requests: int, isl: str, osl: str, seed: int = 0,

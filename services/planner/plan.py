@@ -1,0 +1,149 @@
+"""`pdserve plan`: simulate every fleet of N instances (each P:D split, all colocated) on a workload; pick the best.
+
+A fleet's capacity is the highest arrival rate (the workload's requests, arriving faster or slower)
+at which the simulator still sees `attainment` of the requests meet both SLOs, as DistServe
+defines per-GPU goodput; the winner has the most capacity per instance. The table also shows
+each fleet at the workload's own rate.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from services.planner.profile_data import Profile
+from services.planner.sim_metrics import parse_slo, summarize
+from services.planner.simulator import Fleet, simulate
+from services.planner import workload as workloads
+from services.planner.workload import Workload
+
+FACTOR_LIMIT = 1024.0  # rates searched within the workload's rate / and x this
+BISECTIONS = 7  # capacity to within ~1% (2^(1/2^7) on a log scale after bracketing by doubling)
+# Requests per simulated rate: enough that a fleet above its capacity builds a queue that shows.
+MIN_REQUESTS = 300
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    fleet: Fleet
+    at_rate: dict  # the summary at the workload's own rate
+    capacity_rps: float  # highest rate meeting the attainment target (0: not even at rate / limit)
+
+    @property
+    def capacity_per_instance(self) -> float:
+        return self.capacity_rps / self.fleet.num_instances
+
+
+def fleets_of(n: int, transport: str = "tcp") -> list[Fleet]:
+    """Every P:D split of n instances (1..n-1 prefills), then n colocated."""
+    if n < 1:
+        raise ValueError("a fleet needs at least one instance")
+    return [Fleet(num_prefill=p, num_decode=n - p, transport=transport) for p in range(1, n)] + [
+        Fleet(num_colocated=n)]
+
+
+def attainment(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str, float]) -> float:
+    return summarize(simulate(profile, fleet, list(workload.requests)), slos)["slo_attainment"]
+
+
+def capacity(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str, float], target: float) -> float:
+    """The highest rate (req/s) at which `target` of the requests meet the SLOs, assuming
+    attainment falls as the rate rises (it does in the simulator: more load never lowers TTFT)."""
+    ok = lambda f: attainment(profile, fleet, workload.scaled(f, MIN_REQUESTS), slos) >= target  # noqa: E731
+    hi = 1.0
+    if ok(1.0):
+        while hi < FACTOR_LIMIT and ok(hi * 2):
+            hi *= 2
+        lo, hi = hi, hi * 2
+        if lo >= FACTOR_LIMIT:
+            return workload.rate * lo
+    else:
+        while True:
+            if hi <= 1 / FACTOR_LIMIT:
+                return 0.0
+            lo = hi / 2
+            if ok(lo):
+                break
+            hi = lo
+    for _ in range(BISECTIONS):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return workload.rate * lo
+
+
+def evaluate(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str, float],
+             target: float = 0.9) -> FleetResult:
+    at_rate = summarize(simulate(profile, fleet, list(workload.requests)), slos)
+    return FleetResult(fleet, at_rate, capacity(profile, fleet, workload, slos, target))
+
+
+def choose(results: list[FleetResult], rate: float) -> FleetResult:
+    """Most capacity per instance among the fleets that carry `rate`; if none does, among all."""
+    enough = [r for r in results if r.capacity_rps >= rate] or results
+    return max(enough, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"], -r.fleet.num_instances))
+
+
+def table(results: list[FleetResult], rate: float) -> str:
+    head = (f"{'fleet':<9}{'capacity':>10}{'per inst':>10}{'goodput':>9}{'in SLO':>8}{'TTFT p90':>10}"
+            f"{'TPOT p90':>10}{'ITL p99':>9}{'max stall':>11}")
+    lines = [f"{'':<9}{'req/s':>10}{'req/s':>10}{'@' + format(rate, '.3g'):>9}{'':>8}{'ms':>10}{'ms':>10}"
+             f"{'ms':>9}{'ms':>11}", head]
+    for r in results:
+        s = r.at_rate
+        lines.append(f"{r.fleet.name:<9}{r.capacity_rps:>10.3f}{r.capacity_per_instance:>10.3f}"
+                     f"{s['request_goodput']:>9.3f}{100 * s['slo_attainment']:>7.0f}%{s['p90_ttft_ms']:>10.0f}"
+                     f"{s['p90_tpot_ms']:>10.1f}{s['p99_itl_ms']:>9.1f}{s['max_itl_ms']:>11.0f}")
+    return "\n".join(lines)
+
+
+def plan(profile: Profile, workload: Workload, slos: dict[str, float], instances: list[int],
+         transport: str, target: float = 0.9) -> tuple[list[FleetResult], FleetResult]:
+    results = [evaluate(profile, f, workload, slos, target) for n in instances for f in fleets_of(n, transport)]
+    return results, choose(results, workload.rate)
+
+
+def _instances(spec: str) -> list[int]:
+    try:
+        if "-" in spec:
+            lo, hi = (int(x) for x in spec.split("-"))
+            out = list(range(lo, hi + 1))
+        else:
+            out = [int(x) for x in spec.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"bad --instances {spec!r}: use N, N,M or LO-HI (each >= 1)")
+    return out
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="simulate P:D splits and colocated fleets on a workload; print the "
+                                           "alternatives and the best", description=__doc__.splitlines()[0])
+    p.add_argument("--profile", required=True, help="a profile file from `pdserve profile`")
+    p.add_argument("--workload", required=True, help="a workload file (JSON; see docs/planning.md)")
+    p.add_argument("--slo", required=True, help="ttft:MS,tpot:MS")
+    p.add_argument("--instances", default="2", help="fleet sizes to try: N, N,M or LO-HI (default 2)")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet the SLOs for a rate to count (default 0.9)")
+    p.add_argument("--transport", default=None, help="KV transport of P/D fleets (default: tcp, else the "
+                                                     "profile's first)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args) -> int:
+    if not 0 < args.attainment <= 1:
+        raise ValueError("--attainment must be in (0, 1]")
+    profile = Profile.load(args.profile)
+    wl = workloads.load(args.workload)
+    slos = parse_slo(args.slo)
+    transport = args.transport or ("tcp" if "tcp" in profile.transfers else next(iter(profile.transfers), "tcp"))
+    results, best = plan(profile, wl, slos, _instances(args.instances), transport, args.attainment)
+    print(f"workload: {wl.description} (mean rate {wl.rate:.3g} req/s, ISL {wl.mean_isl:.0f}, OSL {wl.mean_osl:.0f})")
+    print(f"profile: {profile.source} on {profile.machine.get('device', '?')}; SLOs {args.slo} (ms); capacity = "
+          f"highest rate with >= {100 * args.attainment:.0f}% of requests in SLO")
+    print(table(results, wl.rate))
+    carries = "carries" if best.capacity_rps >= wl.rate else "does NOT carry (no fleet tried does)"
+    print(f"best: {best.fleet.name} ({best.capacity_per_instance:.3f} req/s per instance; {carries} "
+          f"{wl.rate:.3g} req/s)")
+    return 0

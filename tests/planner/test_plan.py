@@ -1,0 +1,64 @@
+"""`pdserve plan`: fleets enumerated, capacity searched, and the choice the issue's story predicts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main as pdserve
+from services.planner.plan import MIN_REQUESTS, attainment, capacity, fleets_of, plan
+from services.planner.sim_metrics import parse_slo
+from services.planner.simulator import Fleet
+from services.planner.workload import poisson
+from sim_profiles import CPU_LIKE, profile
+
+# bench-pd's shape: 1-2k-token prompts, 64-128-token outputs, 0.3 req/s.
+BENCH_PD = poisson(0.3, 80, "uniform:1024:2048", "uniform:64:128", seed=1)
+
+
+def test_fleets_of_n():
+    assert [f.name for f in fleets_of(3)] == ["1P+2D", "2P+1D", "3C"]
+    assert [f.name for f in fleets_of(1)] == ["1C"]
+    with pytest.raises(ValueError, match="at least one"):
+        fleets_of(0)
+
+
+def test_capacity_is_the_edge_of_the_attainment_target():
+    prof, fleet, slos = profile(CPU_LIKE), Fleet(num_prefill=1, num_decode=1), parse_slo("ttft:4000,tpot:100")
+    cap = capacity(prof, fleet, BENCH_PD, slos, 0.9)
+    assert 0.3 < cap < 3
+    at = lambda rate: attainment(prof, fleet, BENCH_PD.scaled(rate / BENCH_PD.rate, MIN_REQUESTS), slos)  # noqa: E731
+    assert at(cap) >= 0.9
+    assert at(cap * 1.1) < 0.9
+
+
+def test_loose_slo_picks_colocated_tight_tpot_picks_disaggregation():
+    prof = profile(CPU_LIKE)
+    # Loose: halving prefill capacity costs more than isolation earns (what bench-pd measured).
+    results, best = plan(prof, BENCH_PD, parse_slo("ttft:4000,tpot:100"), [2], "tcp")
+    assert [r.fleet.name for r in results] == ["1P+1D", "2C"]
+    assert best.fleet.name == "2C"
+    # Tight TPOT (under 2x an unloaded decode step): colocated decodes stall behind prompts.
+    results, best = plan(prof, BENCH_PD, parse_slo("ttft:4000,tpot:30"), [2], "tcp")
+    assert best.fleet.name == "1P+1D"
+    by_name = {r.fleet.name: r for r in results}
+    assert by_name["2C"].at_rate["max_itl_ms"] > 5 * by_name["1P+1D"].at_rate["max_itl_ms"]
+
+
+def test_pdserve_plan_prints_the_table_and_the_winner(tmp_path, capsys):
+    prof_path, wl_path = tmp_path / "profile.json", tmp_path / "workload.json"
+    profile(CPU_LIKE).save(str(prof_path))
+    wl_path.write_text(json.dumps({"rate": 0.3, "num_requests": 80, "isl": "uniform:1024:2048",
+                                   "osl": "uniform:64:128", "seed": 1}))
+    rc = pdserve(["plan", "--profile", str(prof_path), "--workload", str(wl_path), "--slo", "ttft:4000,tpot:30",
+                  "--instances", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "1P+1D" in out and "2C" in out
+    assert out.strip().splitlines()[-1].startswith("best: 1P+1D")
+    rc = pdserve(["plan", "--profile", str(prof_path), "--workload", str(wl_path), "--slo", "ttft:4000,e2e:9"])
+    assert rc == 2
+    assert "bad SLO 'e2e:9'" in capsys.readouterr().err
+    rc = pdserve(["plan", "--profile", str(prof_path), "--workload", str(wl_path), "--slo", "ttft:1",
+                  "--instances", "0"])
+    assert rc == 2
