@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -105,6 +106,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_backend: str = "auto"
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # vLLM's --kv-events-config
+    speculative: SpeculativeConfig | None = None  # vLLM's speculative_config; None: off
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.scheduler.async_scheduling:
+            # Step n+1 is queued with one input token per row before n's accepted run is known.
+            raise ValueError("speculative decoding does not combine with async scheduling: "
+                             "turn one of them off")
 
     @classmethod
     def create(cls, model: str, **kwargs) -> "EngineConfig":
@@ -123,6 +131,8 @@ class EngineConfig:
                     top[key] = value
                 elif key == "kv_events":
                     top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))
+                elif key == "speculative_config":
+                    top["speculative"] = SpeculativeConfig.parse(value)
                 else:
                     raise TypeError(f"unknown engine argument {key!r}")
         return cls(model=ModelConfig(path=model, **parts["model"]),

@@ -15,6 +15,7 @@ from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
 from engine.request import DuplicateRequestError, Request, RequestStatus
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from engine.spec_decode import make_proposer, spec_decode_stats
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,10 @@ class EngineCore:
                                                enable_kv_cache_events=self.kv_event_publisher is not None,
                                                medium="GPU" if self.runner.device.type == "cuda" else "CPU")
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   connector_scheduler, self.kv_event_publisher)
+                                   connector_scheduler, self.kv_event_publisher, config.speculative)
+        # Speculative decoding: proposals for the next step, made once this one is settled.
+        self.proposer = make_proposer(config.speculative, self.max_model_len, self.runner,
+                                      self.kv_cache_manager.get_block_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: a step launched ahead
         self.structured_output = StructuredOutputManager(config.model.path, self.vocab_size)
         self.num_async_steps = 0
@@ -151,7 +155,10 @@ class EngineCore:
             time.sleep(0.0005)  # only KV in flight: let the transfer threads run
         step = self.runner.launch(scheduler_output)
         self._launch_ahead(step)
-        return self.scheduler.update_from_output(scheduler_output, self.runner.collect(step))
+        outputs = self.scheduler.update_from_output(scheduler_output, self.runner.collect(step))
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        return outputs
 
     def _launch_ahead(self, step: LaunchedStep, scheduler_idle: bool = False) -> None:
         """Async scheduling: queue step n+1 behind step n before n's tokens reach the CPU, for the
@@ -178,6 +185,7 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
             "num_async_steps": self.num_async_steps,
+            **spec_decode_stats(s, self.proposer),
             **self.runner.stats,
             **self.structured_output.stats(),
             # Work still owed: prompt tokens to compute plus tokens to generate (for routing).

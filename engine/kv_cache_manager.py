@@ -134,6 +134,22 @@ class KVCacheManager:
         """The KV events since the last call, in the order they happened."""
         return self.block_pool.take_events()
 
+    def free_tail(self, request: Request, num_tokens: int) -> int | None:
+        """Keep the blocks the first num_tokens need and free the rest (slots held for speculative
+        tokens the verification rejected). Returns the number of blocks kept, None if none was freed."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        # Only blocks full of verified tokens are hashed, and those are never past num_tokens.
+        assert self.num_cached_blocks[rid] <= keep, f"request {rid}: freeing a cached block"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self.req_to_block_ids[rid][keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids.get(request_id, [])
 

@@ -17,6 +17,7 @@ from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
 from engine.request import Request
 from engine.sampler import Sampler
+from engine.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.scheduler import ModelOutput, SchedulerOutput
 from kernels import get_backend
@@ -35,6 +36,9 @@ class LaunchedStep:
     copied: "torch.cuda.Event | None" = None
     logprobs: torch.Tensor | None = None
     prompt_logprobs: dict | None = None
+    # Speculative decoding: the rows' proposals, and what verifying them produced (host copies).
+    spec: list[list[int]] | None = None
+    verified: VerifiedTokens | None = None
 
 
 class ModelRunner:
@@ -69,6 +73,7 @@ class ModelRunner:
         self._block_table = np.zeros((sc.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 1, dtype=np.int64)
         self.sampler = Sampler(config.model.seed, self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.grammar_bitmask = GrammarBitmask(sc.max_num_seqs, arch.vocab_size, self.device)
         # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
         self.block_ids: dict[str, list[int]] = {}
@@ -112,12 +117,16 @@ class ModelRunner:
         t = int(num_tokens.sum())
         qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=qsl[1:])
+        spec = so.spec_token_ids
         if t == b:
             self._input_ids[:t] = [r.all_token_ids[r.num_computed_tokens] for r in reqs]
         else:
             ids = []
             for r, n in zip(reqs, ns):
-                ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n])
+                chunk = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
+                ids.extend(chunk)
+                if len(chunk) < n:  # the proposals it verifies follow its known tokens
+                    ids.extend(spec[r.request_id])
             self._input_ids[:t] = ids
         positions = self._positions[:t]
         np.subtract(self._arange[:t], np.repeat(qsl[:-1] - starts, num_tokens), out=positions)
@@ -130,7 +139,7 @@ class ModelRunner:
         rows = np.repeat(self._arange[:b], num_tokens)
         slot_mapping = table[rows, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
-        total = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
+        total = np.fromiter((r.num_tokens + len(spec.get(r.request_id, ())) for r in reqs), dtype=np.int64, count=b)
         sample_rows = np.nonzero(seq_lens == total)[0]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
@@ -140,7 +149,14 @@ class ModelRunner:
             decode_only=t == b)
         input_ids = torch.from_numpy(self._input_ids[:t].copy()).to(self.device)
         pos = torch.from_numpy(positions.copy()).to(self.device)
-        logits_indices = torch.from_numpy(qsl[1:][sample_rows] - 1).to(self.device)
+        if spec:  # a verifying row is scored at every position: its own token's and each proposal's
+            ends = qsl[1:][sample_rows]
+            lens = np.fromiter((len(spec.get(reqs[i].request_id, ())) + 1 for i in sample_rows.tolist()),
+                               dtype=np.int64, count=len(sample_rows))
+            logits_indices = torch.from_numpy(np.repeat(ends - lens, lens) + self._arange[:int(lens.sum())]
+                                              - np.repeat(np.cumsum(lens) - lens, lens)).to(self.device)
+        else:
+            logits_indices = torch.from_numpy(qsl[1:][sample_rows] - 1).to(self.device)
         return input_ids, pos, meta, logits_indices, sample_rows
 
     def _update_block_tables(self, so: SchedulerOutput) -> None:
@@ -149,6 +165,9 @@ class ModelRunner:
             self.block_ids.pop(rid, None)
         for rid in so.preempted_req_ids:
             self.block_ids.pop(rid, None)
+        for rid, kept in so.num_kept_blocks.items():  # rejected proposals' blocks released
+            if rid in self.block_ids:
+                del self.block_ids[rid][kept:]
         for r, new_ids in zip(so.scheduled, so.new_block_ids):
             if new_ids:
                 self.block_ids.setdefault(r.request_id, []).extend(new_ids)
@@ -169,6 +188,8 @@ class ModelRunner:
         """Wait for a launched step's sampled ids and hand them to the scheduler's shape."""
         if step.copied is not None:
             step.copied.synchronize()
+        if step.verified is not None:
+            return self._collect_verified(step)
         tokens = [] if step.sampled is None else (step.host if step.host is not None else step.sampled).tolist()
         logprobs = None
         if step.logprobs is not None:
@@ -203,6 +224,9 @@ class ModelRunner:
             return step
         step.requests = [reqs[i] for i in sample_rows.tolist()]
         logits = self.model.compute_logits(hidden)
+        if so.spec_token_ids:
+            self._verify(step, logits)
+            return step
         logits = self.grammar_bitmask.apply(logits, step.requests)  # structured outputs' rows
         step.sampled, step.logprobs = self.sampler.select(logits, step.requests)
         if self.device.type == "cuda":
@@ -212,6 +236,43 @@ class ModelRunner:
             step.host, step.copied = host, torch.cuda.Event()
             step.copied.record()
         return step
+
+    def _verify(self, step: LaunchedStep, logits: torch.Tensor) -> None:
+        """Every sampled row through the rejection sampler (a row without proposals draws its one
+        token from p); the tokens come back through pinned memory on CUDA."""
+        spec = step.scheduler_output.spec_token_ids
+        step.spec = [spec.get(r.request_id, []) for r in step.requests]
+        verified = self.rejection_sampler(logits, step.requests, step.spec)
+        if self.device.type == "cuda":
+            tokens = torch.empty(verified.tokens.shape, dtype=torch.int64, pin_memory=True)
+            num = torch.empty(verified.num_tokens.shape, dtype=torch.int64, pin_memory=True)
+            tokens.copy_(verified.tokens, non_blocking=True)
+            num.copy_(verified.num_tokens, non_blocking=True)
+            verified = VerifiedTokens(tokens, num, verified.logprobs)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        step.verified = verified
+
+    def _collect_verified(self, step: LaunchedStep) -> ModelOutput:
+        if step.copied is not None:
+            step.copied.synchronize()
+        v = step.verified
+        runs = [row[:n] for row, n in zip(v.tokens.tolist(), v.num_tokens.tolist())]
+        logprobs = None
+        if v.logprobs is not None:  # raw logprobs of each produced token at its position
+            starts = np.cumsum([0] + [len(s) + 1 for s in step.spec])
+            flat_rows = [int(starts[i]) + j for i, run in enumerate(runs) for j in range(len(run))]
+            entries = self.sampler.logprob_entries(v.logprobs[flat_rows], [t for run in runs for t in run],
+                                                   [r for r, run in zip(step.requests, runs) for _ in run])
+            logprobs, k = [], 0
+            for run, r in zip(runs, step.requests):
+                logprobs.append(entries[k:k + len(run)] if r.sampling_params.logprobs is not None else None)
+                k += len(run)
+        output = ModelOutput(sampled_token_ids=[], logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
+                             sampled_token_runs=runs)
+        if self.connector is not None:
+            output.kv_connector_output = self.connector.get_finished()
+        return output
 
     def _run_decode(self, so: SchedulerOutput, prev: LaunchedStep | None):
         """A decode-only step through the padded buffers (a CUDA graph replay where captured)."""

@@ -196,6 +196,8 @@ class Request:
         self.queue_time: float | None = None  # arrival -> first scheduled, seconds
         self.block_hashes: list[bytes] = []  # engine.block_hash, one per full block
         self.stop_reason: int | str | None = None
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next step.
+        self.spec_token_ids: list[int] = []
         # engine.structured_output.StructuredOutputRequest when the params ask for a grammar.
         self.structured_output = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per

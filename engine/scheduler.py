@@ -17,6 +17,7 @@ from engine.waiting_queue import WaitingQueue
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
     from engine.kv_events import ZmqEventPublisher
+    from engine.spec_decode.config import SpeculativeConfig
 
 
 _FINISHED = frozenset(s for s in RequestStatus if s.finished)
@@ -39,7 +40,8 @@ def check_stop(params, num_output_tokens: int, token: int, eos_token_id: int | N
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
                  connector: "KVConnectorScheduler | None" = None,
-                 kv_event_publisher: "ZmqEventPublisher | None" = None) -> None:
+                 kv_event_publisher: "ZmqEventPublisher | None" = None,
+                 speculative: "SpeculativeConfig | None" = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -58,6 +60,15 @@ class Scheduler:
         # Blocks allocated per request since the model runner last heard of it.
         self._unsent_block_ids: dict[str, list[int]] = {}
         self.num_preemptions = 0
+        # Speculative decoding: the most proposals a row verifies per step, and the KV slots a row
+        # holds past its verified tokens for a draft model's own writes.
+        self.max_spec_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        self.num_lookahead_slots = speculative.num_lookahead_slots if speculative is not None else 0
+        self._kept_blocks: dict[str, int] = {}  # for the model runner's block tables
+        self.spec_num_drafts = 0  # rows that verified proposals
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * self.max_spec_tokens
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -96,8 +107,9 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_step)
+        out = SchedulerOutput(finished_req_ids=self._finished_since_step, num_kept_blocks=self._kept_blocks)
         self._finished_since_step = []
+        self._kept_blocks = {}
         budget = self.config.max_num_batched_tokens
         preempted_any = False
         scheduled_index: dict[str, int] = {}
@@ -108,13 +120,20 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
+            spec = request.spec_token_ids
+            if spec:
+                spec = self._trim_proposals(request, spec, n, budget)
+                n += len(spec)
             if n > budget:
                 n = budget
             if n <= 0:
                 i += 1
                 continue
+            lookahead = 0
+            if self.num_lookahead_slots and request.num_computed_tokens + n >= request.num_tokens:
+                lookahead = min(self.num_lookahead_slots, self.max_model_len - request.num_computed_tokens - n)
             while True:
-                new_ids = self._allocate(request, n)
+                new_ids = self._allocate(request, n + lookahead)
                 if new_ids is not None:
                     break
                 victim = self._pick_victim()
@@ -132,6 +151,8 @@ class Scheduler:
                 i = running.index(request)
             scheduled_index[request.request_id] = len(scheduled)
             self._add_scheduled(out, request, n)
+            if spec:
+                out.spec_token_ids[request.request_id] = spec
             budget -= n
             i += 1
 
@@ -141,6 +162,17 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def _trim_proposals(self, request: Request, spec: list[int], n: int, budget: int) -> list[int]:
+        """The proposals a decode-phase row verifies: within the step's budget (the row's own token
+        first), max_tokens and max_model_len (the target's token after them must still be one the
+        request may produce)."""
+        if n != 1:
+            return []  # proposals follow the known tokens: a row still catching up has none
+        p = request.sampling_params
+        limit = min(self.max_spec_tokens, budget - 1, p.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)
+        return spec[:limit] if limit > 0 else []
 
     def _allocate(self, request: Request, n: int, hits=(), cache_now: bool = True) -> list[int] | None:
         new_ids = self.kv.allocate_slots(request, n, hits, cache_now=cache_now)
@@ -209,6 +241,7 @@ class Scheduler:
         j = index.pop(request.request_id)
         n = out.num_scheduled_tokens[j]
         del out.scheduled[j], out.num_scheduled_tokens[j], out.new_block_ids[j]
+        out.spec_token_ids.pop(request.request_id, None)
         for rid, k in index.items():
             if k > j:
                 index[rid] = k - 1
@@ -220,6 +253,8 @@ class Scheduler:
         self._unsent_block_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        self._kept_blocks.pop(request.request_id, None)
         if request.prompt_logprobs is not None and request.num_output_tokens == 0:
             request.prompt_logprobs = []  # recomputed from the start
         request.num_preemptions += 1
@@ -230,6 +265,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, model_output: ModelOutput) -> list[EngineCoreOutput]:
         results: list[EngineCoreOutput] = []
         sampled = model_output.sampled_token_ids
+        runs = model_output.sampled_token_runs
         logprobs = model_output.logprobs
         k = 0
         any_finished = False
@@ -242,17 +278,29 @@ class Scheduler:
             tokens = request.all_token_ids
             if request.num_computed_tokens < len(tokens):
                 continue  # a prefill chunk: nothing sampled yet
-            token = sampled[k]
-            lp = logprobs[k] if logprobs is not None else None
+            if runs is None:
+                new_tokens = [sampled[k]]
+                lps = [logprobs[k]] if logprobs is not None and logprobs[k] is not None else None
+            else:
+                new_tokens = runs[k]
+                lps = logprobs[k] if logprobs is not None else None
             k += 1
             if request.status in finished_states:
                 continue  # aborted while the step ran
-            tokens.append(token)
-            status = self._check_stop(request, token)
-            result = EngineCoreOutput(request.request_id, [token],
-                                      new_logprobs=[lp] if lp is not None else None,
+            request.spec_token_ids = []  # verified now, or not at all
+            if out.spec_token_ids:
+                self._settle_proposals(request, len(out.spec_token_ids.get(request.request_id, ())), new_tokens)
+            # Token by token: a stop in the middle of an accepted run drops the tokens after it.
+            for j, token in enumerate(new_tokens):
+                tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    new_tokens = new_tokens[:j + 1]
+                    break
+            result = EngineCoreOutput(request.request_id, new_tokens,
+                                      new_logprobs=lps[:len(new_tokens)] if lps is not None else None,
                                       num_cached_tokens=request.num_cached_tokens)
-            if len(tokens) - request.num_prompt_tokens == 1:
+            if len(tokens) - request.num_prompt_tokens == len(new_tokens):
                 result.queue_time = request.queue_time
                 if request.prompt_logprobs is not None:
                     result.prompt_logprobs = request.prompt_logprobs
@@ -273,6 +321,24 @@ class Scheduler:
             if events:
                 self.kv_event_publisher.publish(events)
         return results
+
+    def _settle_proposals(self, request: Request, num_spec: int, new_tokens: list[int]) -> None:
+        """Rejected proposals were computed but are not tokens: step num_computed_tokens back over
+        them and release the blocks only they needed."""
+        if num_spec == 0:
+            return
+        num_accepted = len(new_tokens) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_spec
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        num_rejected = num_spec - num_accepted
+        if num_rejected:
+            request.num_computed_tokens -= num_rejected
+            kept = self.kv.free_tail(request, request.num_computed_tokens + max(1, self.num_lookahead_slots))
+            if kept is not None:
+                self._kept_blocks[request.request_id] = kept
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         if request.structured_output is not None:

@@ -22,6 +22,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # since the last step
     kv_connector_metadata: "KVConnectorMetadata | None" = None
+    # Speculative decoding: request id -> the proposals it verifies this step (they follow its
+    # known tokens; num_scheduled_tokens counts them); and request id -> how many of its blocks it
+    # still holds, where rejected proposals' blocks were released since it was last scheduled.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -37,6 +42,10 @@ class ModelOutput:
     # request id -> prompt-token logprob entries computed this step (same entry shape).
     prompt_logprobs: dict[str, list] | None = None
     kv_connector_output: "KVConnectorOutput | None" = None
+    # With speculative decoding, in place of sampled_token_ids: per sampled row, every token it
+    # produced (its accepted proposals, then the target's own token), and logprobs then holds a
+    # list of entries (or None) per row.
+    sampled_token_runs: list[list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,125 @@
+"""A draft model proposes k tokens autoregressively: a smaller checkpoint with the target's
+vocabulary, on the target's device, with a paged KV cache of its own indexed by the target's block
+table (the same block ids, the same slots, another tensor).
+
+The draft's KV follows the rule the target's does, "computed catches up to known", with a count
+of its own per request: each proposal first runs the draft over the request's tokens it has not
+computed (all of them the first time), then k - 1 one-token steps. So a request whose target KV
+came from elsewhere (a prefix-cache hit, a pull from a prefill instance in P/D: the pulled blocks
+hold the target's KV only) has its whole prompt computed by the draft in its own cache on its first
+proposal, and a preempted request starts over. The proposals' own KV (positions past the known
+tokens) is rewritten by the next catch-up, so rejected proposals need no rollback here; the
+scheduler keeps k slots past the verified tokens for these writes (num_lookahead_slots), and a
+row without them (its first step after a remote pull) proposes from the next step on.
+
+Proposals are the draft's argmax (q one-hot): for sampled requests the rejection sampler still
+keeps the target's distribution exactly. The draft cache costs its own memory on top of the
+target's KV cache (num_blocks x the draft's bytes per block).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.models import load_model
+from engine.models.llama import AttentionMetadata, LlamaArch
+from engine.models.loader import check_architecture
+from engine.request import Request
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposer import Proposer
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner,
+                 block_ids_of: Callable[[str], list[int]]) -> None:
+        super().__init__(config.num_speculative_tokens, max_model_len)
+        with open(os.path.join(config.model, "config.json")) as f:
+            hf_config = json.load(f)
+        check_architecture(hf_config)
+        arch = LlamaArch.from_hf_config(hf_config)
+        target_vocab = runner.model.arch.vocab_size
+        if arch.vocab_size != target_vocab:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({arch.vocab_size} tokens) differs "
+                             f"from the target's ({target_vocab}): it must share the target's tokenizer")
+        if arch.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config: the draft model covers {arch.max_position_embeddings} positions, "
+                             f"less than max_model_len={max_model_len}")
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.model = load_model(config.model, hf_config, runner.kernels, runner.dtype, self.device)
+        self.kv_caches = [torch.zeros((2, runner.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
+                                      dtype=runner.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.block_ids_of = block_ids_of
+        # request id -> (its preemption count, tokens whose draft KV is in the draft cache).
+        self.num_computed: dict[str, tuple[int, int]] = {}
+
+    @torch.inference_mode()
+    def propose_tokens(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        rows, starts, blocks = [], [], []
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            ids = self.block_ids_of(r.request_id)
+            if len(ids) * self.block_size < r.num_tokens + k - 1:
+                continue  # no slots for the proposals' KV yet
+            epoch, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
+            rows.append(i)
+            starts.append(done if epoch == r.num_preemptions else 0)
+            blocks.append(ids)
+        if not rows:
+            return out
+        reqs = [requests[i] for i in rows]
+        ends = [r.num_tokens for r in reqs]
+        # Catch up over the uncomputed known tokens; the last position proposes the first token.
+        tokens = [r.all_token_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
+        positions = [np.arange(s, e) for s, e in zip(starts, ends)]
+        hidden = self._forward(tokens, positions, blocks, decode_only=False)
+        last = np.cumsum([len(t) for t in tokens]) - 1
+        proposed = self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)]).argmax(dim=-1)
+        steps = [proposed]
+        live = list(range(len(reqs)))
+        for step in range(1, max(ks[i] for i in rows)):
+            live = [j for j in live if ks[rows[j]] > step]
+            index = torch.tensor(live, device=self.device)
+            inputs = steps[-1] if len(live) == len(steps[-1]) else steps[-1][index]
+            pos = [np.array([ends[j] - 1 + step]) for j in live]
+            hidden = self._forward(inputs, pos, [blocks[j] for j in live], decode_only=True)
+            nxt = self.model.compute_logits(hidden).argmax(dim=-1)
+            full = torch.zeros(len(reqs), dtype=nxt.dtype, device=self.device)
+            full[index] = nxt
+            steps.append(full)
+        table = torch.stack(steps, dim=1).tolist()  # one copy back for the whole proposal
+        for j, (i, r) in enumerate(zip(rows, reqs)):
+            out[i] = table[j][:ks[i]]
+            self.num_computed[r.request_id] = (r.num_preemptions, r.num_tokens)
+        if len(self.num_computed) > 2 * len(requests) + 256:
+            live_ids = {r.request_id for r in requests}
+            self.num_computed = {k: v for k, v in self.num_computed.items() if k in live_ids}
+        return out
+
+    def _forward(self, tokens, positions: list[np.ndarray], blocks: list[list[int]], decode_only: bool):
+        """The draft over rows of (tokens, positions), writing their KV into the draft cache."""
+        bs = self.block_size
+        lens = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
+        pos = np.concatenate(positions)
+        seq_lens = np.fromiter((p[-1] + 1 for p in positions), dtype=np.int64, count=len(positions))
+        width = int(-(-seq_lens.max() // bs))
+        table = np.zeros((len(blocks), width), dtype=np.int32)
+        for i, ids in enumerate(blocks):
+            n = min(len(ids), width)
+            table[i, :n] = ids[:n]
+        rows = np.repeat(np.arange(len(blocks)), lens)
+        slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
+                                 query_start_loc=torch.from_numpy(qsl).to(dev),
+                                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+                                 block_tables=torch.from_numpy(table).to(dev), decode_only=decode_only)
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor([t for row in tokens for t in row], dtype=torch.int64).to(dev)
+        return self.model(tokens, torch.from_numpy(pos).to(dev), self.kv_caches, meta)
