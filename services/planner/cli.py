@@ -7,7 +7,7 @@ import signal
 import threading
 
 from services.common.flags import add
-from services.planner.config import ROLES, PlannerConfig, RoleTargets, Stability
+from services.planner.config import ROLES, PlannerConfig, RoleTargets, SlaTargets, Stability
 
 logger = logging.getLogger("pdserve.planner")
 ENV_PREFIX = "PDSERVE_PLANNER_"
@@ -63,6 +63,14 @@ def add_planner_parser(subparsers) -> argparse.ArgumentParser:
     _flag(g, "--scale-down-window", "shrink only to the highest count recommended over these seconds",
           default=300.0, type=float)
     _flag(g, "--scale-down-step", "most replicas removed per round", default=1, type=int)
+    g = p.add_argument_group("SLA mode (both pools sized by simulating the observed load on a profile)")
+    _flag(g, "--mode", "feedback: capacity, KV usage and latency per role; sla: the simulator, from the "
+          "observed request rate and lengths, corrected by measured/predicted latency", default="feedback",
+          choices=["feedback", "sla"])
+    _flag(g, "--profile", "sla: a profile file from `pdserve profile`")
+    _flag(g, "--slo", "sla: ttft:MS,tpot:MS")
+    _flag(g, "--sla-attainment", "sla: fraction of requests that must meet the SLOs", default=0.9, type=float)
+    _flag(g, "--kv-transport", "sla: the KV transport the deployment uses (its profile entry)", default="tcp")
     g = p.add_argument_group("process")
     _flag(g, "--dry-run", "only log and export decisions, never scale", action="store_true")
     _flag(g, "--host", "address of the planner's own /metrics", default="0.0.0.0")
@@ -84,7 +92,21 @@ def config_from_args(args) -> PlannerConfig:
                            args.decode_capacity, args.decode_utilization, args.decode_kv_cache_usage_target),
         stability=Stability(args.tolerance, args.scale_up_cooldown, args.scale_down_cooldown, args.scale_down_window,
                             args.scale_down_step),
-        roles=roles, interval_s=args.interval, window_s=args.window, dry_run=args.dry_run)
+        roles=roles, interval_s=args.interval, window_s=args.window, dry_run=args.dry_run,
+        sla=_sla_targets(args))
+
+
+def _sla_targets(args) -> SlaTargets | None:
+    if getattr(args, "mode", "feedback") != "sla":
+        return None
+    if not args.profile or not args.slo:
+        raise ValueError("--mode sla needs --profile FILE and --slo ttft:MS,tpot:MS")
+    from services.planner.sim_metrics import parse_slo
+
+    slos = parse_slo(args.slo)
+    if set(slos) != {"ttft", "tpot"}:
+        raise ValueError("--slo needs both ttft:MS and tpot:MS in SLA mode")
+    return SlaTargets(slos["ttft"], slos["tpot"], args.sla_attainment, args.kv_transport)
 
 
 def build_planner(args):
@@ -120,7 +142,13 @@ def build_planner(args):
             raise ValueError(f"--metrics-source scrape needs --{missing[0]}-service or --{missing[0]}-metrics")
         source = ScrapeSource(targets, config.window_s)
     scaler = k8s.DeploymentScaler(api, namespace, deployments) if deployments else None
-    return Planner(config, source, scaler)
+    sla = None
+    if config.sla is not None:
+        from services.planner.profile_data import Profile
+        from services.planner.sla import SlaSizer
+
+        sla = SlaSizer(Profile.load(args.profile), config.sla, config.prefill.max_replicas, config.decode.max_replicas)
+    return Planner(config, source, scaler, sla=sla)
 
 
 def run_planner(args) -> int:

@@ -61,6 +61,21 @@ class Stability:
 
 
 @dataclass(frozen=True)
+class SlaTargets:
+    """SLA mode: the pools are sized by simulating the observed load on a profile (services/planner/sla.py)."""
+    ttft_s: float
+    tpot_s: float  # per request; corrected by the measured ITL p90
+    attainment: float = 0.9  # fraction of requests within the SLO that sizes a pool
+    transport: str = "tcp"
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError("SLA targets must be > 0 seconds")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("SLA attainment must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
     prefill: RoleTargets = field(default_factory=lambda: RoleTargets(latency_target_s=1.0))
     decode: RoleTargets = field(default_factory=lambda: RoleTargets(latency_target_s=0.05,
@@ -70,6 +85,7 @@ class PlannerConfig:
     interval_s: float = 15.0
     window_s: float = 60.0  # rates and latency quantiles are taken over this window
     dry_run: bool = False
+    sla: SlaTargets | None = None  # None: feedback mode (capacity, KV usage and latency per role)
 
     def __post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)

@@ -4,12 +4,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from services.planner.config import PlannerConfig
 from services.planner.policy import Decision, RoleLoad, make_policies
+
+if TYPE_CHECKING:
+    from services.planner.sla import SlaSizer
 
 logger = logging.getLogger("pdserve.planner")
 
@@ -62,12 +65,15 @@ class Planner:
     """`scaler` None (dry-run only): the current count is taken as the instances reporting metrics."""
 
     def __init__(self, config: PlannerConfig, source: LoadSource, scaler: Scaler | None,
-                 metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 sla: "SlaSizer | None" = None) -> None:
         if scaler is None and not config.dry_run:
             raise ValueError("without Deployments to scale the planner can only run in dry-run")
         self.config, self.source, self.scaler, self.clock = config, source, scaler, clock
         self.metrics = metrics or PlannerMetrics(config.dry_run)
         self.policies = make_policies(config)
+        self.sla = sla  # SLA mode: both pools sized together from the observed load
+        self.sla_plans: list = []  # every SLA plan made (the latest last)
         self.decisions: list[Decision] = []  # every decision that changed (or would change) a count
 
     def step(self) -> list[Decision]:
@@ -80,15 +86,21 @@ class Planner:
             self.metrics.errors.labels("metrics").inc()
             loads = {}
         out = []
-        for role, policy in self.policies.items():
+        currents: dict[str, int] = {}
+        for role in self.policies:
             load = loads.get(role)
             try:
-                current = self.scaler.get_replicas(role) if self.scaler else (load.pods if load else 0)
+                currents[role] = self.scaler.get_replicas(role) if self.scaler else (load.pods if load else 0)
             except Exception as e:  # noqa: BLE001
                 logger.warning("cannot read the %s replica count: %s", role, e)
                 self.metrics.errors.labels("kubernetes").inc()
+        sla = self._sla_counts(loads, currents)
+        for role, policy in self.policies.items():
+            load = loads.get(role)
+            if role not in currents:
                 continue
-            d = policy.decide(load, current, now)
+            current = currents[role]
+            d = policy.decide(load, current, now, sla.get(role))
             if d.direction != "hold":
                 self._act(d, policy, now)
             else:
@@ -98,6 +110,24 @@ class Planner:
                                  latency)
             out.append(d)
         return out
+
+    def _sla_counts(self, loads: dict, currents: dict[str, int]) -> dict[str, tuple[int, str]]:
+        """SLA mode: each role's count from one simulated plan of both pools ({} when the load is unknown)."""
+        if self.sla is None:
+            return {}
+        from services.planner.sla import Observation
+
+        obs = Observation.from_loads(loads.get("prefill"), loads.get("decode"))
+        if obs is None:
+            return {}
+        try:
+            plan = self.sla.size(obs, currents.get("prefill", 0), currents.get("decode", 0))
+        except Exception as e:  # noqa: BLE001 - a failed prediction leaves the roles on their other signals
+            logger.warning("SLA sizing failed: %s", e)
+            self.metrics.errors.labels("sla").inc()
+            return {}
+        self.sla_plans.append(plan)
+        return {"prefill": (plan.prefill, plan.reason), "decode": (plan.decode, plan.reason)}
 
     def _act(self, d: Decision, policy, now: float) -> None:
         where = f" ({self.scaler.describe(d.role)})" if self.scaler else ""

@@ -24,6 +24,7 @@ class RoleLoad:
     kv_cache_usage: float | None = None  # mean fraction of KV blocks in use
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
+    requests_per_s: float | None = None  # prefill: prompts served per second (TTFT observations)
 
     def demand(self, role: str, latency_target_s: float) -> float | None:
         """Tokens/s the role is asked for. Decode: generated tokens/s, plus what the queued requests
@@ -76,15 +77,20 @@ class RolePolicy:
             return up
         return min(current, math.ceil(units / (1.0 - self.stability.tolerance) - 1e-9))
 
-    def recommend(self, load: RoleLoad, current: int, latency_settled: bool = True) -> tuple[int, str]:
+    def recommend(self, load: RoleLoad, current: int, latency_settled: bool = True,
+                  sla: tuple[int, str] | None = None) -> tuple[int, str]:
         """(replicas, why). Latency raises the count only when `latency_settled`: measured over a
-        whole window of the current replicas serving, not the queue left from before."""
+        whole window of the current replicas serving, not the queue left from before. `sla`: the
+        SLA mode's count for this role, which then stands in for capacity and latency feedback
+        (the latency enters its prediction as a correction factor)."""
         t, role = self.targets, self.role
         ready = load.pods or current
         demand, latency = load.demand(role, t.latency_target_s), load.latency(role)
         lat_name = _LATENCY_NAME[role]
         candidates: list[tuple[int, str]] = []
-        if t.capacity_per_replica > 0 and demand is not None:
+        if sla is not None:
+            candidates.append(sla)
+        if sla is None and t.capacity_per_replica > 0 and demand is not None:
             per = t.capacity_per_replica * t.utilization
             what = "prompt" if role == "prefill" else "generation"
             if role == "decode" and load.waiting:
@@ -96,7 +102,7 @@ class RolePolicy:
             n = self._band(ready * load.kv_cache_usage / t.kv_cache_usage_target, current)
             candidates.append((n, f"KV cache usage {load.kv_cache_usage:.0%} on {ready} "
                                   f"(target {t.kv_cache_usage_target:.0%}) needs {n}"))
-        if latency is not None and latency > t.latency_target_s:
+        if sla is None and latency is not None and latency > t.latency_target_s:
             breach = f"{lat_name} p90 {_fmt(latency)}s > target {_fmt(t.latency_target_s)}s"
             if not latency_settled:
                 candidates.append((current, f"{breach} (measured before the current replicas all served)"))
@@ -119,7 +125,8 @@ class RolePolicy:
                              f"{self.stability.scale_down_latency_ratio:.0%} of its target")
         return clamped, reason
 
-    def decide(self, load: RoleLoad | None, current: int, now: float) -> Decision:
+    def decide(self, load: RoleLoad | None, current: int, now: float,
+               sla: tuple[int, str] | None = None) -> Decision:
         s = self.stability
         if self.started is None:
             self.started = now
@@ -135,7 +142,7 @@ class RolePolicy:
         elif self.settled_since is None:
             self.settled_since = now
         settled = self.settled_since is not None and now - self.settled_since >= self.window_s
-        rec, reason = self.recommend(load, current, settled)
+        rec, reason = self.recommend(load, current, settled, sla)
         self.history.append((now, rec))
         while self.history and self.history[0][0] < now - s.scale_down_window_s:
             self.history.popleft()

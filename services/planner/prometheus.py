@@ -46,6 +46,7 @@ class PrometheusSource:
             q["prompt_tokens_per_s"] = (f"clamp_min(sum(rate({m('prompt_tokens_total')}[{w}])) + "
                                         f"(sum(deriv({m('outstanding_tokens')}[{w}])) or vector(0)), 0)")
             q["ttft_p90_s"] = p90("time_to_first_token_seconds")
+            q["requests_per_s"] = f"sum(rate({m('time_to_first_token_seconds_count')}[{w}]))"
         else:
             # one ITL observation per streamed token: the generated tokens/s, counted as they go
             q["generation_tokens_per_s"] = f"sum(rate({m('inter_token_latency_seconds_count')}[{w}]))"

@@ -22,7 +22,8 @@ logger = logging.getLogger("pdserve.planner")
 _GAUGES = {"pdserve:num_requests_running": "running", "pdserve:num_requests_waiting": "waiting",
            "pdserve:kv_cache_usage_perc": "kv_cache_usage", "pdserve:outstanding_tokens": "outstanding"}
 _COUNTERS = {"pdserve:prompt_tokens_total": "prompt_tokens",
-             "pdserve:inter_token_latency_seconds_count": "itl_count"}
+             "pdserve:inter_token_latency_seconds_count": "itl_count",
+             "pdserve:time_to_first_token_seconds_count": "ttft_count"}
 _HISTOGRAMS = {"pdserve:time_to_first_token_seconds_bucket": "ttft",
                "pdserve:inter_token_latency_seconds_bucket": "itl"}
 
@@ -132,7 +133,7 @@ class ScrapeSource:
             growth = (sum(last[t].values.get("outstanding", 0.0) - first[t].values.get("outstanding", 0.0)
                           for t in both) / dt) if dt > 0 else 0.0
             load.update(prompt_tokens_per_s=None if processed is None else max(0.0, processed + growth),
-                        ttft_p90_s=p90("ttft"))
+                        ttft_p90_s=p90("ttft"), requests_per_s=rate("ttft_count"))
         else:
             load.update(generation_tokens_per_s=rate("itl_count"), itl_p90_s=p90("itl"))
         return RoleLoad(**load)

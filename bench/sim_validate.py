@@ -1,0 +1,125 @@
+"""The simulator against the real thing: bench-pd's configurations run for real and simulated from a fresh profile.
+
+For each configuration bench-pd measures (disaggregated 1P+1D over tcp, colocated x2, one core
+each) and each rate: the same requests (bench-pd's prompts and Poisson arrivals, same seeds) sent
+to the real services, and given to the simulator with a profile measured here just before (one
+thread, pinned to core 0, bench-pd's model); prints predicted against measured TTFT and TPOT
+p50/p90 with the relative error. Target: every |error| <= 20%.
+
+    python -m bench.sim_validate [--quick] [--profile FILE] [--rates 0.1,0.2,0.3]
+
+Measure on a quiet machine: anything else on the cores skews both sides differently.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.metrics import parse_slos  # noqa: E402
+from bench.pd_bench import BUILD, ensure_model, start_pdserve  # noqa: E402
+from bench.serve import run_benchmark  # noqa: E402
+from bench.workloads import poisson_arrivals, synthetic  # noqa: E402
+from services.planner.profile_data import Profile  # noqa: E402
+from services.planner.sim_metrics import summarize  # noqa: E402
+from services.planner.simulator import Fleet, SimRequest, simulate  # noqa: E402
+
+FLEETS = {"disaggregated": Fleet(num_prefill=1, num_decode=1, transport="tcp"), "colocated": Fleet(num_colocated=2)}
+KEYS = [("TTFT p50", "p50_ttft_ms"), ("TTFT p90", "p90_ttft_ms"), ("TPOT p50", "p50_tpot_ms"), ("TPOT p90", "p90_tpot_ms")]
+ARRIVAL_SEED = 1  # bench-pd's run_benchmark(..., seed=1)
+
+
+def fresh_profile(model: str, quick: bool, out: str) -> Profile:
+    from services.planner.profile import run_profile
+
+    if hasattr(os, "sched_setaffinity"):  # one core, as each bench-pd service gets
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(before)})
+    try:
+        prof = run_profile(model, "cpu", 1, transports=["tcp"], quick=quick, max_model_len=4096)
+    finally:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before)
+    prof.save(out)
+    return prof
+
+
+def sim_requests(reqs, rate: float) -> list[SimRequest]:
+    return [SimRequest(a, r.prompt_len, r.output_len)
+            for a, r in zip(poisson_arrivals(len(reqs), rate, ARRIVAL_SEED), reqs)]
+
+
+def compare(name: str, rate: float, measured: dict, predicted: dict) -> list[float]:
+    errors = []
+    cells = []
+    for label, key in KEYS:
+        m, p = measured[key], predicted[key]
+        err = p / m - 1 if m > 0 else float("nan")
+        errors.append(err)
+        cells.append(f"{label} {p:8.0f} / {m:8.0f} ms ({100 * err:+5.0f}%)")
+    print(f"{name:<14}{rate:>6g}  " + "  ".join(cells), flush=True)
+    return errors
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a quick profile, one rate, 4 requests: checks the "
+                                                         "harness, not the simulator's accuracy")
+    ap.add_argument("--profile", default=None, help="use this profile instead of measuring one now")
+    ap.add_argument("--rates", default="0.1,0.2,0.3")
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--input-len", default="uniform:1024:2048")
+    ap.add_argument("--output-len", default="uniform:64:128")
+    ap.add_argument("--configs", default="disaggregated,colocated")
+    ap.add_argument("--max-error", type=float, default=0.2)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rates, args.num_prompts = "0.3", 4
+    out_dir = os.path.join(BUILD, "sim-validate")
+    os.makedirs(out_dir, exist_ok=True)
+    logs = os.path.join(out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    model = ensure_model()
+    prof = Profile.load(args.profile) if args.profile else fresh_profile(
+        model, args.quick, os.path.join(out_dir, "profile.json"))
+    s = prof.step
+    print(f"profile ({prof.source}): step {s.base * 1e3:.1f} ms + {s.per_token * 1e6:.0f} us/token + "
+          f"{s.per_attn * 1e9:.2f} ns/pair + {s.per_kv_token * 1e9:.0f} ns/KV token + {s.per_seq * 1e6:.0f} us/seq; "
+          f"knee {s.knee_tokens}", flush=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    slos = parse_slos(["ttft:4000", "tpot:100"])
+    # bench-pd's requests exactly: fresh prompts per rate (seed i + 1), same arrivals (seed 1).
+    workloads = {rate: synthetic(args.num_prompts, args.input_len, args.output_len, vocab_size=4000, seed=i + 1)
+                 for i, rate in enumerate(rates)}
+    warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
+    worst = 0.0
+    print(f"\n{'config':<14}{'rate':>6}  predicted / measured (error)", flush=True)
+    for name in args.configs.split(","):
+        cfg, url = start_pdserve(name, model, logs, name == "disaggregated", [])
+        try:
+            asyncio.run(run_benchmark(url, None, warmup, progress=False))
+            for rate in rates:
+                measured = asyncio.run(run_benchmark(url, None, workloads[rate], rate=rate, slos=slos,
+                                                     seed=ARRIVAL_SEED, progress=False))
+                if measured["failed"]:
+                    print(f"{name} @ {rate:g}: {measured['failed']} requests failed: {measured['errors']}")
+                    return 1
+                predicted = summarize(simulate(prof, FLEETS[name], sim_requests(workloads[rate], rate)),
+                                      {k: v for k, v in slos.items() if k in ("ttft", "tpot")})
+                errors = compare(name, rate, measured, predicted)
+                worst = max([worst, *(abs(e) for e in errors)])
+        finally:
+            cfg.stop()
+    print(f"\nsim_max_rel_error={worst:.3f}  (target <= {args.max_error:g})")
+    if args.quick:
+        print("(--quick: a rough profile and 4 requests; the error says nothing about the simulator)")
+        return 0
+    return 0 if worst <= args.max_error else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
