@@ -16,7 +16,7 @@ import sys
 import time
 
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
-from services.planner.profile_data import ModelShape, Profile
+from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -208,11 +208,33 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transports", default=None, help="comma-separated (default: every one usable here)")
     p.add_argument("--out", default="profile.json")
     p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests")
+    p.add_argument("--roofline", default=None, choices=sorted(GPUS),
+                   help="measure nothing: write the datasheet roofline of this GPU for --model's shape "
+                        "(default shape: Llama-3-8B), for planning a GPU fleet from here")
     p.set_defaults(func=run_cli)
     return p
 
 
+def write_roofline(args) -> int:
+    import json
+
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            shape = ModelShape.from_hf_config(json.load(f), _DTYPE_BYTES[args.dtype])
+    else:
+        shape = LLAMA3_8B
+    prof = roofline_profile(args.roofline, shape, args.max_num_batched_tokens, args.max_num_seqs)
+    prof.save(args.out)
+    s = prof.step
+    print(f"{args.roofline} roofline: step {s.base * 1e3:.2f} ms (weights read) flat to {s.knee_tokens} tokens, "
+          f"then {s.per_token * 1e6:.1f} us/token; decode batch 64 at 2k context "
+          f"{prof.step.decode_seconds(64, 2048) * 1e3:.1f} ms; wrote {args.out}")
+    return 0
+
+
 def run_cli(args) -> int:
+    if args.roofline:
+        return write_roofline(args)
     model = args.model or default_model()
     transports = args.transports.split(",") if args.transports else None
     prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,

@@ -61,6 +61,16 @@ def test_roofline_profile_is_sane_for_llama3_8b():
     assert roofline_profile("h200", LLAMA3_8B).step.decode_seconds(1, 1024) < decode
 
 
+def test_pdserve_profile_roofline_writes_a_gpu_profile(tmp_path, capsys):
+    out = tmp_path / "h200.json"
+    assert pdserve(["profile", "--roofline", "h200", "--dtype", "bfloat16", "--max-num-batched-tokens", "8192",
+                    "--out", str(out)]) == 0
+    prof = Profile.load(str(out))
+    assert prof.model == LLAMA3_8B and prof.source == "roofline:h200" and prof.max_num_batched_tokens == 8192
+    assert prof.step == roofline_profile("h200", LLAMA3_8B, 8192).step
+    assert "h200 roofline" in capsys.readouterr().out
+
+
 def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path):
     out = tmp_path / "profile.json"
     rc = pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",
