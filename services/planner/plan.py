@@ -96,9 +96,46 @@ def table(results: list[FleetResult], rate: float) -> str:
     return "\n".join(lines)
 
 
+EXHAUSTIVE_UP_TO = 8  # fleet sizes whose every split is simulated; above, the best split is searched
+
+
+def best_splits(profile: Profile, n: int, workload: Workload, slos: dict[str, float], target: float,
+                transport: str) -> list[FleetResult]:
+    """The P:D splits of n a ternary search over the prefill count visits (about 2 log n of them),
+    assuming capacity rises then falls with it (one pool is the bottleneck, then the other)."""
+    seen: dict[int, FleetResult] = {}
+
+    def at(p: int) -> FleetResult:
+        if p not in seen:
+            seen[p] = evaluate(profile, Fleet(num_prefill=p, num_decode=n - p, transport=transport),
+                               workload, slos, target)
+        return seen[p]
+
+    def key(p: int):
+        return at(p).capacity_rps, at(p).at_rate["slo_attainment"]
+
+    lo, hi = 1, n - 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if key(m1) < key(m2):
+            lo = m1 + 1
+        else:
+            hi = m2 - 1 if key(m1) > key(m2) else m2
+    for p in range(lo, hi + 1):
+        at(p)
+    return [seen[p] for p in sorted(seen)]
+
+
 def plan(profile: Profile, workload: Workload, slos: dict[str, float], instances: list[int],
-         transport: str, target: float = 0.9) -> tuple[list[FleetResult], FleetResult]:
-    results = [evaluate(profile, f, workload, slos, target) for n in instances for f in fleets_of(n, transport)]
+         transport: str, target: float = 0.9, exhaustive_up_to: int = EXHAUSTIVE_UP_TO
+         ) -> tuple[list[FleetResult], FleetResult]:
+    results = []
+    for n in instances:
+        if n <= exhaustive_up_to:
+            results += [evaluate(profile, f, workload, slos, target) for f in fleets_of(n, transport)]
+        else:
+            results += best_splits(profile, n, workload, slos, target, transport)
+            results.append(evaluate(profile, Fleet(num_colocated=n), workload, slos, target))
     return results, choose(results, workload.rate)
 
 
@@ -125,6 +162,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--instances", default="2", help="fleet sizes to try: N, N,M or LO-HI (default 2)")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="fraction of requests that must meet the SLOs for a rate to count (default 0.9)")
+    p.add_argument("--exhaustive-up-to", type=int, default=EXHAUSTIVE_UP_TO,
+                   help="simulate every P:D split of fleets up to this size; larger ones: a search for the best "
+                        f"split (default {EXHAUSTIVE_UP_TO})")
     p.add_argument("--transport", default=None, help="KV transport of P/D fleets (default: tcp, else the "
                                                      "profile's first)")
     p.set_defaults(func=run_cli)
@@ -138,7 +178,8 @@ def run_cli(args) -> int:
     wl = workloads.load(args.workload)
     slos = parse_slo(args.slo)
     transport = args.transport or ("tcp" if "tcp" in profile.transfers else next(iter(profile.transfers), "tcp"))
-    results, best = plan(profile, wl, slos, _instances(args.instances), transport, args.attainment)
+    results, best = plan(profile, wl, slos, _instances(args.instances), transport, args.attainment,
+                         args.exhaustive_up_to)
     print(f"workload: {wl.description} (mean rate {wl.rate:.3g} req/s, ISL {wl.mean_isl:.0f}, OSL {wl.mean_osl:.0f})")
     print(f"profile: {profile.source} on {profile.machine.get('device', '?')}; SLOs {args.slo} (ms); capacity = "
           f"highest rate with >= {100 * args.attainment:.0f}% of requests in SLO")

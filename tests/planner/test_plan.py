@@ -62,3 +62,14 @@ def test_pdserve_plan_prints_the_table_and_the_winner(tmp_path, capsys):
     rc = pdserve(["plan", "--profile", str(prof_path), "--workload", str(wl_path), "--slo", "ttft:1",
                   "--instances", "0"])
     assert rc == 2
+
+
+def test_large_fleets_search_the_best_split_instead_of_trying_all():
+    prof = profile(CPU_LIKE)
+    w = poisson(1.0, 60, "uniform:1024:2048", "uniform:64:128", seed=2)
+    slos = parse_slo("ttft:4000,tpot:30")
+    everything, best_all = plan(prof, w, slos, [10], "tcp", exhaustive_up_to=10)
+    searched, best = plan(prof, w, slos, [10], "tcp", exhaustive_up_to=0)
+    assert len(everything) == 10 and len(searched) < 10
+    assert searched[-1].fleet.name == "10C"
+    assert best.fleet == best_all.fleet

@@ -74,7 +74,7 @@ def test_pdserve_profile_roofline_writes_a_gpu_profile(tmp_path, capsys):
 def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path):
     out = tmp_path / "profile.json"
     rc = pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",
-                  "--transports", "tcp", "--out", str(out)])
+                  "--transports", "tcp,shm", "--out", str(out)])
     assert rc == 0
     prof = Profile.load(str(out))
     hf = json.loads((tmp_path.parent / tiny_llama).joinpath("config.json").read_text())
@@ -92,5 +92,7 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     assert prof.raw["step"]["quality"]["num_points"] == len(points)
     tcp = prof.transfer("tcp")
     assert tcp.bytes_per_s > 1e6  # loopback moves megabytes per second at the very least
-    assert [b for b, _ in prof.raw["transfer"]["tcp"]["points"]] == [n * 16 * prof.model.kv_bytes_per_token
-                                                                     for n in (1, 8, 32)]
+    for transport in ("tcp", "shm"):
+        assert [b for b, _ in prof.raw["transfer"][transport]["points"]] == [
+            n * 16 * prof.model.kv_bytes_per_token for n in (1, 8, 32)]
+    assert prof.transfer("shm").bytes_per_s > 1e6

@@ -179,6 +179,16 @@ def test_bad_fleets_are_refused():
         simulate(profile(FLAT), Fleet(num_prefill=1, num_decode=1, transport="shm"), [SimRequest(0, 1, 1)])
 
 
+def test_scaled_workload_keeps_the_mix_and_repeats_to_a_minimum():
+    w = from_trace([[0, 10, 2], [1, 20, 3], [3, 30, 4]])
+    fast = w.scaled(2.0)
+    assert [(r.arrival, r.isl, r.osl) for r in fast.requests] == [(0, 10, 2), (0.5, 20, 3), (1.5, 30, 4)]
+    tiled = w.scaled(2.0, min_requests=7)
+    assert len(tiled.requests) == 9  # three copies, one after another at the trace's mean spacing
+    assert [r.arrival for r in tiled.requests[3:6]] == pytest.approx([2.25, 2.75, 3.75])
+    assert tiled.rate == pytest.approx(w.rate * 2, rel=0.01)
+
+
 def test_workload_files(tmp_path):
     p = tmp_path / "w.json"
     p.write_text(json.dumps({"rate": 2.0, "num_requests": 50, "isl": "fixed:100", "osl": "uniform:1:9", "seed": 4}))
