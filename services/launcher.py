@@ -83,6 +83,8 @@ class Stack:
                         "--engine-id", f"{role}-{i}", *a.engine_arg]
                 if role != "colocated":
                     argv += ["--kv-transport", a.transport]
+                if a.speculative_config and role != "prefill":  # a prefill produces one token
+                    argv += ["--speculative-config", a.speculative_config]
                 self.spawn(f"{role}-{i}", argv, env, port)
                 (prefill if role == "prefill" else decode).append(f"127.0.0.1:{port}")
         if not self._wait(lambda: all(c.grpc_port is None or _grpc_serving(c.grpc_port) for c in self.children),
@@ -227,6 +229,8 @@ def add_up_parser(sub) -> None:
         help="seconds to wait for every service to be healthy")
     add(p, "--demo", action="store_true", env_prefix="PDSERVE_UP_",
         help="send one streamed completion once serving")
+    add(p, "--speculative-config", default=None, env_prefix="PDSERVE_UP_",
+        help="speculative decoding JSON for the decode and colocated services (as their flag)")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag passed to every engine service, e.g. --engine-arg=--max-num-seqs=64")
     p.set_defaults(func=run_up)

@@ -7,6 +7,7 @@ import os
 
 from services.common.auth import add_server_auth_flags, read_token
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode.config import SpeculativeConfig
 from services.common.flags import add
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
@@ -53,6 +54,10 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "to N; several are the list (default: up to --max-num-seqs)")
     add(p, "--async-scheduling", action="store_true",
         help="schedule step n+1 while step n runs, feeding it n's sampled ids on the device")
+    add(p, "--speculative-config", type=speculative_config, default=None,
+        help="speculative decoding, as vLLM's flag: JSON such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} or {\"method\": \"draft_model\", \"model\": DIR, "
+             "\"num_speculative_tokens\": 4}. Decode and colocated engines only; not with --async-scheduling")
     add_server_auth_flags(p)
     return p
 
@@ -65,6 +70,13 @@ def kv_events_config(value: str) -> KVEventsConfig:
         return KVEventsConfig(**fields)
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"invalid --kv-events-config {value!r}: {e}") from None
+
+
+def speculative_config(value: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise argparse.ArgumentTypeError(f"invalid --speculative-config {value!r}: {e}") from None
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:

@@ -88,7 +88,7 @@ def engine_kwargs(args) -> dict:
                 enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-                async_scheduling=args.async_scheduling,
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                 kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
 
 

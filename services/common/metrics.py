@@ -17,6 +17,11 @@ _GAUGES = {
     "num_pinned_blocks": ("pdserve:kv_pinned_blocks", "Prefill: KV blocks pinned for decode pulls."),
     "outstanding_tokens": ("pdserve:outstanding_tokens", "Tokens still to compute or generate."),
     "cuda_graphs_captured": ("pdserve:cuda_graphs_captured", "Decode batch sizes with a captured CUDA graph."),
+    "spec_decode_acceptance_rate": ("pdserve:spec_decode_acceptance_rate",
+                                    "Speculative decoding: accepted / proposed tokens since start (0-1)."),
+    "spec_decode_mean_accepted_length": ("pdserve:spec_decode_mean_accepted_length",
+                                         "Speculative decoding: tokens per verifying row and step "
+                                         "(accepted proposals + 1) since start."),
 }
 _COUNTERS = {
     "prefix_cache_queries": ("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -44,9 +49,16 @@ _COUNTERS = {
     "cuda_graph_replays": ("pdserve:cuda_graph_replays", "Decode steps run by replaying a CUDA graph."),
     "num_async_steps": ("pdserve:async_scheduled_steps",
                         "Steps queued behind the one in flight (--async-scheduling)."),
+    "spec_decode_num_drafts": ("pdserve:spec_decode_num_drafts",
+                               "Speculative decoding: rows that verified proposals (one per row and step)."),
+    "spec_decode_num_draft_tokens": ("pdserve:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("pdserve:spec_decode_num_accepted_tokens",
+                                        "Speculative decoding: proposed tokens accepted."),
     "kv_events_dropped": ("pdserve:kv_events_dropped",
                           "KV events dropped because the publisher's queue was full (subscribers see a gap)."),
 }
+
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos_"
 
 
 class EngineStatsCollector:
@@ -67,6 +79,13 @@ class EngineStatsCollector:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(stats.get(key, 0)))
             yield c
+        per_pos = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: proposals accepted at each position.",
+                                      labels=[*names, "position"])
+        for key, value in stats.items():
+            if key.startswith(_PER_POS):
+                per_pos.add_metric([*values, key[len(_PER_POS):]], float(value))
+        yield per_pos
         s = SummaryMetricFamily("pdserve:kv_transfer_time_seconds", "Decode: time from pull start to KV in place.",
                                 labels=names)
         s.add_metric(values, count_value=stats.get("kv_transfers_timed", 0),

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
 
 
 async def serve(args) -> int:
+    if args.speculative_config is not None:
+        raise ValueError("--speculative-config is for decode and colocated engines: a prefill instance "
+                         "produces only the first token, there is nothing to speculate")
     kv = kv_connector_config(args, Role.PREFILL, host=args.kv_host, port=args.kv_port,
                              advertise_host=args.kv_advertise_host, lease_ttl_s=args.kv_lease_ttl)
 

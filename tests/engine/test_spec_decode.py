@@ -459,3 +459,24 @@ def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_model_factory):
     with pytest.raises(ValueError, match="vocabulary"):
         EngineCore(EngineConfig.create(tiny_llama, speculative_config={
             "method": "draft_model", "model": other, "num_speculative_tokens": 2}))
+
+
+def test_acceptance_metrics_reach_prometheus(tiny_llama):
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import ServiceMetrics
+
+    llm = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama,
+                                              "num_speculative_tokens": 2})
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    stats = llm.engine.stats()
+    # The prefill's token, then two steps of 2 proposals accepted + the target's token.
+    assert (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+            stats["spec_decode_num_accepted_tokens"]) == (2, 4, 4)
+    text = generate_latest(ServiceMetrics(llm.engine.stats, "m", "decode", "d-0").registry).decode()
+    assert 'pdserve:spec_decode_num_drafts_total{engine_id="d-0",model_name="m",role="decode"} 2.0' in text
+    assert 'pdserve:spec_decode_num_accepted_tokens_total{engine_id="d-0",model_name="m",role="decode"} 4.0' in text
+    assert 'pdserve:spec_decode_acceptance_rate{engine_id="d-0",model_name="m",role="decode"} 1.0' in text
+    assert 'pdserve:spec_decode_mean_accepted_length{engine_id="d-0",model_name="m",role="decode"} 3.0' in text
+    assert 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{engine_id="d-0",model_name="m",position="1",' \
+           'role="decode"} 2.0' in text
