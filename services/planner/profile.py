@@ -172,7 +172,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
         timer.core.shutdown()
         step = fit_step_cost(points)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                          block_size=block_size, dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
+                          block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
         for t in transports:
             try:

@@ -19,7 +19,9 @@ SECRET = b"pdserve-profile"
 
 
 def available_transports(device: str) -> list[str]:
-    """tcp and shm always; ucx when its Python binding is installed; nccl only between GPUs."""
+    """tcp and shm always; ucx when its Python binding is installed; nccl between GPU caches (its
+    gloo path between CPU processes timed out here: not profiled on CPUs). One that fails (shm
+    with GPU caches, NCCL between two processes on one GPU) is reported unavailable in the profile."""
     out = ["tcp", "shm"]
     if importlib.util.find_spec("ucp") is not None:
         out.append("ucx")
