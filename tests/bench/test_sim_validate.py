@@ -1,0 +1,21 @@
+"""bench/sim_validate.py simulates exactly the requests bench-pd sends (lengths and arrivals)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.sim_validate import ARRIVAL_SEED, compare, sim_requests
+from bench.workloads import poisson_arrivals, synthetic
+
+
+def test_simulated_requests_are_bench_pds():
+    reqs = synthetic(12, "uniform:1024:2048", "uniform:64:128", vocab_size=4000, seed=3)  # bench-pd: seed i + 1
+    sim = sim_requests(reqs, 0.3)
+    assert [s.arrival for s in sim] == poisson_arrivals(12, 0.3, ARRIVAL_SEED) and ARRIVAL_SEED == 1
+    assert [(s.isl, s.osl) for s in sim] == [(r.prompt_len, r.output_len) for r in reqs]
+
+
+def test_compare_prints_signed_relative_errors(capsys):
+    keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
+    errors = compare("colocated", 0.3, dict(zip(keys, (1000, 2000, 20, 40))), dict(zip(keys, (1100, 1800, 20, 50))))
+    assert errors == pytest.approx([0.1, -0.1, 0.0, 0.25])
+    assert "TTFT p50     1100 /     1000 ms (  +10%)" in capsys.readouterr().out
