@@ -139,6 +139,25 @@ def plan(profile: Profile, workload: Workload, slos: dict[str, float], instances
     return results, choose(results, workload.rate)
 
 
+def resolve_slo(spec: str, profile: Profile, workload: Workload) -> dict[str, float]:
+    """parse_slo's ttft:MS,tpot:MS, where tpot:xF means F times the unloaded decode step (one
+    sequence at the workload's mean context: prompt + half the output) on this profile."""
+    items = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition(":")
+        if key == "tpot" and value.startswith("x"):
+            try:
+                factor = float(value[1:])
+            except ValueError:
+                factor = -1.0
+            if factor <= 0:
+                raise ValueError(f"bad SLO {item!r}: tpot:xF needs a factor F > 0")
+            context = round(workload.mean_isl + workload.mean_osl / 2)
+            item = f"tpot:{1000 * factor * profile.step.decode_seconds(1, context)}"
+        items.append(item)
+    return parse_slo(",".join(items))
+
+
 def _instances(spec: str) -> list[int]:
     try:
         if "-" in spec:
@@ -158,7 +177,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                                            "alternatives and the best", description=__doc__.splitlines()[0])
     p.add_argument("--profile", required=True, help="a profile file from `pdserve profile`")
     p.add_argument("--workload", required=True, help="a workload file (JSON; see docs/planning.md)")
-    p.add_argument("--slo", required=True, help="ttft:MS,tpot:MS")
+    p.add_argument("--slo", required=True, help="ttft:MS,tpot:MS; tpot:xF = F x the unloaded decode step "
+                                                "(e.g. tpot:x1.5, a tight SLO)")
     p.add_argument("--instances", default="2", help="fleet sizes to try: N, N,M or LO-HI (default 2)")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="fraction of requests that must meet the SLOs for a rate to count (default 0.9)")
@@ -176,12 +196,13 @@ def run_cli(args) -> int:
         raise ValueError("--attainment must be in (0, 1]")
     profile = Profile.load(args.profile)
     wl = workloads.load(args.workload)
-    slos = parse_slo(args.slo)
+    slos = resolve_slo(args.slo, profile, wl)
     transport = args.transport or ("tcp" if "tcp" in profile.transfers else next(iter(profile.transfers), "tcp"))
     results, best = plan(profile, wl, slos, _instances(args.instances), transport, args.attainment,
                          args.exhaustive_up_to)
     print(f"workload: {wl.description} (mean rate {wl.rate:.3g} req/s, ISL {wl.mean_isl:.0f}, OSL {wl.mean_osl:.0f})")
-    print(f"profile: {profile.source} on {profile.machine.get('device', '?')}; SLOs {args.slo} (ms); capacity = "
+    slo_ms = ",".join(f"{k}:{v * 1000:.4g}" for k, v in slos.items())
+    print(f"profile: {profile.source} on {profile.machine.get('device', '?')}; SLOs {slo_ms} (ms); capacity = "
           f"highest rate with >= {100 * args.attainment:.0f}% of requests in SLO")
     print(table(results, wl.rate))
     carries = "carries" if best.capacity_rps >= wl.rate else "does NOT carry (no fleet tried does)"

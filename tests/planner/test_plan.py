@@ -73,3 +73,16 @@ def test_large_fleets_search_the_best_split_instead_of_trying_all():
     assert len(everything) == 10 and len(searched) < 10
     assert searched[-1].fleet.name == "10C"
     assert best.fleet == best_all.fleet
+
+
+def test_tight_tpot_relative_to_the_unloaded_step():
+    from services.planner.plan import resolve_slo
+
+    prof = profile(CPU_LIKE)
+    slos = resolve_slo("ttft:4000,tpot:x1.5", prof, BENCH_PD)
+    context = round(BENCH_PD.mean_isl + BENCH_PD.mean_osl / 2)
+    assert slos == {"ttft": 4.0, "tpot": pytest.approx(1.5 * CPU_LIKE.decode_seconds(1, context))}
+    assert resolve_slo("tpot:20", prof, BENCH_PD) == {"tpot": 0.02}
+    for bad in ("tpot:x", "tpot:x-1", "tpot:xabc"):
+        with pytest.raises(ValueError, match="factor F > 0"):
+            resolve_slo(bad, prof, BENCH_PD)
