@@ -115,3 +115,15 @@ def test_sla_flags():
     cfg = config_from_args(p.parse_args(base + ["--profile", "p.json", "--slo", "ttft:500,tpot:40"]))
     assert cfg.sla == SlaTargets(0.5, 0.04, 0.9, "tcp")
     assert config_from_args(p.parse_args(["planner", "--dry-run"])).sla is None
+
+
+def test_pdserve_planner_once_in_sla_mode(tmp_path, caplog):
+    from services.cli import main as pdserve
+
+    prof = tmp_path / "profile.json"
+    profile(CPU_LIKE).save(str(prof))
+    common = ["planner", "--dry-run", "--once", "--metrics-source", "scrape", "--prefill-metrics", "127.0.0.1:9",
+              "--decode-metrics", "127.0.0.1:9", "--mode", "sla", "--slo", "ttft:3000,tpot:50"]
+    assert pdserve(common + ["--profile", str(prof)]) == 0  # no metrics reachable: no plan, the roles hold
+    assert pdserve(common + ["--profile", str(prof), "--kv-transport", "ucx"]) == 2  # not in the profile
+    assert pdserve(common + ["--profile", str(tmp_path / "missing.json")]) == 2
