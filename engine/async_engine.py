@@ -127,6 +127,8 @@ class AsyncEngine:
         self.processor.validate(token_ids, params)
         if first_token_id is not None and not 0 <= first_token_id < self.processor.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        if params.n != 1:  # one request, one sample: n > 1 is fanned out by the router or LLM.generate
+            raise InvalidRequestError(f"n must be 1 for a single engine request, got {params.n}")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")

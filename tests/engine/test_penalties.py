@@ -2,6 +2,7 @@
 greedy decoding with them token-exact against transformers' model run with the same loop."""
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
@@ -255,3 +256,23 @@ def test_llm_n_gives_distinct_reproducible_samples(llm):
         alone = llm.generate([[3, 4, 5]], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True,
                                                         frequency_penalty=0.5))
         assert alone[0].outputs[0].token_ids == tokens
+
+
+def test_the_engine_core_process_gets_every_field(tiny_llama, llm):
+    """AddRequest crosses to the core process as msgpack: the processors' fields survive it."""
+    from engine.async_engine import AsyncEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
+                            repetition_penalty=1.4, logit_bias={77: 3.0}, bad_words_token_ids=[[5, 6], [9]])
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, multiprocess=True, num_blocks=256)
+        try:
+            with pytest.raises(InvalidRequestError, match="n must be 1"):
+                engine.add_request([1, 2, 3], SamplingParams(n=2))
+            return [t async for out in engine.generate([11, 12, 13, 11], params) for t in out.delta_token_ids]
+        finally:
+            await engine.shutdown()
+
+    got = asyncio.run(main())
+    assert got == llm.generate([[11, 12, 13, 11]], params)[0].outputs[0].token_ids
