@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -160,6 +160,3 @@ def fit_quality(cost: StepCost, points: Sequence[StepPoint]) -> dict:
     return {"median_rel_error": errs[len(errs) // 2] if errs else math.nan,
             "max_rel_error": errs[-1] if errs else math.nan, "num_points": len(errs)}
 
-
-def step_cost_dict(cost: StepCost) -> dict:
-    return asdict(cost)

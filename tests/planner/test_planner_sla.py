@@ -9,7 +9,6 @@ from services.planner.cli import add_planner_parser, config_from_args
 from services.planner.config import PlannerConfig, RoleTargets, SlaTargets
 from services.planner.planner import Planner
 from services.planner.policy import RoleLoad
-from services.planner.sim_metrics import summarize
 from services.planner.simulator import Fleet, simulate
 from services.planner.sla import Observation, SlaSizer
 from services.planner.workload import poisson
