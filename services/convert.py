@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from engine.request import InvalidRequestError, SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
 
@@ -29,7 +30,26 @@ def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
         skip_special_tokens=p.skip_special_tokens, cache_salt=p.cache_salt or None,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-        logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids))
+        logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids),
+        structured_outputs=structured_from_proto(p.structured_outputs) if p.HasField("structured_outputs") else None)
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs needs one of json, json_object, regex, choice, grammar")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputsParams(**{kind: value}, backend=so.backend or "auto",
+                                   disable_any_whitespace=so.disable_any_whitespace)
+
+
+def structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
+    so = pb.StructuredOutputs(backend=s.backend, disable_any_whitespace=s.disable_any_whitespace)
+    if s.kind == "choice":
+        so.choice.choices.extend(s.choice)
+    else:
+        setattr(so, s.kind, getattr(s, s.kind))
+    return so
 
 
 def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
@@ -89,6 +109,8 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
     p.logit_bias.update(s.logit_bias)
     p.bad_words_token_ids.extend(pb.TokenIds(ids=word) for word in s.bad_words_token_ids)
+    if s.structured_outputs is not None:
+        p.structured_outputs.CopyFrom(structured_to_proto(s.structured_outputs))
     return p
 
 

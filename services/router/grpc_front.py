@@ -6,11 +6,14 @@ import contextlib
 import hmac
 import logging
 
+from engine.request import InvalidRequestError
+
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
+from services.router.structured_outputs import check as check_structured_outputs
 
 logger = logging.getLogger(__name__)
 ENDPOINT = "/pdserve.v1.Generate/Generate"
@@ -49,7 +52,12 @@ class GenerateService(pb_grpc.GenerateServicer):
         if s.HasField("prompt_logprobs"):  # GenerateResponse has no place for them
             raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
                               "with echo and logprobs", "prompt_logprobs")
-        knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
+        try:
+            knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
+        except InvalidRequestError as e:  # a malformed structured_outputs
+            raise bad_request(str(e), "structured_outputs") from None
+        if knobs["structured_outputs"] is not None:
+            check_structured_outputs(knobs["structured_outputs"], "structured_outputs")
         if s.bad_words:  # text: tokenized here, as the HTTP gateway does
             knobs["bad_words_token_ids"] += bad_words_token_ids(self.model, list(s.bad_words))
         max_tokens = knobs.pop("max_tokens")

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from services.router.errors import RouterError, bad_request, unsupported
 from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 from services.router.served_model import ServedModel
+from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS, parse_structured_outputs
+from services.router.tool_calls import ToolPlan, parse_tools
 
 _KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "a boolean"),
           "str": ((str,), "a string"), "list": ((list,), "an array"), "dict": ((dict,), "an object")}
@@ -15,7 +17,7 @@ COMMON_FIELDS = {
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
-    "bad_words"}
+    "bad_words"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -37,6 +39,7 @@ class ParsedRequest:
     ignored_fields: list[str] = field(default_factory=list)
     n: int = 1  # choices per prompt
     best_of: int = 1  # samples per prompt (>= n): the n of highest cumulative logprob are the choices
+    tools: ToolPlan | None = None  # chat with tools (tool_choice other than "none")
 
 
 class Body:
@@ -142,7 +145,7 @@ def _stop(b: Body) -> tuple[str, ...]:
     raise bad_request("stop must be a string or an array of strings", "stop")
 
 
-def _knobs(b: Body, model: ServedModel) -> dict:
+def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
     ids = b.get("stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
@@ -156,7 +159,8 @@ def _knobs(b: Body, model: ServedModel) -> dict:
                  presence_penalty=b.get("presence_penalty", "number", 0.0),
                  frequency_penalty=b.get("frequency_penalty", "number", 0.0),
                  repetition_penalty=b.get("repetition_penalty", "number", 1.0),
-                 logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model))
+                 logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model),
+                 structured_outputs=parse_structured_outputs(b.body, tool_schema))
     return knobs
 
 
@@ -287,10 +291,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     b = Body(body, CHAT_FIELDS)
     name = _check_model(model, b)
     _unsupported_features(b)
-    if b.get("tools", "list") and b.get("tool_choice", "str", "auto") != "none":
-        raise unsupported("tool calling", "tools")
-    if b.get("response_format", "dict", {"type": "text"}).get("type") != "text":
-        raise unsupported("response_format other than text", "response_format")
+    tools = parse_tools(b.body)
     messages = chat_messages(b.body.get("messages"))
     want_logprobs = b.get("logprobs", "bool", False)
     top = b.get("top_logprobs", "int")
@@ -301,8 +302,9 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     logprobs = (top or 0) if want_logprobs else None
     ids = model.chat_prompt(messages, b.get("add_generation_prompt", "bool", True),
                             b.get("continue_final_message", "bool", False),
-                            b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
-    knobs = _knobs(b, model)
+                            b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits),
+                            tools=list(tools.tools) if tools is not None else None)
+    knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
     stream, include_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
@@ -311,4 +313,4 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
                                             limits=limits, param="messages"), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored,
-                         n=n, best_of=n)
+                         n=n, best_of=n, tools=tools)

@@ -16,6 +16,7 @@ from services.router.openai_protocol import ParsedRequest
 from services.router.sampling import PreparedPrompt
 from services.router.served_model import ServedModel
 from services.router.streams import merge
+from services.router.tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -41,6 +42,7 @@ class Choice:
         self.started = False
         self._completion_lp = (CompletionLogprobs(model, req.logprobs)
                                if req.logprobs is not None and not chat else None)
+        self.tool_stream = ToolCallStream(req.tools) if chat and req.tools is not None else None
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
         p = self.prompt
@@ -76,11 +78,20 @@ class Choice:
                 else CompletionLogprobs.merge(self.logprobs, lp))
         return text, lp
 
+    def tool_finish_reason(self, calls: list) -> str | None:
+        """OpenAI's "tool_calls" when the model's answer is calls (and it was not cut short)."""
+        return "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
+
     def as_choice(self) -> dict:
         if self.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
-                    "logprobs": self.logprobs, "finish_reason": self.finish_reason,
-                    "stop_reason": self.stop_reason}
+            message = {"role": "assistant", "content": self.text}
+            finish_reason = self.finish_reason
+            if self.req.tools is not None:
+                content, calls = self.req.tools.tool_calls(self.text)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = self.tool_finish_reason(calls)
+            return {"index": self.index, "message": message, "logprobs": self.logprobs,
+                    "finish_reason": finish_reason, "stop_reason": self.stop_reason}
         return {"index": self.index, "text": self.text, "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
 
@@ -168,13 +179,29 @@ class OpenAIServing:
                 await response.write(b"data: " + _encode(make(request_id, created, req.model, choice.index,
                                                                delta, None, None)) + b"\n\n")
             text, lp = choice.add(chunk)
-            if not text and lp is None and chunk.finish_reason is None:
+            finish_reason = chunk.finish_reason
+            if choice.tool_stream is not None:  # tool calls: content only outside them, calls at the end
+                text = choice.tool_stream.feed(text)
+                if finish_reason is not None:
+                    rest, calls = choice.tool_stream.finish()
+                    text += rest
+                    finish_reason = choice.tool_finish_reason(calls)
+                    if calls:
+                        if text:
+                            await write(choice, {"content": text}, lp, None)
+                            text, lp = "", None
+                        await write(choice, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]},
+                                    None, None)
+            if not text and lp is None and finish_reason is None:
                 return
             payload = {"content": text} if chat else text
-            if chat and not text and chunk.finish_reason is not None:
+            if chat and not text and finish_reason is not None:
                 payload = {}
-            event = make(request_id, created, req.model, choice.index, payload, lp, chunk.finish_reason,
-                         choice.stop_reason if chunk.finish_reason else None)
+            await write(choice, payload, lp, finish_reason)
+
+        async def write(choice: Choice, payload, lp, finish_reason) -> None:
+            event = make(request_id, created, req.model, choice.index, payload, lp, finish_reason,
+                         choice.stop_reason if finish_reason else None)
             await response.write(b"data: " + _encode(event) + b"\n\n")
 
         await send(*first)

@@ -117,13 +117,16 @@ class ServedModel:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
                     continue_final_message: bool, template_kwargs: dict,
-                    chat_template: str | None = None) -> list[int]:
-        """`chat_template`: a template the operator allowed requests to send (else the model's)."""
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+        """`chat_template`: a template the operator allowed requests to send (else the model's);
+        `tools`: the request's tools, for templates that render them (Hermes, Qwen, Llama 3)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -1,0 +1,173 @@
+"""Tool calling on /v1/chat/completions: tools + tool_choice -> a constraint or a parser, and the
+generated text -> OpenAI tool_calls.
+
+tool_choice "required" or a named function: the output is generated under a JSON schema (the
+function's parameters, or an array of {"name", "arguments"} calls), so it always parses.
+"auto": the tools go to the chat template (apply_chat_template(tools=...)) and the output is read
+with the Hermes / Qwen convention: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+block is a call, the text outside them is the message's content.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+from services.router.errors import bad_request
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    tools: tuple  # the request's tools, for the chat template
+    name: str | None = None  # mode "named": the function
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode != "auto"
+
+    def schema(self, parallel: bool) -> str | None:
+        """The JSON schema the output is generated under (None for auto)."""
+        if self.mode == "auto":
+            return None
+        functions = {t["function"]["name"]: t["function"].get("parameters") or _NO_PARAMETERS for t in self.tools}
+        if self.mode == "named":
+            schema = functions[self.name]
+        else:
+            call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                               "required": ["name", "arguments"], "additionalProperties": False}
+                              for name, params in functions.items()]}
+            schema = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        return json.dumps(schema)
+
+    def tool_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) from a finished output. A constrained output that does not parse
+        (cut off by max_tokens) stays content, with no calls."""
+        if self.mode == "named":
+            try:
+                json.loads(text)
+            except ValueError:
+                return text, []
+            return None, [make_call(self.name, text)]
+        if self.mode == "required":
+            try:
+                calls = json.loads(text)
+            except ValueError:
+                return text, []
+            return None, [make_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        return parse_hermes(text)
+
+
+def parse_tools(body: dict) -> ToolPlan | None:
+    """None when the request has no tools or tool_choice is "none" (the output is plain content)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be an array", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        names.append(fn["name"])
+    if len(set(names)) != len(names):
+        raise bad_request("tools has two functions of the same name", "tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none" or not tools and choice == "auto":
+        return None
+    if choice in ("auto", "required"):
+        if not tools:
+            raise bad_request(f"tool_choice {choice!r} needs at least one tool", "tool_choice")
+        return ToolPlan(choice, tuple(tools))
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                              '"function": {"name": ...}}', "tool_choice")
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return ToolPlan("named", tuple(tools), name)
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                      '"function": {"name": ...}}', "tool_choice")
+
+
+def make_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
+    """Hermes / Qwen tool calls: `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks
+    (a last one left open at the end counts). A block that is not such JSON stays in the content."""
+    if TOOL_CALL_OPEN not in text:
+        return text, []
+    calls, kept, at = [], [], 0
+    for m in _BLOCK.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+            if not isinstance(name, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append(text[at:m.start()])
+        at = m.end()
+        calls.append(make_call(name, arguments if isinstance(arguments, str)
+                               else json.dumps(arguments, ensure_ascii=False)))
+    kept.append(text[at:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+class ToolCallStream:
+    """Streaming: the text a choice may show as content now (auto: what comes before the first
+    `<tool_call>`, holding back a tail that may be the tag's start; constrained: none), and the
+    calls once the output is complete."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.shown = 0  # characters of text already streamed as content
+        self.first_call = -1  # where the first <tool_call> starts, once seen
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.plan.constrained or self.first_call >= 0:
+            return ""
+        limit = self.first_call = self.text.find(TOOL_CALL_OPEN)
+        if limit < 0:
+            limit = len(self.text)
+            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
+                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+                    limit -= k
+                    break
+        out = self.text[self.shown:limit] if limit > self.shown else ""
+        self.shown = max(self.shown, limit)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not streamed yet, tool calls)."""
+        if self.plan.constrained:
+            content, calls = self.plan.tool_calls(self.text)
+            return (content or ""), calls
+        if self.first_call < 0:
+            rest, self.shown = self.text[self.shown:], len(self.text)
+            return rest, []
+        content, calls = parse_hermes(self.text[self.first_call:])
+        return self.text[self.shown:self.first_call] + (content or ""), calls

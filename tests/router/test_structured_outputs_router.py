@@ -1,0 +1,126 @@
+"""The gateway's side of structured outputs and tools: request fields -> one constraint (or a 400
+before any engine sees it), and generated text -> OpenAI tool_calls."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.router.errors import RouterError
+from services.router.structured_outputs import parse_structured_outputs
+from services.router.tool_calls import ToolCallStream, ToolPlan, parse_hermes, parse_tools
+
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                   "properties": {"x": {"type": "integer"}}}}}
+G = {"type": "function", "function": {"name": "g"}}
+
+
+@pytest.mark.parametrize("body, kind, spec", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                                 "strict": True}}}, "json", '{"type": "object"}'),
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "[a-z]+"),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, "json", '{"type": "integer"}'),
+    ({"guided_json": {"type": "array"}}, "json", '{"type": "array"}'),
+    ({"guided_choice": ["a", "b"]}, "choice", '["a", "b"]'),
+    ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"'),
+])
+def test_every_spelling_becomes_one_constraint(body, kind, spec):
+    params = parse_structured_outputs(body)
+    assert (params.kind, params.spec) == (kind, spec)
+
+
+def test_options_without_a_kind_apply_to_the_constraint_given_elsewhere():
+    params = parse_structured_outputs({"response_format": {"type": "json_object"},
+                                       "structured_outputs": {"disable_any_whitespace": True},
+                                       "guided_decoding_backend": "llguidance"})
+    assert params.json_object and params.disable_any_whitespace and params.backend == "llguidance"
+    assert parse_structured_outputs({"response_format": {"type": "text"}}) is None
+    assert parse_structured_outputs({}) is None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "structured_outputs",
+     "only one"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "invalid JSON schema"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "a(?=b)"}, "guided_regex", "look-around"),
+    ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
+    ({"structured_outputs": {"choice": ["a"], "backend": "outlines"}}, "structured_outputs", "backend"),
+    ({"structured_outputs": {"grammar": "root ::= (\"a\"", "backend": "llguidance"}}, "structured_outputs", "grammar"),
+])
+def test_bad_constraints_are_400s_naming_the_field(body, param, words):
+    with pytest.raises(RouterError) as info:
+        parse_structured_outputs(body)
+    assert info.value.status == 400 and info.value.param == param
+    assert words in info.value.message
+
+
+def test_tool_choice_constrains_to_the_function_or_an_array_of_calls():
+    import jsonschema
+
+    named = parse_tools({"tools": [F, G], "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert json.loads(named.schema(True)) == F["function"]["parameters"]
+    required = json.loads(parse_tools({"tools": [F, G], "tool_choice": "required"}).schema(False))
+    jsonschema.validate([{"name": "f", "arguments": {"x": 3}}], required)
+    jsonschema.validate([{"name": "g", "arguments": {}}], required)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}], required)  # maxItems 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "h", "arguments": {}}], required)
+    assert parse_tools({"tools": [F]}).mode == "auto"
+    assert parse_tools({"tools": [F], "tool_choice": "none"}) is None
+    assert parse_tools({}) is None
+    # A tool_choice schema and another constraint at once: one too many.
+    with pytest.raises(RouterError, match="only one"):
+        parse_structured_outputs({"response_format": {"type": "json_object"}}, named.schema(True))
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+    ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"tools": [{"type": "function", "function": {}}]}, "name"),
+    ({"tools": [F, F]}, "same name"),
+    ({"tool_choice": "required"}, "needs tools"),
+])
+def test_bad_tools_are_400s(body, words):
+    with pytest.raises(RouterError, match=words):
+        parse_tools(body)
+
+
+def test_constrained_outputs_become_tool_calls():
+    named = ToolPlan("named", (F,), "f")
+    content, (call,) = named.tool_calls('{"x": 1}')
+    assert content is None and call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    required = ToolPlan("required", (F, G))
+    content, calls = required.tool_calls('[{"name": "g", "arguments": {}}, {"name": "f", "arguments": {"x": 2}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("g", {}), ("f", {"x": 2})]
+    assert named.tool_calls('{"x": 1') == ('{"x": 1', [])  # cut off by max_tokens: content, no call
+
+
+def test_hermes_parser_splits_calls_from_content():
+    text = ('Let me check. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    assert parse_hermes("no calls here") == ("no calls here", [])
+    content, calls = parse_hermes("<tool_call>not json</tool_call>")
+    assert calls == [] and "not json" in content
+
+
+def test_streaming_auto_holds_back_a_tag_and_reports_calls_at_the_end():
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"x": 5}}</tool_call>'
+    stream, shown = ToolCallStream(ToolPlan("auto", (F,))), ""
+    for i in range(0, len(text), 2):
+        shown += stream.feed(text[i:i + 2])
+        assert "<" not in shown
+    rest, calls = stream.finish()
+    assert (shown + rest).strip() == "Hi" and json.loads(calls[0]["function"]["arguments"]) == {"x": 5}
+    plain = ToolCallStream(ToolPlan("auto", (F,)))
+    shown = "".join(plain.feed(c) for c in "a < b <tool")
+    assert shown + plain.finish()[0] == "a < b <tool"
