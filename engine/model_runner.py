@@ -17,8 +17,9 @@ from engine.models.llama import AttentionMetadata
 from engine.models.loader import resolve_dtype
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
 from engine.structured_output.bitmask import GrammarBitmask
+from engine.spec_decode.grammar import mask_proposal_positions
+from engine.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
 from engine.scheduler import ModelOutput, SchedulerOutput
 from kernels import get_backend
 
@@ -242,6 +243,7 @@ class ModelRunner:
         token from p); the tokens come back through pinned memory on CUDA."""
         spec = step.scheduler_output.spec_token_ids
         step.spec = [spec.get(r.request_id, []) for r in step.requests]
+        logits = mask_proposal_positions(logits, step.requests, step.spec, self.grammar_bitmask.kernel)
         verified = self.rejection_sampler(logits, step.requests, step.spec)
         if self.device.type == "cuda":
             tokens = torch.empty(verified.tokens.shape, dtype=torch.int64, pin_memory=True)

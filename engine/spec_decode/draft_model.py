@@ -30,6 +30,7 @@ from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import check_architecture
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.grammar import DraftGrammar
 from engine.spec_decode.proposer import Proposer
 
 
@@ -54,6 +55,7 @@ class DraftModelProposer(Proposer):
         self.kv_caches = [torch.zeros((2, runner.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
                                       dtype=runner.dtype, device=self.device) for _ in range(arch.num_layers)]
         self.block_ids_of = block_ids_of
+        self.grammar_kernel = runner.grammar_bitmask.kernel
         # request id -> (its preemption count, tokens whose draft KV is in the draft cache).
         self.num_computed: dict[str, tuple[int, int]] = {}
 
@@ -78,27 +80,39 @@ class DraftModelProposer(Proposer):
         positions = [np.arange(s, e) for s, e in zip(starts, ends)]
         hidden = self._forward(tokens, positions, blocks, decode_only=False)
         last = np.cumsum([len(t) for t in tokens]) - 1
-        proposed = self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)]).argmax(dim=-1)
-        steps = [proposed]
         live = list(range(len(reqs)))
+        grammar = DraftGrammar(reqs, self.grammar_kernel)  # structured outputs: proposals masked too
+        proposed = self._choose(self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)]),
+                                grammar, live)
+        steps = [proposed]
         for step in range(1, max(ks[i] for i in rows)):
             live = [j for j in live if ks[rows[j]] > step]
             index = torch.tensor(live, device=self.device)
             inputs = steps[-1] if len(live) == len(steps[-1]) else steps[-1][index]
             pos = [np.array([ends[j] - 1 + step]) for j in live]
             hidden = self._forward(inputs, pos, [blocks[j] for j in live], decode_only=True)
-            nxt = self.model.compute_logits(hidden).argmax(dim=-1)
+            nxt = self._choose(self.model.compute_logits(hidden), grammar, live)
             full = torch.zeros(len(reqs), dtype=nxt.dtype, device=self.device)
             full[index] = nxt
             steps.append(full)
         table = torch.stack(steps, dim=1).tolist()  # one copy back for the whole proposal
+        allowed = grammar.finish() if grammar.active else [None] * len(reqs)
         for j, (i, r) in enumerate(zip(rows, reqs)):
-            out[i] = table[j][:ks[i]]
+            out[i] = table[j][:ks[i] if allowed[j] is None else min(ks[i], allowed[j])]
             self.num_computed[r.request_id] = (r.num_preemptions, r.num_tokens)
         if len(self.num_computed) > 2 * len(requests) + 256:
             live_ids = {r.request_id for r in requests}
             self.num_computed = {k: v for k, v in self.num_computed.items() if k in live_ids}
         return out
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, grammar: DraftGrammar, live: list[int]) -> torch.Tensor:
+        """The draft's argmax for rows live, within their grammars where they have one."""
+        if not grammar.active:
+            return logits.argmax(dim=-1)
+        tokens = grammar.mask(logits, live).argmax(dim=-1)
+        grammar.advance(tokens, live)
+        return tokens
 
     def _forward(self, tokens, positions: list[np.ndarray], blocks: list[list[int]], decode_only: bool):
         """The draft over rows of (tokens, positions), writing their KV into the draft cache."""

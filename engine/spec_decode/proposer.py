@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Request, RequestStatus
+from engine.spec_decode.grammar import truncate_to_grammar
 
 MAX_BACKOFF_EXPONENT = 6
 
@@ -44,6 +45,7 @@ class Proposer:
         if not rows:
             return
         for r, proposal in zip(rows, self.propose_tokens(rows, ks)):
+            proposal = truncate_to_grammar(r, proposal)
             r.spec_token_ids = proposal
             if proposal:
                 state = self._rows.setdefault(r.request_id, _RowState())

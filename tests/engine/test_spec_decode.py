@@ -480,3 +480,35 @@ def test_acceptance_metrics_reach_prometheus(tiny_llama):
     assert 'pdserve:spec_decode_mean_accepted_length{engine_id="d-0",model_name="m",role="decode"} 3.0' in text
     assert 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{engine_id="d-0",model_name="m",position="1",' \
            'role="decode"} 2.0' in text
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_structured_outputs_under_speculation(tiny_llama, method):
+    """Proposals are cut where the grammar refuses them and every verified position is masked:
+    greedy output equals non-speculative guided decoding, sampled output always validates."""
+    import json
+
+    import jsonschema
+
+    from engine.structured_output.params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["xy", "xyz"]}, "b": {"type": "integer",
+              "minimum": 0, "maximum": 99}, "c": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 4}},
+              "required": ["a", "b", "c"], "additionalProperties": False}
+
+    def params(seed, temperature):
+        return SamplingParams(max_tokens=80, temperature=temperature, seed=seed, structured_outputs=
+                              StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True))
+
+    prompts = ["A JSON object please"] * 3
+    spec = dict(NGRAM) if method == "ngram" else {"method": "draft_model", "model": tiny_llama,
+                                                  "num_speculative_tokens": 3}
+    greedy = [params(None, 0.0)] * 3
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(prompts, greedy)]
+    llm = LLM(tiny_llama, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
+    for out in llm.generate(prompts, [params(s, 1.0) for s in range(3)]):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.stats()["spec_decode_num_drafts"] > 0
+    llm.engine.check_integrity(expect_all_free=True)
