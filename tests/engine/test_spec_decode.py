@@ -512,3 +512,19 @@ def test_structured_outputs_under_speculation(tiny_llama, method):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert llm.engine.stats()["spec_decode_num_drafts"] > 0
     llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_penalties_and_logit_bias_score_each_position_with_its_history(tiny_llama):
+    """Each verified position's penalties count the proposals before it as output: greedy tokens
+    equal non-speculative decoding with the same penalties (a draft equal to the target proposes
+    the unpenalised argmax, so rejections happen and must be right)."""
+    prompts = [[5, 6, 7] * 4, [9, 10, 11, 12] * 3]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.8,
+                             logit_bias={5: 3.0}, bad_words_token_ids=[[9, 10]])]
+    expected, _ = generate(tiny_llama, prompts, params)
+    for spec in (NGRAM, {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}):
+        got, stats = generate(tiny_llama, prompts, params, speculative_config=spec)
+        assert got == expected
+        assert stats["spec_decode_num_drafts"] > 0
