@@ -49,6 +49,8 @@ def attainment(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[st
 def capacity(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str, float], target: float) -> float:
     """The highest rate (req/s) at which `target` of the requests meet the SLOs, assuming
     attainment falls as the rate rises (it does in the simulator: more load never lowers TTFT)."""
+    if not 0 < workload.rate < math.inf:
+        raise ValueError("the workload needs requests arriving at different times: its rate is what is scaled")
     ok = lambda f: attainment(profile, fleet, workload.scaled(f, MIN_REQUESTS), slos) >= target  # noqa: E731
     hi = 1.0
     if ok(1.0):

@@ -86,3 +86,10 @@ def test_tight_tpot_relative_to_the_unloaded_step():
     for bad in ("tpot:x", "tpot:x-1", "tpot:xabc"):
         with pytest.raises(ValueError, match="factor F > 0"):
             resolve_slo(bad, prof, BENCH_PD)
+
+
+def test_a_workload_without_a_rate_is_refused():
+    from services.planner.workload import from_trace
+
+    with pytest.raises(ValueError, match="arriving at different times"):
+        plan(profile(CPU_LIKE), from_trace([[0, 100, 10], [0, 200, 10]]), parse_slo("ttft:1000"), [2], "tcp")
