@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     for module, hook in (("services.router.cli", "add_router_parser"), ("services.launcher", "add_up_parser"),
                          ("bench.serve", "add_bench_parser"), ("services.planner.cli", "add_planner_parser"),
                          ("services.planner.profile", "add_profile_parser"),
-                         ("services.planner.plan", "add_plan_parser")):
+                         ("services.planner.plan", "add_plan_parser"),
+                         ("services.planner.plan", "add_simulate_parser")):
         try:
             mod = __import__(module, fromlist=[hook])
         except ModuleNotFoundError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 
 from services.planner.profile_data import Profile
@@ -172,6 +173,50 @@ def _instances(spec: str) -> list[int]:
     if not out or min(out) < 1:
         raise ValueError(f"bad --instances {spec!r}: use N, N,M or LO-HI (each >= 1)")
     return out
+
+
+def parse_fleet(spec: str, transport: str = "tcp") -> Fleet:
+    """'1P+3D' (disaggregated) or '4C' (colocated)."""
+    m = re.fullmatch(r"(\d+)P\+(\d+)D|(\d+)C", spec.strip().upper())
+    if m is None:
+        raise ValueError(f"bad fleet {spec!r}: use NP+MD (e.g. 1P+3D) or NC (e.g. 4C)")
+    if m.group(3) is not None:
+        return Fleet(num_colocated=int(m.group(3)))
+    return Fleet(num_prefill=int(m.group(1)), num_decode=int(m.group(2)), transport=transport)
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate one fleet on a workload with a profile; print its metrics",
+                              description="One fleet, one workload: TTFT/TPOT/ITL percentiles, the longest stall, "
+                                          "goodput and attainment at the SLOs.")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--fleet", required=True, help="NP+MD or NC, e.g. 1P+1D, 2C")
+    p.add_argument("--slo", default=None, help="ttft:MS,tpot:MS (tpot:xF: F x the unloaded decode step)")
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--json", action="store_true", help="the whole summary as JSON")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def run_simulate(args) -> int:
+    import json
+
+    profile = Profile.load(args.profile)
+    wl = workloads.load(args.workload)
+    fleet = parse_fleet(args.fleet, args.transport)
+    slos = resolve_slo(args.slo, profile, wl) if args.slo else None
+    s = summarize(simulate(profile, fleet, list(wl.requests)), slos)
+    if args.json:
+        print(json.dumps({"fleet": fleet.name, **s}, indent=1))
+        return 0
+    print(f"{fleet.name} on {wl.description}")
+    for label, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("longest stall per request", "max_stall")):
+        print(f"{label + ' p50/p90/p99 ms':<40}" + " / ".join(f"{s[f'p{p}_{key}_ms']:.1f}" for p in (50, 90, 99)))
+    print(f"{'longest inter-token gap ms':<40}{s['max_itl_ms']:.1f}")
+    if slos:
+        print(f"{'goodput req/s (in SLO)':<40}{s['request_goodput']:.3f} ({100 * s['slo_attainment']:.0f}%)")
+    return 0
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:

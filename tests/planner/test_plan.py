@@ -93,3 +93,24 @@ def test_a_workload_without_a_rate_is_refused():
 
     with pytest.raises(ValueError, match="arriving at different times"):
         plan(profile(CPU_LIKE), from_trace([[0, 100, 10], [0, 200, 10]]), parse_slo("ttft:1000"), [2], "tcp")
+
+
+def test_pdserve_simulate_one_fleet(tmp_path, capsys):
+    from services.planner.plan import parse_fleet
+
+    assert parse_fleet("1p+3d") == Fleet(num_prefill=1, num_decode=3)
+    assert parse_fleet("4C") == Fleet(num_colocated=4)
+    for bad in ("3", "1P", "P+D", "1P+0D", "0C"):
+        with pytest.raises(ValueError):
+            parse_fleet(bad)
+    prof_path, wl_path = tmp_path / "profile.json", tmp_path / "workload.json"
+    profile(CPU_LIKE).save(str(prof_path))
+    wl_path.write_text(json.dumps({"trace": [[0, 1000, 20], [0.5, 1500, 30]]}))
+    args = ["simulate", "--profile", str(prof_path), "--workload", str(wl_path), "--fleet", "2C"]
+    assert pdserve(args + ["--slo", "ttft:5000,tpot:x1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "2C on" in out and "goodput req/s (in SLO)" in out and "longest inter-token gap ms" in out
+    assert pdserve(args + ["--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["fleet"] == "2C" and s["completed"] == 2
+    assert pdserve(args[:-1] + ["1P+1D+1D"]) == 2
