@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampler import on_device
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -57,7 +59,10 @@ class GrammarBitmask:
             requests[i].structured_output.fill_bitmask(host, i)
         mask = host if self.device.type != "cuda" else host.to(self.device, non_blocking=True)
         logits = logits.float().contiguous()  # the kernels take float32 rows
+        # Row indices through pinned memory too: xgrammar would copy a list from pageable memory,
+        # which waits for every step queued before it.
+        indices = on_device(rows, self.device, torch.int32) if len(rows) < n else None
         apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]),
-                                    indices=rows if len(rows) < n else None, backend=self.kernel)
+                                    indices=indices, backend=self.kernel)
         self.num_masked_rows += len(rows)
         return logits
