@@ -186,7 +186,12 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "load_avg": os.getloadavg()[0], "model_path": os.path.abspath(model), "dtype": dtype}
-    raw = {"step": {"quality": fit_quality(step, points),
+    kinds = [p["kind"] for p in timer.points]
+    quality = fit_quality(step, points)
+    # Where the model is off matters: a good prefill fit does not excuse a bad decode one.
+    quality["by_kind"] = {k: fit_quality(step, [p for p, pk in zip(points, kinds) if pk == k])
+                          for k in sorted(set(kinds))}
+    raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
            "transfer": raw_transfers}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
@@ -246,6 +251,9 @@ def run_cli(args) -> int:
           f"+ {s.per_kv_token * 1e9:.1f} ns/KV token read + {s.per_seq * 1e6:.1f} us/seq "
           f"({q['num_points']} steps, median error {100 * q['median_rel_error']:.1f}%, "
           f"worst {100 * q['max_rel_error']:.1f}%)")
+    for kind, kq in q["by_kind"].items():
+        print(f"  {kind:<8} {kq['num_points']:>3} steps: median error {100 * kq['median_rel_error']:.1f}%, "
+              f"worst {100 * kq['max_rel_error']:.1f}%")
     for t, c in prof.transfers.items():
         print(f"KV pull over {t}: {c.latency_s * 1e3:.2f} ms + {c.bytes_per_s / 1e9:.2f} GB/s")
     for t, d in prof.raw["transfer"].items():

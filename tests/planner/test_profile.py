@@ -90,6 +90,8 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     assert any(p["kind"] == "prefill" and p["seqs"] == 2 and p["tokens"] == 32 for p in points)
     assert all(p["seconds"] > 0 for p in points)
     assert prof.raw["step"]["quality"]["num_points"] == len(points)
+    by_kind = prof.raw["step"]["quality"]["by_kind"]
+    assert set(by_kind) == kinds and sum(q["num_points"] for q in by_kind.values()) == len(points)
     tcp = prof.transfer("tcp")
     assert tcp.bytes_per_s > 1e6  # loopback moves megabytes per second at the very least
     for transport in ("tcp", "shm"):
