@@ -135,7 +135,12 @@ class StructuredOutputManager:
                 logger.exception("structured outputs: compiling the grammar of %s failed", rid)
                 failed.append((request, f"structured outputs: the grammar could not be compiled ({e})"))
                 continue
-            bad = next((t for t in request.output_token_ids if not so.matcher.accept_token(t)), None)
+            resumed = so.params.resumed_tokens
+            if resumed > request.num_prompt_tokens:
+                failed.append((request, f"structured outputs: resumed_tokens ({resumed}) exceeds the prompt"))
+                continue
+            replay = request.prompt_token_ids[request.num_prompt_tokens - resumed:] + request.output_token_ids
+            bad = next((t for t in replay if not so.matcher.accept_token(t)), None)
             if bad is not None:
                 failed.append((request, f"structured outputs: output token {bad} (generated before this "
                                         "engine resumed the request) does not match the grammar"))

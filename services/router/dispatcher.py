@@ -63,6 +63,8 @@ def continued_sampling(sampling: pb.SamplingParams, num_generated: int) -> pb.Sa
     s.max_tokens = sampling.max_tokens - num_generated
     s.min_tokens = max(0, sampling.min_tokens - num_generated)
     s.ClearField("prompt_logprobs")
+    if s.HasField("structured_outputs"):  # the grammar resumes after the tokens so far
+        s.structured_outputs.resumed_tokens = sampling.structured_outputs.resumed_tokens + num_generated
     return s
 
 

@@ -175,6 +175,30 @@ def test_a_resumed_request_continues_its_document(tiny_llama):
     core.shutdown()
 
 
+def test_a_migrated_request_resumes_its_grammar_after_the_prompt_tail(tiny_llama):
+    """Migration sends prompt + tokens so far as the prompt: resumed_tokens says how many of them
+    the grammar has seen already, and the output completes that document, not a new one."""
+    from engine.processor import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    core = EngineCore(EngineConfig.create(tiny_llama, num_blocks=64))
+    so_far = [tok.convert_tokens_to_ids(c) for c in ("a", "b")]
+    resumed = Request("resumed", [5, 6] + so_far,
+                      guided(regex="ab+c", resumed_tokens=2, max_tokens=20, temperature=1.0))
+    too_many = Request("too-many", [5], guided(regex="ab+c", resumed_tokens=3, max_tokens=5))
+    core.add_request(resumed)
+    core.add_request(too_many)
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    tokens = [t for o in outs if o.request_id == "resumed" for t in o.new_token_ids]
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final["resumed"].finish_reason == "stop"
+    assert re.fullmatch("ab+c", "ab" + tok.decode(tokens, skip_special_tokens=True))
+    assert final["too-many"].finish_reason == "abort" and "resumed_tokens" in final["too-many"].stop_reason
+    core.shutdown()
+
+
 def _allowed_by_matcher(grammar, vocab: int) -> list[bool]:
     return [grammar.validate_tokens([t]) == 1 for t in range(vocab)]
 

@@ -124,3 +124,14 @@ def test_streaming_auto_holds_back_a_tag_and_reports_calls_at_the_end():
     plain = ToolCallStream(ToolPlan("auto", (F,)))
     shown = "".join(plain.feed(c) for c in "a < b <tool")
     assert shown + plain.finish()[0] == "a < b <tool"
+
+
+def test_a_migrated_request_tells_the_engine_where_its_grammar_resumes():
+    from services.api.pdserve.v1 import pdserve_pb2 as pb
+    from services.router.dispatcher import continued_sampling
+
+    sampling = pb.SamplingParams(max_tokens=50, structured_outputs=pb.StructuredOutputs(regex="a+"))
+    once = continued_sampling(sampling, 7)
+    assert once.structured_outputs.resumed_tokens == 7 and once.max_tokens == 43
+    assert continued_sampling(sampling, 12).structured_outputs.resumed_tokens == 12  # from the original
+    assert not continued_sampling(pb.SamplingParams(max_tokens=5), 2).HasField("structured_outputs")
