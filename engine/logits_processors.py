@@ -113,11 +113,13 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence, outputs: Sequence[
         rep = on_device([p.repetition_penalty for p in params], dev, logits.dtype)[:, None]
         scale = torch.where(in_prompt[:, :vocab] | seen, rep, torch.ones_like(rep))
         sub = torch.where(sub > 0, sub / scale, sub * scale)
+    # `sub` is a copy by now (index_select, or torch.where above), or `logits` itself: ours either way.
     if any(p.frequency_penalty != 0.0 for p in params):
-        sub = sub - on_device([p.frequency_penalty for p in params], dev, logits.dtype)[:, None] * counts
+        sub.sub_(counts.mul_(on_device([p.frequency_penalty for p in params], dev, logits.dtype)[:, None]))
     if any(p.presence_penalty != 0.0 for p in params):
-        sub = sub - on_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None] * seen
+        sub.sub_(seen * on_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None])
     if index is None:
-        logits.copy_(sub)
+        if sub is not logits:
+            logits.copy_(sub)
     else:
         logits.index_copy_(0, index, sub)
