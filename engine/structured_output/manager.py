@@ -68,6 +68,15 @@ class StructuredOutputRequest:
         return accepted
 
 
+def _reusable(future: concurrent.futures.Future) -> bool:
+    """A compile in flight or done is shared; one that failed is too when the spec was at fault
+    (it would fail again), not when something else broke (a retry may succeed)."""
+    if not future.done():
+        return True
+    error = future.exception()
+    return error is None or isinstance(error, GrammarError)
+
+
 class StructuredOutputManager:
     """Owns the grammar backends (made on first use: they need the tokenizer), a bounded LRU of
     compiles keyed by (backend, kind, spec, options), and the requests waiting for theirs."""
@@ -95,8 +104,7 @@ class StructuredOutputManager:
             return False
         key = params.cache_key
         future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None
-                                       and not isinstance(future.exception(), GrammarError)):
+        if future is not None and _reusable(future):
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
         else:  # first sight, or an earlier attempt failed for a reason other than the spec
