@@ -135,3 +135,13 @@ def test_a_migrated_request_tells_the_engine_where_its_grammar_resumes():
     assert once.structured_outputs.resumed_tokens == 7 and once.max_tokens == 43
     assert continued_sampling(sampling, 12).structured_outputs.resumed_tokens == 12  # from the original
     assert not continued_sampling(pb.SamplingParams(max_tokens=5), 2).HasField("structured_outputs")
+
+
+def test_tools_reach_the_chat_template(tiny_llama):
+    """tool_choice auto (and the constrained ones) render the tools as the model's template wants."""
+    from services.router.served_model import ServedModel
+
+    model = ServedModel(tiny_llama, "tiny")
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    ids = model.chat_prompt([{"role": "user", "content": "hi"}], False, False, {}, template, tools=[F, G])
+    assert model.decode(ids) == "[f][g]hi"
