@@ -1,0 +1,200 @@
+"""bench-pd as a sweep: per ISL:OSL shape and SLO, the planner's choice (1P+1D or 2C) against the other and vLLM CPU.
+
+Two cores: the fleets are one prefill + one decode (a core each) or two colocated instances (a
+core each), as bench-pd runs them; vLLM's CPU build gets both cores. Steps:
+
+1. A profile of this machine (`pdserve profile`, bench-pd's model, one thread on core 0), or
+   `--profile FILE`.
+2. Per cell (ISL:OSL 1:1, 10:1, 1:10 at 2-core sizes; loose SLO: bench-pd's TTFT 4 s, TPOT 100 ms;
+   tight: TPOT 1.5 x the profile's unloaded decode step): `pdserve plan --instances 2` on the
+   cell's requests gives each fleet's simulated capacity and the choice; the cell's arrival rate
+   is `--load` (0.8) x the higher capacity, unless `--rate` is given.
+3. Each configuration serves every cell (fresh prompts per cell: no prefix-cache hits between
+   runs); per-request SLO attainment, goodput, TTFT p90, ITL p99 and the longest stall.
+
+Prints per cell whether the plan's choice was the measured winner (or within noise: one request
+in SLO over the run, or 10%), and `planned_vs_vllm_goodput_min_ratio` over the cells (vLLM not
+runnable here: reported as not run, the ratio nan).
+
+    python -m bench.pd_sweep [--quick] [--profile FILE] [--configs disaggregated,colocated,vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.metrics import parse_slos  # noqa: E402
+from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
+from bench.serve import run_benchmark  # noqa: E402
+from bench.sim_validate import ARRIVAL_SEED, fresh_profile, sim_requests  # noqa: E402
+from bench.workloads import synthetic  # noqa: E402
+from services.planner.plan import choose, plan, resolve_slo  # noqa: E402
+from services.planner.profile_data import Profile  # noqa: E402
+from services.planner.workload import Workload  # noqa: E402
+
+# Prompt and output lengths per shape, sized so that a cell's requests take about a minute here.
+SHAPES = {"1:1": ("uniform:192:320", "uniform:192:320"), "10:1": ("uniform:1024:2048", "uniform:100:200"),
+          "1:10": ("uniform:24:40", "uniform:240:400")}
+QUICK_SHAPE = ("uniform:48:80", "uniform:16:24")  # --quick's one cell: short prompts, short outputs
+SLOS = {"loose": "ttft:4000,tpot:100", "tight": "ttft:4000,tpot:x1.5"}
+FLEET_OF = {"1P+1D": "disaggregated", "2C": "colocated"}
+NOISE_REL = 0.1  # goodput within 10% (or one request in SLO over the run) is a tie
+
+
+@dataclass
+class Cell:
+    shape: str
+    slo: str
+    requests: list
+    slos: dict  # seconds
+    rate: float
+    planned: str  # "disaggregated" | "colocated"
+    predicted: dict  # config -> simulated capacity (req/s)
+
+
+def plan_cell(profile: Profile, shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
+              rate: float | None, load: float) -> Cell:
+    reqs = synthetic(num, *lengths, vocab_size=4000, seed=seed)
+    # The cell's own requests at 1 req/s; plan() scales their arrivals to find each fleet's capacity.
+    wl = Workload(tuple(sim_requests(reqs, 1.0)), f"{shape} ({num} requests)")
+    slos = resolve_slo(SLOS[slo], profile, wl)
+    transport = "tcp" if "tcp" in profile.transfers else next(iter(profile.transfers))
+    results, _ = plan(profile, wl, slos, [2], transport)  # capacities do not depend on wl's own rate
+    capacity = {FLEET_OF[r.fleet.name]: r.capacity_rps for r in results}
+    cell_rate = rate or load * max(capacity.values())
+    if cell_rate <= 0:
+        raise ValueError(f"cell {shape} {slo}: no fleet meets the SLOs at any rate in the simulation; "
+                         "give --rate")
+    best = choose(results, cell_rate)  # what `pdserve plan` picks at the cell's rate
+    return Cell(shape, slo, reqs, slos, cell_rate, FLEET_OF[best.fleet.name], capacity)
+
+
+def measure(url: str, cell: Cell) -> dict:
+    s = asyncio.run(run_benchmark(url, None, cell.requests, rate=cell.rate, slos=cell.slos, seed=ARRIVAL_SEED,
+                                  progress=False))
+    stalls = [max(itl, default=0.0) for itl in s["itls"]]
+    s["max_stall_ms"] = 1000 * max(stalls, default=0.0)
+    s["good"] = round(s["slo_attainment"] * s["num_prompts"])
+    for k in ("input_lens", "output_lens", "ttfts", "itls"):
+        s.pop(k)
+    return s
+
+
+def within_noise(planned: dict, best: dict) -> bool:
+    one_request = 1.0 / max(best["duration"], 1e-9)
+    gap = best["request_goodput"] - planned["request_goodput"]
+    return gap <= max(one_request, NOISE_REL * best["request_goodput"]) + 1e-12
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (math.inf if a > 0 else math.nan)
+
+
+def report(cells: list[Cell], results: dict[str, dict], not_run: dict[str, str]) -> int:
+    print(f"\n{'cell':<13}{'rate':>6} {'config':<14}{'in SLO':>7}{'goodput':>9}{'TTFT p90':>10}{'TPOT p50':>10}"
+          f"{'ITL p99':>9}{'max stall':>10}  predicted cap.")
+    worst, wins = math.inf, []
+    for i, c in enumerate(cells):
+        tpot = 1000 * c.slos["tpot"]
+        print(f"-- {c.shape} {c.slo} (TTFT {1000 * c.slos['ttft']:.0f} ms, TPOT {tpot:.1f} ms); plan: {c.planned}")
+        for name in ("disaggregated", "colocated", "vllm"):
+            s = results.get(name, {}).get(i)
+            if s is None:
+                continue
+            mark = "*" if name == c.planned else " "
+            pred = f"{c.predicted[name]:.3f}" if name in c.predicted else ""
+            print(f"{'':<13}{c.rate:>6.3f} {mark}{name:<13}{100 * s['slo_attainment']:>6.0f}%{s['request_goodput']:>9.3f}"
+                  f"{s['p90_ttft_ms']:>10.0f}{s['median_tpot_ms']:>10.1f}{s['p99_itl_ms']:>9.1f}"
+                  f"{s['max_stall_ms']:>10.0f}  {pred}")
+        mine = {n: results[n][i] for n in ("disaggregated", "colocated") if i in results.get(n, {})}
+        if len(mine) == 2:
+            best = max(mine.values(), key=lambda s: s["request_goodput"])
+            won = mine[c.planned] is best or within_noise(mine[c.planned], best)
+            wins.append(won)
+            print(f"{'':<13}plan's choice {c.planned}: {'measured winner or within noise' if won else 'LOST'} "
+                  f"({mine[c.planned]['request_goodput']:.3f} vs best {best['request_goodput']:.3f} req/s)")
+        if c.planned in mine and i in results.get("vllm", {}):
+            worst = min(worst, ratio(mine[c.planned]["request_goodput"], results["vllm"][i]["request_goodput"]))
+    for name, why in not_run.items():
+        print(f"{name}: not run ({why})")
+    vllm_note = "" if "vllm" in results else "  (vLLM not run)"
+    print(f"\nplan_choice_won_cells={sum(wins)}/{len(wins)}")
+    print(f"planned_vs_vllm_goodput_min_ratio={worst if worst != math.inf else math.nan:.3f}{vllm_note}  "
+          "(target >= 1.0)")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke test: a quick profile, one small cell (1:1 "
+                                                         "loose, 4 short requests), pdserve only")
+    ap.add_argument("--profile", default=None, help="plan from this profile instead of measuring one first")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--slos", default=",".join(SLOS))
+    ap.add_argument("--num-prompts", type=int, default=12, help="requests per cell")
+    ap.add_argument("--rate", type=float, default=None, help="arrival rate of every cell (default: --load x "
+                                                              "the higher simulated capacity)")
+    ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--configs", default="disaggregated,colocated,vllm")
+    ap.add_argument("--out", default=os.path.join(BUILD, "sweep"))
+    args = ap.parse_args(argv)
+    shapes, slos = args.shapes.split(","), args.slos.split(",")
+    if not set(shapes) <= set(SHAPES) or not set(slos) <= set(SLOS):
+        ap.error(f"--shapes from {', '.join(SHAPES)}; --slos from {', '.join(SLOS)}")
+    configs = args.configs.split(",")
+    not_run = {}
+    if args.quick:
+        shapes, slos, args.num_prompts = ["1:1"], ["loose"], 4
+        if "vllm" in configs:
+            configs.remove("vllm")
+            not_run["vllm"] = "--quick"
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    model = ensure_model()
+    profile = Profile.load(args.profile) if args.profile else fresh_profile(
+        model, args.quick, os.path.join(args.out, "profile.json"))
+    print(f"profile: {args.profile or 'measured now'} ({profile.source}); unloaded decode step "
+          f"{1000 * profile.step.decode_seconds(1, 512):.1f} ms at 512 tokens", flush=True)
+    lengths = {sh: QUICK_SHAPE if args.quick else SHAPES[sh] for sh in shapes}
+    cells = [plan_cell(profile, shape, lengths[shape], slo, args.num_prompts, 100 + i, args.rate, args.load)
+             for i, (shape, slo) in enumerate((sh, sl) for sh in shapes for sl in slos)]
+    for c in cells:
+        print(f"cell {c.shape} {c.slo}: rate {c.rate:.3f} req/s; simulated capacity "
+              + ", ".join(f"{k} {v:.3f}" for k, v in c.predicted.items()) + f"; plan: {c.planned}", flush=True)
+    results: dict[str, dict[int, dict]] = {}
+    warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
+    logs = os.path.join(args.out, "logs")
+    for name in configs:
+        try:
+            cfg, url = (start_vllm(model, logs) if name == "vllm"
+                        else start_pdserve(name, model, logs, name == "disaggregated", []))
+        except Exception as e:  # vLLM not installable or not runnable here: the rest still counts
+            not_run[name] = f"{type(e).__name__}: {e}"
+            print(f"{name}: not run ({not_run[name]})", flush=True)
+            continue
+        try:
+            asyncio.run(run_benchmark(url, None, warmup, progress=False))
+            for i, c in enumerate(cells):
+                s = measure(url, c)
+                if s["failed"]:
+                    print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
+                          f"{[e for e in s['errors'] if e][:2]}", flush=True)
+                results.setdefault(name, {})[i] = s
+                print(f"  {name} {c.shape} {c.slo}: {100 * s['slo_attainment']:.0f}% in SLO, goodput "
+                      f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
+                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                    json.dump(results[name], f)
+        finally:
+            cfg.stop()
+    return report(cells, results, not_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
