@@ -32,6 +32,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution after its temperature (1 for greedy rows) and top-k / top-p / min-p."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], dev, torch.float32)
+    logits = logits / temps[:, None]
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = on_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], dev)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = on_device([p.top_p for p in params], dev)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = on_device([p.min_p for p in params], dev)
+    return torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
+
+
 class Sampler:
     """Samples one token per row, on the logits' device. Seeded rows draw from their own
     generator (on that device), so a request's tokens do not depend on what else is in the batch."""
@@ -69,17 +84,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
         any_greedy = any(p.greedy for p in params)
-        temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], dev, torch.float32)
-        logits = logits / temps[:, None]
-        top_k = top_p = min_p = None
-        vocab = logits.shape[-1]
-        if any(p.top_k > 0 for p in params):
-            top_k = on_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], dev)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = on_device([p.top_p for p in params], dev)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = on_device([p.min_p for p in params], dev)
-        probs = torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
+        probs = sampling_probs(logits, params)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one noise row per request.
         noise = torch.empty_like(probs)
         for i, (r, p) in enumerate(zip(requests, params)):

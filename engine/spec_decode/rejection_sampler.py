@@ -19,7 +19,7 @@ import torch
 
 from engine.device import on_device
 from engine.logits_processors import apply_logits_processors
-from engine.sampler import Sampler, apply_top_k_top_p_min_p
+from engine.sampler import Sampler, sampling_probs
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RejectionSampler:
                  draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
         """logits [sum(len(s) + 1), vocab]: row i's len(spec[i]) + 1 positions, rows in order.
         draft_probs [rows, max_spec, vocab] or None (every proposal drawn one-hot)."""
-        dev, vocab = logits.device, logits.shape[-1]
+        dev = logits.device
         num_spec = [len(s) for s in spec]
         rows, width = len(requests), max(num_spec) + 1
         # One logits row per position: the request repeated, its proposals before it as output.
@@ -119,19 +119,8 @@ class RejectionSampler:
 
     @staticmethod
     def _target_probs(logits, params, num_spec) -> torch.Tensor:
-        """Softmax of the logits after temperature and top-k / top-p / min-p, as the sampler does."""
-        dev, vocab = logits.device, logits.shape[-1]
-        per_pos = [p for p, n in zip(params, num_spec) for _ in range(n + 1)]
-        temps = on_device([p.temperature if not p.greedy else 1.0 for p in per_pos], dev, torch.float32)
-        logits = logits / temps[:, None]
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in per_pos):
-            top_k = on_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in per_pos], dev)
-        if any(p.top_p < 1.0 for p in per_pos):
-            top_p = on_device([p.top_p for p in per_pos], dev)
-        if any(p.min_p > 0.0 for p in per_pos):
-            min_p = on_device([p.min_p for p in per_pos], dev)
-        return torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
+        """The sampler's distribution at every position (each row's parameters repeated)."""
+        return sampling_probs(logits, [p for p, n in zip(params, num_spec) for _ in range(n + 1)])
 
     def _generator(self, request, device: torch.device) -> torch.Generator:
         seed = request.sampling_params.seed
