@@ -135,7 +135,8 @@ class StructuredOutputManager:
                 continue
             del self.waiting[rid]
             try:
-                so.matcher = self._backend(so.params.resolved_backend).matcher(so.compiled.result())
+                backend, compiled = so.compiled.result()
+                so.matcher = self._backend(backend).matcher(compiled)
             except GrammarError as e:
                 failed.append((request, str(e)))
                 continue
@@ -164,8 +165,20 @@ class StructuredOutputManager:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # -- compiling (worker threads) ----------------------------------------------
-    def _compile(self, params: StructuredOutputsParams):
-        return self._backend(params.resolved_backend).compile(params)
+    def _compile(self, params: StructuredOutputsParams) -> tuple[str, object]:
+        """(the backend that compiled it, the compiled grammar). auto: xgrammar, and llguidance
+        for a spec xgrammar refuses (as vLLM's auto: a schema feature, a Lark grammar); if both
+        refuse, xgrammar's reason is the one reported."""
+        name = params.resolved_backend
+        try:
+            return name, self._backend(name).compile(params)
+        except GrammarError as error:
+            if params.backend != "auto":
+                raise
+            try:
+                return "llguidance", self._backend("llguidance").compile(params)
+            except GrammarError:
+                raise error from None
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:

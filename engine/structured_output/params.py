@@ -26,7 +26,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    backend: str = "auto"  # auto (xgrammar) | xgrammar | llguidance
+    backend: str = "auto"  # auto (xgrammar, else llguidance) | xgrammar | llguidance
     # JSON kinds: only single spaces between tokens (vLLM's disable_any_whitespace); any
     # whitespace otherwise, which a random-weight model can use to never finish.
     disable_any_whitespace: bool = False
@@ -84,8 +84,9 @@ class StructuredOutputsParams:
 
     @property
     def cache_key(self) -> tuple:
-        return (self.resolved_backend, self.kind, self.spec, self.disable_any_whitespace)
+        return (self.backend, self.kind, self.spec, self.disable_any_whitespace)
 
     @property
     def resolved_backend(self) -> str:
+        """The backend tried first (auto: xgrammar, then llguidance for what it cannot compile)."""
         return "xgrammar" if self.backend == "auto" else self.backend

@@ -66,6 +66,15 @@ def test_json_object_regex_choice_and_grammar(llm, backend):
     assert re.fullmatch(r"\((\d|[1-9]\d)(,(\d|[1-9]\d))*\)", texts[3])
 
 
+def test_auto_backend_falls_back_to_llguidance(llm):
+    """A Lark grammar is no xgrammar EBNF: auto compiles it with llguidance; xgrammar alone refuses."""
+    lark = 'start: "yes" | "no" | "maybe"'
+    auto, strict = llm.generate(["q", "q"], [guided(grammar=lark, max_tokens=8),
+                                             guided(grammar=lark, max_tokens=8, backend="xgrammar")])
+    assert auto.outputs[0].finish_reason == "stop" and auto.outputs[0].text in ("yes", "no", "maybe")
+    assert strict.outputs[0].finish_reason == "abort" and "grammar" in strict.outputs[0].stop_reason
+
+
 def test_choice_is_greedy_exact(llm):
     """Greedy decoding under a choice grammar picks the choice the model's masked argmax leads to,
     and the same one every time."""
@@ -88,7 +97,7 @@ def test_grammar_compiles_once_per_spec(tiny_llama):
 
 def test_bad_grammar_fails_only_its_request(llm):
     outs = llm.generate(["x", "y", "z"], [guided(json='{"type": "nonsense"}'), SamplingParams(max_tokens=4),
-                                          guided(grammar='root ::= "a" |')])
+                                          guided(grammar='root ::= ("a"')])
     assert outs[0].outputs[0].finish_reason == "abort"
     assert "nonsense" in outs[0].outputs[0].stop_reason
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
