@@ -12,19 +12,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
-
-SECRET = b"test-secret"
-
-
-async def disaggregated(prefill: AsyncEngine, decode: AsyncEngine, prompt, params: SamplingParams):
-    first = None
-    async for out in prefill.generate(prompt, params, prefill_only=True, publish_kv=True):
-        first = out
-    first_token = first.outputs[0].token_ids[0]
-    tokens = [first_token]
-    async for out in decode.generate(prompt, params, remote_kv=first.kv_handle, first_token_id=first_token):
-        tokens += out.delta_token_ids
-    return tokens
+from test_disagg_engine import SECRET, disaggregated  # one prefill then one decode, as the router does
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
