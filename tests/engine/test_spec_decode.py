@@ -528,3 +528,17 @@ def test_penalties_and_logit_bias_score_each_position_with_its_history(tiny_llam
         got, stats = generate(tiny_llama, prompts, params, speculative_config=spec)
         assert got == expected
         assert stats["spec_decode_num_drafts"] > 0
+
+
+def test_service_flags(capsys):
+    """--speculative-config is parsed (and refused with a clear error) at the command line; a
+    prefill instance refuses it before starting anything."""
+    from services.cli import build_parser, main
+
+    args = build_parser().parse_args(["decode", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["colocated", "--speculative-config", '{"method": "ngram"}'])
+    assert "missing ['num_speculative_tokens']" in capsys.readouterr().err
+    assert main(["prefill", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 2
+    assert "a prefill instance produces only the first token" in capsys.readouterr().err
