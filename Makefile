@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing soak gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -70,6 +70,23 @@ bench-router: $(STAMP) $(GENERATED)
 # KV-aware routing (least_load vs kv_aware) and conditional disaggregation (always/never/conditional).
 bench-routing: $(STAMP) $(GENERATED)
 	$(VPY) bench/routing_bench.py
+
+# Decoding features against pdserve without them, same run: structured outputs (guided_vs_free_throughput_ratio)
+# and n-gram speculative decoding (spec_itl_speedup_b1, b8, and the nothing-accepted ratio).
+bench-decoding: $(STAMP) $(GENERATED)
+	$(VPY) -m bench.guided_bench
+	$(VPY) -m bench.spec_bench
+
+# Where disaggregation pays (docs/planning.md): the measured sweep (ISL:OSL x SLO, the plan's choice against
+# colocated and vLLM's CPU build), cluster scale by simulation on GPU rooflines, and the simulator's validation.
+bench-pd-sweep: $(STAMP) $(GENERATED)
+	$(VPY) -m bench.pd_sweep
+
+bench-sim-cluster: $(STAMP) $(GENERATED)
+	$(VPY) -m bench.sim_cluster
+
+sim-validate: $(STAMP) $(GENERATED)
+	$(VPY) -m bench.sim_validate
 
 # Faults under twice the local stack's capacity (< 10 minutes); exits 1 if anything is lost.
 # `make soak SOAK_ARGS="--duration 60"`: shorter; bench/soak.py --help for the knobs.
