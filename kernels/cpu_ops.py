@@ -5,6 +5,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -39,6 +40,9 @@ def load():
             source = hashlib.sha1(f.read()).hexdigest()[:10]
         build = os.path.join(root, "cpu-ext", f"{_cpu_tag()}-{source}")
         os.makedirs(build, exist_ok=True)
+        built = _import_built(build)
+        if built is not None:  # the common case: no lock, no ninja (processes starting together queue on both)
+            return built
         with _build_lock(build):
             # The source is copied into the build directory: ninja's rules name the source's path,
             # so two checkouts of the same source share one build instead of rebuilding each other's.
@@ -46,13 +50,30 @@ def load():
             if not os.path.exists(src):
                 shutil.copyfile(_SRC, src + ".tmp")
                 os.replace(src + ".tmp", src)
-            return cpp_extension.load(
-                name="pdserve_cpu_attention", sources=[src], build_directory=build,
+            module = cpp_extension.load(
+                name=_MODULE, sources=[src], build_directory=build,
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                 extra_ldflags=["-fopenmp", "-ffast-math", "-fno-finite-math-only"], verbose=False)
+            # Written last, under the lock: the library next to it is complete.
+            open(os.path.join(build, _BUILT), "w").close()
+            return module
     except Exception as e:  # no compiler, no ninja, ...
         logger.warning("CPU attention extension unavailable (%s); using the pure torch path", e)
         return None
+
+
+_MODULE = "pdserve_cpu_attention"
+_BUILT = "pdserve.built"
+
+
+def _import_built(build: str):
+    """The module a finished build left in `build` (its marker is written after the library), or None."""
+    if not os.path.exists(os.path.join(build, _BUILT)):
+        return None
+    spec = importlib.util.spec_from_file_location(_MODULE, os.path.join(build, f"{_MODULE}.so"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
