@@ -139,7 +139,6 @@ class SamplingParams:
         step cannot be launched before the previous token is known."""
         return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
