@@ -94,22 +94,24 @@ def cells_of(args) -> list[Cell]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'gpu':<6}{'ISL:OSL':<13}{'SLO':<7}{'TTFT/TPOT ms':>14}{'GPUs':>6}{'best P/D':>10}"
+    lines = [f"{'gpu':<6}{'ISL:OSL':<15}{'SLO':<7}{'TTFT/TPOT ms':>14}{'GPUs':>6}{'best P/D':>10}"
              f"{'P/D':>9}{'coloc':>9}{'P/D/coloc':>11}",
-             f"{'':<6}{'':<13}{'':<7}{'':>14}{'':>6}{'':>10}{'req/s/GPU':>18}{'':>11}"]
+             f"{'':<6}{'':<15}{'':<7}{'':>14}{'':>6}{'':>10}{'req/s/GPU':>18}{'':>11}"]
     order = {s: i for i, s in enumerate(SHAPES)}
     for r in sorted(rows, key=lambda r: (r["gpu"], order[r["shape"]], r["slo"] != "loose", r["instances"])):
         slo = f"{r['slos_ms']['ttft']:.0f}/{r['slos_ms']['tpot']:.1f}"
-        lines.append(f"{r['gpu']:<6}{r['shape'] + ' ' + str(r['isl']) + ':' + str(r['osl']):<13}{r['slo']:<7}"
+        ratio = "n/d" if r["at_search_limit"] else f"{r['ratio']:.2f}"
+        lines.append(f"{r['gpu']:<6}{r['shape'] + ' ' + str(r['isl']) + ':' + str(r['osl']):<15}{r['slo']:<7}"
                      f"{slo:>14}{r['instances']:>6}{r['pd_fleet']:>10}{r['pd_per_gpu']:>9.2f}"
-                     f"{r['colocated_per_gpu']:>9.2f}{r['ratio']:>11.2f}"
+                     f"{r['colocated_per_gpu']:>9.2f}{ratio:>11}"
                      + ("  (search limit: " + ", ".join(r["at_search_limit"]) + ")" if r["at_search_limit"] else ""))
     return "\n".join(lines)
 
 
 def headline(rows: list[dict]) -> float:
-    """The worst P/D-over-colocated ratio of goodput per GPU on the 10:1 shape at the tight SLO."""
-    cells = [r for r in rows if (r["shape"], r["slo"]) == HEADLINE]
+    """The worst P/D-over-colocated ratio of goodput per GPU on the 10:1 shape at the tight SLO
+    (cells whose capacity is at the search limit have no ratio)."""
+    cells = [r for r in rows if (r["shape"], r["slo"]) == HEADLINE and not r["at_search_limit"]]
     return min(r["ratio"] for r in cells) if cells else float("nan")
 
 
