@@ -8,6 +8,7 @@ plain decode path (CUDA graphs included) instead of k + 1 query tokens each step
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 from engine.request import Request, RequestStatus
@@ -24,7 +25,7 @@ class _RowState:
     resume_at: int = 0  # the request's token count from which it proposes again
 
 
-class Proposer:
+class Proposer(abc.ABC):
     def __init__(self, num_speculative_tokens: int, max_model_len: int) -> None:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -51,9 +52,9 @@ class Proposer:
                 state = self._rows.setdefault(r.request_id, _RowState())
                 state.num_tokens, state.proposal = r.num_tokens, tuple(proposal)
 
+    @abc.abstractmethod
     def propose_tokens(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow requests[i]'s known tokens (the method's own part)."""
-        raise NotImplementedError
 
     def _num_to_propose(self, r: Request) -> int:
         if r.status != RequestStatus.RUNNING or r.prefill_only or r.num_computed_tokens != r.num_tokens - 1:

@@ -26,6 +26,15 @@ async def disaggregated(prefill: AsyncEngine, decode: AsyncEngine, prompt, param
     return tokens
 
 
+async def transfers_settled(prefill_core) -> None:
+    """Wait (up to 3 s) until the prefill core's published KV has been pulled or released: the
+    releases cross threads and sockets."""
+    for _ in range(300):
+        if not prefill_core.scheduler.has_pending_transfers():
+            return
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_disaggregated_engines_match_colocated(tiny_llama, transport):
     rng = random.Random(0)
@@ -47,10 +56,7 @@ def test_disaggregated_engines_match_colocated(tiny_llama, transport):
             got = await asyncio.gather(*(disaggregated(prefill, decode, p, params) for p in prompts))
             assert got == expected
             pcore, dcore = prefill.client.core, decode.client.core
-            for _ in range(300):  # releases cross threads and sockets: poll with a deadline
-                if not pcore.scheduler.has_pending_transfers():
-                    break
-                await asyncio.sleep(0.01)
+            await transfers_settled(pcore)
             assert pcore.scheduler.num_held_blocks == 0
             stats = dcore.stats()
             # One transfer per request; a prompt whose blocks are all cached here (16 tokens, the

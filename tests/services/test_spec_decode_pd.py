@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
-from test_disagg_engine import SECRET, disaggregated  # one prefill then one decode, as the router does
+from test_disagg_engine import SECRET, disaggregated, transfers_settled  # one prefill then one decode, as the router does
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -41,10 +41,7 @@ def test_decode_speculates_after_its_pull(tiny_llama, method):
             assert stats["spec_decode_num_drafts"] > 0
             if method == "draft_model":  # the draft is the target, its prompt KV computed in its own cache
                 assert stats["spec_decode_acceptance_rate"] == 1.0
-            for _ in range(300):  # releases cross threads and sockets: poll with a deadline
-                if not pcore.scheduler.has_pending_transfers():
-                    break
-                await asyncio.sleep(0.01)
+            await transfers_settled(pcore)
             pcore.check_integrity(expect_all_free=True)
             dcore.check_integrity(expect_all_free=True)
         finally:
