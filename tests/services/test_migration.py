@@ -43,38 +43,64 @@ def undisturbed(stack, body) -> dict:
     return out
 
 
-def kill_the_serving_decode(stack: Stack, core: bool = False) -> None:
-    """SIGKILL to the decode that runs the request (or to its engine core process)."""
-    def serving():
-        running = [d for d in stack.live(stack.decodes) if d.load().num_running]
-        return running[0] if running else None
-
-    assert poll_until(lambda: serving() is not None, 30), "no decode runs the request"
-    decode = serving()
-    if not core:
-        stack.kill(decode)
-        return
+def engine_core_of(decode) -> int:
     (pid,) = [p for p in children_of(decode.proc.pid)  # not multiprocessing's resource tracker
               if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-    stack.killed.append(decode)  # it fails its requests with UNAVAILABLE and exits non-zero
-    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+class Decodes:
+    """Freezes every live decode's engine core (SIGSTOP) the moment the request is known to be
+    under way, so that a tiny model (~1 ms a token) cannot finish it before the kill lands; then
+    finds the decode the router sent it to, kills it (or its engine core) and thaws the rest."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.decodes = stack.live(stack.decodes)
+        self.cores = {d: engine_core_of(d) for d in self.decodes}
+        self.routed = self.routing_decisions()
+
+    def routing_decisions(self) -> dict:
+        return {d: self.stack.router.metric("pdserve:router_routing_decisions_total",
+                                            {"role": "decode", "instance": d.address})
+                for d in self.decodes}
+
+    def freeze(self) -> None:
+        for pid in self.cores.values():
+            os.kill(pid, signal.SIGSTOP)
+
+    def kill_the_serving_one(self, core: bool = False) -> None:
+        now = self.routing_decisions()
+        (decode,) = [d for d in self.decodes if now[d] > self.routed[d]]
+        for d, pid in self.cores.items():
+            if d is not decode:
+                os.kill(pid, signal.SIGCONT)
+        self.stack.killed.append(decode)  # a killed core fails its requests with UNAVAILABLE, exits non-zero
+        if core:
+            os.kill(self.cores[decode], signal.SIGKILL)
+            return
+        decode.kill()
+        os.kill(self.cores[decode], signal.SIGCONT)  # an orphan that notices its host is gone
 
 
 @pytest.mark.parametrize("core", [False, True], ids=["decode_process", "engine_core"])
 def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturbed, core):
     before = stack.router.metric(*MIGRATED)
+    decodes = Decodes(stack)
     conn = http.client.HTTPConnection("127.0.0.1", stack.router.port, timeout=120)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200
-        events = []
+        events, frozen = [], False
         while (line := resp.readline()) and line.strip() != b"data: [DONE]":
             if line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
-                if len(events) == 8:
-                    kill_the_serving_decode(stack, core)
+                if sum(bool(e["choices"][0]["text"]) for e in events) == 2 and not frozen:
+                    frozen = True  # tokens have reached the client: the decode streams
+                    decodes.freeze()
+                    decodes.kill_the_serving_one(core)
     finally:
         conn.close()
     assert not [e for e in events if "error" in e], events[-1]
@@ -87,10 +113,13 @@ def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturb
 def test_a_completion_survives_its_decode_killed(stack, body, undisturbed):
     before = stack.router.metric(*MIGRATED)
     tokens = stack.router.metric("pdserve:router_generation_tokens_total")
+    decodes = Decodes(stack)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(stack.post, "/v1/completions", body, 120)
-        assert poll_until(lambda: stack.router.metric("pdserve:router_generation_tokens_total") >= tokens + 8, 30)
-        kill_the_serving_decode(stack)
+        assert poll_until(lambda: stack.router.metric("pdserve:router_generation_tokens_total") > tokens, 30,
+                          interval=0.005)
+        decodes.freeze()
+        decodes.kill_the_serving_one()
         status, out = future.result(120)
     assert status == 200, out
     assert undated(out) == undated(undisturbed)  # text, finish reason and usage
