@@ -92,8 +92,13 @@ class SchedulerConfig:
 class ParallelConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: the first visible GPU, else the CPU)
+    # Ranks over which one model is sharded (heads, MLP, vocabulary); rank r of a CUDA engine
+    # runs on cuda:(base + r). Checked against the checkpoint's head counts at engine start.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
