@@ -18,7 +18,7 @@ UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
 
 
 @pytest.mark.parametrize("major", ["3", "4"])
-@pytest.mark.parametrize("value_set", ["cpu-only", "gpu-ucx-rdma", "engine-mtls", "kv-events"])
+@pytest.mark.parametrize("value_set", ["cpu-only", "gpu-ucx-rdma", "engine-mtls", "kv-events", "tensor-parallel"])
 def test_render_matches_golden(value_set, major):
     path = GOLDEN / f"{value_set}.yaml"
     text = normalized(render(major, value_set))

@@ -9,7 +9,8 @@ import pytest
 from chart_tools import (KUBE_VERSIONS, NAMESPACE, by_kind, container, helm, lint, render, validate, CHART)
 
 HELMS = ("3", "4")
-VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc", "engine-mtls", "kv-events")
+VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc", "engine-mtls", "kv-events",
+              "tensor-parallel")
 ENGINES = ("pd-pdserve-prefill", "pd-pdserve-decode")
 
 

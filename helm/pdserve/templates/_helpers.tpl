@@ -101,6 +101,11 @@ data:
 {{- end }}
 {{- end }}
 
+{{/* Ranks one engine is sharded over (1 for the router and the planner). */}}
+{{- define "pdserve.tensorParallelSize" -}}
+{{- int (default 1 .v.tensorParallelSize) }}
+{{- end }}
+
 {{- define "pdserve.grpcPort" -}}
 {{- if eq .role "router" }}{{ .root.Values.router.grpcPort }}{{ else }}{{ index .root.Values.engine.grpcPorts .role }}{{ end }}
 {{- end }}
@@ -159,6 +164,18 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- $_ := set $taken $port (printf "kvEvents.%s" $key) }}
 {{- end }}
 {{- end }}
+{{- $device := .Values.engine.device }}
+{{- range $role := list "prefill" "decode" }}
+{{- $v := index $.Values $role }}
+{{- $tp := int (include "pdserve.tensorParallelSize" (dict "v" $v)) }}
+{{- $gpus := mul $v.accelerator.count $tp }}
+{{- if and (gt (int $gpus) 0) (hasPrefix "cuda:" $device) }}
+{{- $base := int (trimPrefix "cuda:" $device) }}
+{{- if lt (int $gpus) (add $base $tp) }}
+{{- fail (printf "engine.device %s puts %s's ranks on cuda:%d..cuda:%d, but its pods see %d GPU(s), numbered from cuda:0 (%s.accelerator.count %v x tensorParallelSize %d): use cuda or auto" $device $role $base (sub (add $base $tp) 1) $gpus $role $v.accelerator.count $tp) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $p := index $.Values.planner $role }}
 {{- if gt (int $p.minReplicas) (int $p.maxReplicas) }}
@@ -176,13 +193,15 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- end }}
 {{- end }}
 
-{{/* Requests and limits; extended resources (GPUs, RDMA NICs) get requests = limits. */}}
+{{/* Requests and limits; extended resources (GPUs, RDMA NICs) get requests = limits. An engine's
+accelerators are per tensor-parallel rank: the pod asks count x tensorParallelSize (set count 0 to
+write the GPUs into resources yourself: then nothing is derived). */}}
 {{- define "pdserve.resources" -}}
 {{- $res := deepCopy (default dict .v.resources) }}
 {{- $requests := default dict $res.requests }}
 {{- $limits := default dict $res.limits }}
 {{- if gt (int .v.accelerator.count) 0 }}
-{{- $_ := set $limits .v.accelerator.resourceName .v.accelerator.count }}
+{{- $_ := set $limits .v.accelerator.resourceName (mul .v.accelerator.count (include "pdserve.tensorParallelSize" .)) }}
 {{- end }}
 {{- $rdma := .root.Values.kvTransfer.rdma }}
 {{- if and $rdma.enabled (has .role (list "prefill" "decode")) }}

@@ -1,0 +1,120 @@
+"""tensorParallelSize per engine role: the flag, one accelerator per rank, /dev/shm for NCCL, the KV
+listeners of a sharded prefill, and the values the chart refuses (Helm 3 and 4)."""
+from __future__ import annotations
+
+import pytest
+
+from chart_tools import KUBE_VERSIONS, by_kind, container, lint, render, template, validate
+
+ENGINES = ("prefill", "decode")
+
+
+def engine_pods(docs: list[dict]) -> dict[str, dict]:
+    deployments = by_kind(docs, "Deployment")
+    return {role: deployments[f"pd-pdserve-{role}"]["spec"]["template"]["spec"] for role in ENGINES}
+
+
+def tp_flags(c: dict) -> list[str]:
+    return [a for a in c["args"] if a.startswith("--tensor-parallel-size")]
+
+
+def test_tensor_parallel_size_one_renders_no_flag_and_one_gpu_per_pod():
+    pods = engine_pods(render("3", sets={"prefill.tensorParallelSize": 1, "decode.tensorParallelSize": 1}))
+    for role, spec in pods.items():
+        c = container({"spec": {"template": {"spec": spec}}})
+        assert tp_flags(c) == [], role  # the engine's default: today's single-device path
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 1
+
+
+@pytest.mark.parametrize("major", ["3", "4"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 4), (4, 2), (2, 1), (1, 4)])
+def test_each_role_gets_its_flag_and_one_gpu_per_rank(major, prefill_tp, decode_tp):
+    sizes = {"prefill": prefill_tp, "decode": decode_tp}
+    docs = render(major, sets={f"{role}.tensorParallelSize": n for role, n in sizes.items()})
+    assert [e for v in KUBE_VERSIONS for d in docs for e in validate(d, v)] == []
+    for role, spec in engine_pods(docs).items():
+        c = container({"spec": {"template": {"spec": spec}}})
+        n = sizes[role]
+        assert tp_flags(c) == ([f"--tensor-parallel-size={n}"] if n > 1 else []), role
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == n
+        # NCCL's shared memory: a memory-backed /dev/shm in the engine container
+        [dshm] = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    router = container(by_kind(docs, "Deployment")["pd-pdserve-router"])
+    assert not tp_flags(router) and "nvidia.com/gpu" not in str(router["resources"])
+
+
+def test_accelerators_are_per_rank_and_none_on_the_cpu():
+    sets = {"decode.tensorParallelSize": 4, "decode.accelerator": {"resourceName": "amd.com/gpu", "count": 2},
+            "prefill.tensorParallelSize": 2, "prefill.accelerator": {"resourceName": "nvidia.com/gpu", "count": 0},
+            "engine.device": "auto", "kvTransfer.shm.sizeLimit": "16Gi"}
+    pods = engine_pods(render("3", sets=sets))
+    decode = container({"spec": {"template": {"spec": pods["decode"]}}})
+    assert decode["resources"]["limits"]["amd.com/gpu"] == decode["resources"]["requests"]["amd.com/gpu"] == 8
+    prefill = container({"spec": {"template": {"spec": pods["prefill"]}}})
+    # count 0: the ranks share the pod's cores (gloo); no accelerator asked, the flag still passed
+    assert "gpu" not in str(prefill["resources"]) and tp_flags(prefill) == ["--tensor-parallel-size=2"]
+    for spec in pods.values():
+        assert next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "16Gi"
+
+
+def test_gpus_written_into_resources_by_hand_are_kept_when_the_accelerator_count_is_zero():
+    sets = {"decode.tensorParallelSize": 4, "decode.accelerator.count": 0,
+            "decode.resources": {"limits": {"nvidia.com/gpu": 4, "memory": "64Gi"}}}
+    decode = container(by_kind(render("3", sets=sets), "Deployment")["pd-pdserve-decode"])
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == decode["resources"]["requests"]["nvidia.com/gpu"] == 4
+
+
+def test_the_70b_example_shards_prefill_over_2_gpus_and_decode_over_4():
+    docs = render("3", "tensor-parallel")
+    deployments = by_kind(docs, "Deployment")
+    for role, n in (("prefill", 2), ("decode", 4)):
+        c = container(deployments[f"pd-pdserve-{role}"])
+        assert tp_flags(c) == [f"--tensor-parallel-size={n}"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == n
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1  # a shared NIC per pod, not per rank
+        assert "--kv-transport=ucx" in c["args"] and "--kv-cache-memory-gb=40" in c["args"]
+
+
+def kv_ingress_from_decode(docs: list[dict]) -> list[dict]:
+    policy = by_kind(docs, "NetworkPolicy")["pd-pdserve-prefill"]
+    return [rule for rule in policy["spec"]["ingress"]
+            if any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "decode"
+                   for p in rule.get("from", []))]
+
+
+def test_a_sharded_prefill_lets_decode_pods_reach_every_rank_listener_and_tp_one_only_the_kv_port():
+    [single] = kv_ingress_from_decode(render("3", sets={"decode.tensorParallelSize": 4}))
+    assert single["ports"] == [{"port": "kv", "protocol": "TCP"}]  # a sharded decode pulls; it listens on nothing
+    [sharded] = kv_ingress_from_decode(render("3", sets={"prefill.tensorParallelSize": 2}))
+    assert "ports" not in sharded  # each rank's KV listener has its own port
+
+
+REFUSED = {0: "minimum: got 0, want 1", -2: "minimum: got -2, want 1", 1.5: "got number, want integer",
+           "2": "got string, want integer"}
+
+
+@pytest.mark.parametrize("major", ["3", "4"])
+@pytest.mark.parametrize("role", ENGINES)
+@pytest.mark.parametrize("size", list(REFUSED), ids=repr)
+def test_schema_refuses_a_size_below_one_or_not_an_integer(major, role, size):
+    sets = {f"{role}.tensorParallelSize": size}
+    for result in (template(major, sets=sets, check=False), lint(major, sets=sets, check=False)):
+        out = result.stdout + result.stderr
+        assert result.returncode != 0 and f"at '/{role}/tensorParallelSize'" in out and REFUSED[size] in out, out
+
+
+def test_the_router_has_no_tensor_parallel_size():
+    result = template("3", sets={"router.tensorParallelSize": 2}, check=False)
+    assert result.returncode != 0 and "additional properties 'tensorParallelSize' not allowed" in result.stderr
+
+
+@pytest.mark.parametrize("major", ["3", "4"])
+def test_a_device_index_beyond_the_pods_gpus_fails_with_the_reason(major):
+    sets = {"engine.device": "cuda:1", "decode.tensorParallelSize": 2, "prefill.accelerator.count": 0}
+    result = template(major, sets=sets, check=False)
+    assert result.returncode != 0
+    assert ("engine.device cuda:1 puts decode's ranks on cuda:1..cuda:2, but its pods see 2 GPU(s), numbered from "
+            "cuda:0 (decode.accelerator.count 1 x tensorParallelSize 2): use cuda or auto") in result.stderr
+    assert template(major, sets={**sets, "decode.accelerator.count": 2}).returncode == 0  # 4 GPUs: cuda:1, cuda:2 exist
