@@ -75,6 +75,10 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, hf_config)
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
+        if kv_connector_factory is not None and config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"a KV connector with tensor_parallel_size > 1 (here "
+                             f"{config.parallel.tensor_parallel_size}) is not supported yet: disaggregated "
+                             f"prefill/decode engines run with tensor_parallel_size=1")
         connector_scheduler, connector_worker = (kv_connector_factory() if kv_connector_factory is not None
                                                  else (None, None))
         self.connector_worker = connector_worker
@@ -96,9 +100,9 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: a step launched ahead
         self.structured_output = StructuredOutputManager(config.model.path, self.vocab_size)
         self.num_async_steps = 0
-        logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s",
-                    self.runner.num_blocks, config.cache.block_size, self.max_model_len,
-                    self.runner.kernels.name)
+        logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s, "
+                    "tensor_parallel_size=%d", self.runner.num_blocks, config.cache.block_size,
+                    self.max_model_len, self.runner.kernels.name, config.parallel.tensor_parallel_size)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.structured_output.waiting:
@@ -201,6 +205,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        self.runner.shutdown()
         self.structured_output.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.close()

@@ -13,8 +13,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker
 from engine.models import load_model
-from engine.models.llama import AttentionMetadata
+from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import resolve_dtype
+from engine.parallel import TPLayout
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.structured_output.bitmask import GrammarBitmask
@@ -50,13 +51,22 @@ class ModelRunner:
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config)
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
-                                self.device, show_progress)
-        arch = self.model.arch
+        arch = LlamaArch.from_hf_config(hf_config)
+        tp_size = config.parallel.tensor_parallel_size
+        self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
+        # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
+        self.num_kv_heads = self.tp_layout.local_kv_heads if tp_size > 1 else arch.num_kv_heads
         self.block_size = config.cache.block_size
+        # Memory per device, as vLLM: every rank's shard has this many blocks.
         self.num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // self.bytes_per_block(arch))
-        self.kv_cache_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        self.tp = None
+        if tp_size > 1:
+            self.model = self._load_tensor_parallel(config, hf_config, show_progress)
+        else:
+            self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
+                                    self.device, show_progress)
+        self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
                                          self.block_size, self.dtype, self.device)
         self.connector = connector
         if connector is not None:  # e.g. shared memory, registered with the transport
@@ -64,7 +74,7 @@ class ModelRunner:
         else:
             # Zero-initialised: attention reads padding slots (masked); 0 * NaN would poison them.
             self.kv_caches = [
-                torch.zeros((2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
+                torch.zeros((2, self.num_blocks, self.block_size, self.num_kv_heads, arch.head_dim),
                             dtype=self.dtype, device=self.device)
                 for _ in range(arch.num_layers)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -85,6 +95,25 @@ class ModelRunner:
                               for _ in range(2)] if on_cuda else []
         self._sampled_slot = 0
 
+    def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool):
+        """Workers for ranks 1..N-1 (each loads its own shard meanwhile), rank 0's shard here."""
+        from engine.parallel.driver import TensorParallelModel, TPDriver
+
+        self.tp = TPDriver(config, hf_config, self.tp_layout, self.device, self.num_blocks)
+        try:
+            local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
+                               show_progress, tp=self.tp.group)
+            self.tp.wait_ready()
+        except BaseException:
+            self.tp.shutdown()
+            raise
+        return TensorParallelModel(local, self.tp)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (joined, none left behind)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     def _decode_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, str | None]:
         """The decode buffers: padded, with CUDA graphs where they can be captured (else why not).
         Unpadded (at the step's own batch size) with enforce_eager, and where no graph can be
@@ -93,6 +122,8 @@ class ModelRunner:
         reason = None
         if config.model.enforce_eager:
             reason = "enforce_eager"
+        elif config.parallel.tensor_parallel_size > 1:
+            reason = "tensor parallelism"  # a graph would capture rank 0's launches only
         elif self.device.type != "cuda":
             reason = "no CUDA device"
         elif self.kernels.name != "triton":
@@ -106,9 +137,10 @@ class ModelRunner:
         return graphs, reason
 
     def bytes_per_block(self, arch=None) -> int:
+        """Of this rank's KV shard."""
         arch = arch or self.model.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * arch.num_kv_heads * arch.head_dim * elem * arch.num_layers
+        return 2 * self.block_size * self.num_kv_heads * arch.head_dim * elem * arch.num_layers
 
     def prepare(self, so: SchedulerOutput):
         reqs, ns = so.scheduled, so.num_scheduled_tokens

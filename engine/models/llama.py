@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.models.rope import cos_sin_cache, rope_parameters
 from kernels import KernelBackend
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+    """With tp: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
+    row-parallel, its partial sums all-reduced."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        o_bias = arch.o_bias
+        if tp is not None:
+            self.num_heads, self.num_kv_heads = tp.layout.local_heads, tp.layout.local_kv_heads
+            o_bias = o_bias and tp.layout.owns_replicated_bias()
+        self.tp = tp
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -112,26 +124,32 @@ class Attention(nn.Module):
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                              meta.block_tables, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+    """With tp: gate_up column-parallel, down_proj row-parallel (all-reduced)."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
         self.kernels = kernels
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = arch.intermediate_size if tp is None else tp.layout.local_intermediate
+        down_bias = arch.mlp_bias and (tp is None or tp.layout.owns_replicated_bias())
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, kernels)
-        self.mlp = MLP(arch, kernels)
+        self.self_attn = Attention(arch, kernels, tp)
+        self.mlp = MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -143,13 +161,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend) -> None:
+    """With tp (tensor parallelism): this rank's shard; the embedding and the LM head are
+    vocabulary-parallel (rows vocab_start.. of the vocabulary), norms replicated."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, kernels) for _ in range(arch.num_layers))
+        self.tp = tp
+        vocab_rows = arch.vocab_size if tp is None else tp.layout.vocab_per_rank
+        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, kernels, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer(
@@ -157,11 +180,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ids in this rank's vocabulary range, zeros elsewhere, summed over the ranks
+        (one non-zero term per token: exact)."""
+        local = input_ids - self.tp.layout.vocab_start
+        outside = (local < 0) | (local >= self.tp.layout.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab]; with tp the full logits on rank 0 (each rank computes its vocabulary
+        shard) and None on the other ranks."""
+        logits = self.lm_head(hidden)
+        return logits if self.tp is None else self.tp.gather_logits(logits)

@@ -53,14 +53,15 @@ def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
 
 
 def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
-               device: torch.device | str = "cpu", show_progress: bool = False) -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", show_progress: bool = False, tp=None) -> LlamaForCausalLM:
+    """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, kernels)
+        model = LlamaForCausalLM(arch, kernels, tp)
     model = model.to_empty(device=device).to(dtype)
     # Buffers made on the meta device hold no data: compute the rotary table for real.
     model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
@@ -71,7 +72,9 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                _load_one(model, params, hf_name, f.get_tensor(hf_name), loaded)
+                tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(hf_name, f.get_slice(hf_name))
+                if tensor is not None:
+                    _load_one(model, params, hf_name, tensor, loaded)
     if show_progress:
         print(file=sys.stderr)
     if arch.tie_word_embeddings or "lm_head.weight" not in loaded:

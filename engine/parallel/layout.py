@@ -1,0 +1,102 @@
+"""Which slice of each weight, head and vocabulary row a tensor-parallel rank owns (Megatron's
+column/row split, vLLM's replicated KV heads when ranks outnumber them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+    """A clear ValueError, naming the numbers, for a size the checkpoint cannot be split by."""
+    if size == 1:
+        return
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must divide "
+                         f"the other (KV heads are split over ranks, or each replicated over size / KV heads ranks)")
+    if intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's MLP intermediate size "
+                         f"{intermediate_size}")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, arch, size: int, rank: int) -> "TPLayout":
+        check_tensor_parallel_size(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+        return cls(rank, size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+                   arch.vocab_size)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def kv_head_start(self) -> int:
+        # Replicated (size > KV heads): size // kv consecutive ranks share one KV head, which is
+        # the head their query heads group onto.
+        if self.num_kv_heads >= self.size:
+            return self.rank * self.local_kv_heads
+        return self.rank // (self.size // self.num_kv_heads)
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of every rank's embedding and LM head shard (the last is zero-padded to this)."""
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    @property
+    def vocab_end(self) -> int:
+        return min(self.vocab_size, self.vocab_start + self.vocab_per_rank)
+
+    def owns_replicated_bias(self) -> bool:
+        """A row-parallel layer's bias is added once, by rank 0, before the all-reduce."""
+        return self.rank == 0
+
+    def read(self, name: str, tensor_slice) -> torch.Tensor | None:
+        """The rank's part of HF weight `name`, read through a safetensors slice (so other ranks'
+        rows never leave the file); None: this rank holds nothing of it."""
+        hd = self.head_dim
+        rows = None
+        cols = None
+        if ".q_proj." in name:
+            rows = (self.rank * self.local_heads * hd, (self.rank + 1) * self.local_heads * hd)
+        elif ".k_proj." in name or ".v_proj." in name:
+            rows = (self.kv_head_start * hd, (self.kv_head_start + self.local_kv_heads) * hd)
+        elif ".gate_proj." in name or ".up_proj." in name:
+            rows = (self.rank * self.local_intermediate, (self.rank + 1) * self.local_intermediate)
+        elif ".o_proj." in name or ".down_proj." in name:
+            if name.endswith(".bias"):
+                return tensor_slice[:] if self.owns_replicated_bias() else None
+            width = self.local_heads * hd if ".o_proj." in name else self.local_intermediate
+            cols = (self.rank * width, (self.rank + 1) * width)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            part = tensor_slice[self.vocab_start:self.vocab_end]
+            pad = self.vocab_per_rank - part.shape[0]
+            return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
+        if rows is not None:
+            return tensor_slice[rows[0]:rows[1]]
+        if cols is not None:
+            return tensor_slice[:, cols[0]:cols[1]]
+        return tensor_slice[:]  # norms: replicated

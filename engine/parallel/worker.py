@@ -1,0 +1,115 @@
+"""A tensor-parallel worker process (ranks 1..N-1): joins the group, loads its shard, allocates its
+KV cache shard and runs the driver's commands until told to stop or the driver goes away.
+
+Started by the driver as `python -m engine.parallel.worker` with one end of a socket pair
+(PDSERVE_TP_FD): a plain subprocess, because the engine core process is daemonic and
+multiprocessing forbids daemonic processes children."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.parallel.commands import Call, ComputeLogits, Forward, Shutdown, WorkerInit
+
+logger = logging.getLogger(__name__)
+
+
+class TPWorker:
+    def __init__(self, init: WorkerInit) -> None:
+        from engine.device import resolve_device
+        from engine.models import load_model
+        from engine.models.llama import LlamaArch
+        from engine.models.loader import resolve_dtype
+        from engine.parallel.group import TPGroup, rank_device
+        from engine.parallel.layout import TPLayout
+        from kernels import get_backend
+
+        config = init.config
+        if init.num_threads:
+            torch.set_num_threads(init.num_threads)
+        arch = LlamaArch.from_hf_config(init.hf_config)
+        self.layout = TPLayout.of(arch, config.parallel.tensor_parallel_size, init.rank)
+        self.device = rank_device(resolve_device(config.parallel.device), init.rank)
+        self.group = TPGroup(self.layout, init.init_method, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, init.hf_config)
+        self.kernels = get_backend(config.kernel_backend, self.device)
+        self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
+                                tp=self.group)
+        self.num_blocks = init.num_blocks
+        shape = (2, init.num_blocks, config.cache.block_size, self.layout.local_kv_heads, arch.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.hidden_size = arch.hidden_size
+
+    @torch.inference_mode()
+    def forward(self, cmd: Forward) -> None:
+        from engine.models.llama import AttentionMetadata
+
+        dev = self.device
+
+        def t(a):
+            return torch.from_numpy(a).to(dev)
+
+        meta = AttentionMetadata(slot_mapping=t(cmd.slot_mapping), query_start_loc=t(cmd.query_start_loc),
+                                 seq_lens=t(cmd.seq_lens), block_tables=t(cmd.block_tables),
+                                 decode_only=cmd.decode_only)
+        self.model(t(cmd.input_ids), t(cmd.positions), self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, cmd: ComputeLogits) -> None:
+        hidden = torch.empty((cmd.rows, self.hidden_size), dtype=self.dtype, device=self.device)
+        self.model.compute_logits(self.group.broadcast(hidden))
+
+    def info(self) -> dict:
+        """What this rank holds (for the driver's checks and the tests)."""
+        return {"rank": self.layout.rank, "pid": os.getpid(), "device": str(self.device),
+                "num_blocks": self.num_blocks, "kv_cache_shape": tuple(self.kv_caches[0].shape),
+                "threads": torch.get_num_threads()}
+
+    def serve(self, conn: Connection) -> None:
+        while True:
+            try:
+                cmd = conn.recv()
+            except EOFError:  # the driver is gone
+                return
+            if isinstance(cmd, Forward):
+                self.forward(cmd)
+            elif isinstance(cmd, ComputeLogits):
+                self.compute_logits(cmd)
+            elif isinstance(cmd, Call):
+                try:
+                    reply = ("ok", getattr(self, cmd.method)(*cmd.args))
+                except Exception as e:  # a call's failure is the caller's to report
+                    reply = ("error", f"{type(e).__name__}: {e}")
+                conn.send(reply)
+            elif isinstance(cmd, Shutdown):
+                return
+            else:
+                raise TypeError(f"unknown tensor-parallel command {cmd!r}")
+
+
+def main() -> int:
+    conn = Connection(int(os.environ["PDSERVE_TP_FD"]))
+    init: WorkerInit = conn.recv()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s tp-rank-{init.rank} %(name)s: %(message)s")
+    conn.send(("hello", os.getpid()))
+    try:
+        worker = TPWorker(init)
+    except Exception as e:
+        logger.exception("tensor-parallel rank %d failed to start", init.rank)
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    conn.send(("ready", None))
+    try:
+        worker.serve(conn)
+    finally:
+        worker.group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
