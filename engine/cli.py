@@ -16,7 +16,8 @@ def _generate(args) -> int:
         engine = await AsyncEngine.create(args.model, device=args.device, dtype=args.dtype,
                                           max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                                           async_scheduling=args.async_scheduling,
-                                          speculative_config=args.speculative_config)
+                                          speculative_config=args.speculative_config,
+                                          tensor_parallel_size=args.tensor_parallel_size)
         try:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -70,6 +71,8 @@ def add_engine_commands(sub) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (worker processes; on CUDA one GPU each, from --device)")
     g.add_argument("--async-scheduling", action="store_true", help="queue step n+1 while step n runs")
     g.add_argument("--speculative-config", default=None,
                    help="speculative decoding as JSON, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")

@@ -40,7 +40,12 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add(p, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
-    add(p, "--num-threads", type=int, default=None, help="torch threads of the engine core")
+    add(p, "--num-threads", type=int, default=None,
+        help="torch threads of the engine core (per rank with --tensor-parallel-size; default there: "
+             "the cores split over the ranks)")
+    add(p, "--tensor-parallel-size", type=int, default=1,
+        help="shard the model over N ranks: the engine core and N - 1 worker processes, one GPU each "
+             "from --device on CUDA (gloo over the cores on the CPU)")
     add(p, "--kernel-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
         help="attention kernels")
     add(p, "--kv-events-config", type=kv_events_config, default=None,

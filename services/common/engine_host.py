@@ -89,6 +89,7 @@ def engine_kwargs(args) -> dict:
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size,
                 kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
 
 
