@@ -33,7 +33,7 @@ def parser(*hooks) -> argparse.ArgumentParser:
 
 
 @pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only", "engine-mtls",
-                                       "kv-events"],
+                                       "kv-events", "tensor-parallel"],
                          ids=lambda v: v or "defaults")
 def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
     from services.common.auth import ServerAuth
@@ -58,7 +58,10 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
         elif role == "planner":
             assert set(planner_config(args).roles) == {"prefill", "decode"}
         else:
-            assert args.metrics_port and args.kv_transport == ("ucx" if value_set == "gpu-ucx-rdma" else "tcp")
+            assert args.metrics_port and args.kv_transport == ("ucx" if value_set in ("gpu-ucx-rdma", "tensor-parallel")
+                                                               else "tcp")
+            assert args.tensor_parallel_size == ({"prefill": 2, "decode": 4}[role] if value_set == "tensor-parallel"
+                                                 else 1)
             auth = ServerAuth.from_args(args)
             assert auth.describe() == ("mutual TLS" if value_set == "engine-mtls" else "none")
             events = args.kv_events_config  # parsed by the engines' own --kv-events-config type

@@ -2,9 +2,11 @@
 listeners of a sharded prefill, and the values the chart refuses (Helm 3 and 4)."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from chart_tools import KUBE_VERSIONS, by_kind, container, lint, render, template, validate
+from chart_tools import CHART, KUBE_VERSIONS, by_kind, container, helm, lint, render, template, validate, value_args
 
 ENGINES = ("prefill", "decode")
 
@@ -118,3 +120,45 @@ def test_a_device_index_beyond_the_pods_gpus_fails_with_the_reason(major):
     assert ("engine.device cuda:1 puts decode's ranks on cuda:1..cuda:2, but its pods see 2 GPU(s), numbered from "
             "cuda:0 (decode.accelerator.count 1 x tensorParallelSize 2): use cuda or auto") in result.stderr
     assert template(major, sets={**sets, "decode.accelerator.count": 2}).returncode == 0  # 4 GPUs: cuda:1, cuda:2 exist
+
+
+def test_notes_say_how_many_gpus_each_scaled_pod_holds():
+    # Helm 4 renders NOTES without a cluster (`install --dry-run=client`)
+    out = helm("4", "install", "pd", str(CHART), "--namespace", "llm", "--dry-run=client",
+               *value_args("tensor-parallel", {"prefill.accelerator.count": 0})).stdout
+    notes = out[out.index("NOTES:"):]
+    assert "  decode (tensor parallel 4: 4 nvidia.com/gpu per pod): 2 replica(s), fixed" in notes
+    assert "  prefill (tensor parallel 2: the ranks share the pod's CPUs): 2 replica(s), fixed" in notes
+    assert "  router: 1 replica(s)" in notes
+
+
+def engine_cli() -> argparse.ArgumentParser:
+    """The engines' own parsers: a rendered command line means what they make of it."""
+    from services.decode.cli import add_parsers as add_decode_parsers
+    from services.prefill.cli import add_parser as add_prefill_parser
+    cli = argparse.ArgumentParser(prog="pdserve")
+    sub = cli.add_subparsers(dest="command", required=True)
+    add_prefill_parser(sub)
+    add_decode_parsers(sub)
+    return cli
+
+
+@pytest.mark.parametrize("cpu_limit,tp,threads", [("2", 2, 1), ("1500m", 2, 1), ("9", 2, 4), (16, 4, 4), (3.5, 2, 1)])
+def test_cpu_ranks_split_the_pods_cpu_limit_and_the_engine_cli_takes_it(cpu_limit, tp, threads):
+    sets = {"prefill.tensorParallelSize": tp, "prefill.accelerator.count": 0,
+            "prefill.resources": {"requests": {"cpu": "1"}, "limits": {"cpu": cpu_limit, "memory": "8Gi"}}}
+    args = engine_cli().parse_args(container(by_kind(render("3", sets=sets), "Deployment")["pd-pdserve-prefill"])["args"])
+    assert (args.tensor_parallel_size, args.num_threads) == (tp, threads)
+
+
+def test_threads_are_left_to_the_engine_on_gpus_without_a_cpu_limit_and_to_the_user_in_extra_args():
+    docs = render("3", sets={"decode.tensorParallelSize": 2, "decode.resources.limits.cpu": "8",
+                             "prefill.tensorParallelSize": 2, "prefill.accelerator.count": 0,
+                             "prefill.resources": {"requests": {"cpu": "4"}}})
+    deployments = by_kind(docs, "Deployment")
+    for role in ENGINES:  # decode: on GPUs; prefill: on the CPU but with no limit to split
+        assert not any(a.startswith("--num-threads") for a in container(deployments[f"pd-pdserve-{role}"])["args"])
+    sets = {"prefill.tensorParallelSize": 2, "prefill.accelerator.count": 0, "prefill.resources.limits.cpu": "8",
+            "prefill.extraArgs": ["--num-threads=3"]}
+    args = engine_cli().parse_args(container(by_kind(render("3", sets=sets), "Deployment")["pd-pdserve-prefill"])["args"])
+    assert args.num_threads == 3  # extraArgs come last: the user's flag wins

@@ -106,6 +106,19 @@ data:
 {{- int (default 1 .v.tensorParallelSize) }}
 {{- end }}
 
+{{/* A CPU engine's torch threads per rank when tensor parallel: its CPU limit split over the ranks
+(floor, at least 1). Left to the engine otherwise, whose default splits os.cpu_count(): the node's
+cores, not the pod's limit. "" on accelerators, without a CPU limit, or at one rank. */}}
+{{- define "pdserve.cpuThreadsPerRank" -}}
+{{- $tp := int (include "pdserve.tensorParallelSize" .) }}
+{{- $cpu := toString (dig "limits" "cpu" "" (default dict .v.resources)) }}
+{{- $onCPU := or (eq (int .v.accelerator.count) 0) (eq .root.Values.engine.device "cpu") }}
+{{- if and $onCPU $cpu (gt $tp 1) }}
+{{- $cores := ternary (divf (trimSuffix "m" $cpu) 1000) (float64 $cpu) (hasSuffix "m" $cpu) }}
+{{- max 1 (int (floor (divf $cores $tp))) }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.grpcPort" -}}
 {{- if eq .role "router" }}{{ .root.Values.router.grpcPort }}{{ else }}{{ index .root.Values.engine.grpcPorts .role }}{{ end }}
 {{- end }}
