@@ -13,7 +13,7 @@ class WorkerInit:
     rank: int
     config: Any  # EngineConfig
     hf_config: dict
-    init_method: str  # torch.distributed's tcp:// rendezvous
+    store_port: int  # the group's rendezvous (a TCPStore on 127.0.0.1, hosted by the driver)
     num_blocks: int  # the driver decides; every rank's KV shard has as many blocks
     num_threads: int | None  # torch threads of a CPU rank
 

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from engine.parallel.commands import Call, ComputeLogits, Forward, Shutdown, WorkerInit
-from engine.parallel.group import TPGroup, free_tcp_port, rank_device
+from engine.parallel.group import TPGroup, make_store, rank_device
 from engine.parallel.layout import TPLayout
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class TPDriver:
             raise
 
     def _start(self, config, hf_config, layout, device, num_blocks, threads, env, root) -> None:
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        store = make_store(0, layout.size)
         for rank in range(1, layout.size):
             ours, theirs = socket.socketpair()
             env["PDSERVE_TP_FD"] = str(theirs.fileno())
@@ -63,9 +63,9 @@ class TPDriver:
             theirs.close()
             conn = Connection(ours.detach())
             self.conns.append(conn)
-            conn.send(WorkerInit(rank, config, hf_config, init_method, num_blocks, threads))
+            conn.send(WorkerInit(rank, config, hf_config, store.port, num_blocks, threads))
         self._expect("hello")  # imports done: a worker that cannot start fails here, not in a rendezvous
-        self.group = TPGroup(layout, init_method, device)
+        self.group = TPGroup(layout, store, device)
         logger.info("tensor parallelism: %d ranks (workers' pids %s), %s", self.size,
                     [p.pid for p in self.procs], "nccl" if device.type == "cuda" else "gloo")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
@@ -12,12 +11,6 @@ from engine.parallel.layout import TPLayout
 # A rank that dies mid-collective closes its gloo sockets and its peers fail at once; this bounds
 # the wait on NCCL, where a dead peer is only noticed by the timeout.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -31,17 +24,27 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-class TPGroup:
-    """Joins the group on construction (blocks until every rank has): nccl on CUDA, gloo on CPU."""
+def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
+    """The group's rendezvous: rank 0 hosts it (port 0: any free port, read back from .port)."""
+    return dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
-    def __init__(self, layout: TPLayout, init_method: str, device: torch.device) -> None:
+
+class TPGroup:
+    """The device group of one engine's ranks: nccl on CUDA, gloo on CPU. A process group of its
+    own rather than torch.distributed's default one, so that one process can hold several engines
+    (LLM objects, tests); joining blocks until every rank has."""
+
+    def __init__(self, layout: TPLayout, store: dist.TCPStore, device: torch.device) -> None:
         self.layout = layout
         self.device = device
+        self.store = store
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=layout.rank, world_size=layout.size, timeout=COLLECTIVE_TIMEOUT)
-        self.group = dist.group.WORLD
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self.pg = dist.ProcessGroupNCCL(store, layout.rank, layout.size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, layout.rank, layout.size, COLLECTIVE_TIMEOUT)
 
     @property
     def rank(self) -> int:
@@ -49,24 +52,27 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's x, in place (a row-parallel layer's partial products)."""
-        dist.all_reduce(x, group=self.group)
+        self.pg.allreduce([x]).wait()
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x."""
-        dist.broadcast(x, src=0, group=self.group)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([x], options).wait()
         return x
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """Each rank's [rows, vocab_per_rank] shard -> the full [rows, vocab] on rank 0."""
         local = local.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
         if self.rank != 0:
-            dist.gather(local, None, dst=0, group=self.group)
+            self.pg.gather([], [local], options).wait()
             return None
         parts = [torch.empty_like(local) for _ in range(self.layout.size)]
-        dist.gather(local, parts, dst=0, group=self.group)
+        self.pg.gather([parts], [local], options).wait()
         return torch.cat(parts, dim=-1)[:, :self.layout.vocab_size]
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.pg = None

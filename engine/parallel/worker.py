@@ -24,7 +24,7 @@ class TPWorker:
         from engine.models import load_model
         from engine.models.llama import LlamaArch
         from engine.models.loader import resolve_dtype
-        from engine.parallel.group import TPGroup, rank_device
+        from engine.parallel.group import TPGroup, make_store, rank_device
         from engine.parallel.layout import TPLayout
         from kernels import get_backend
 
@@ -34,7 +34,8 @@ class TPWorker:
         arch = LlamaArch.from_hf_config(init.hf_config)
         self.layout = TPLayout.of(arch, config.parallel.tensor_parallel_size, init.rank)
         self.device = rank_device(resolve_device(config.parallel.device), init.rank)
-        self.group = TPGroup(self.layout, init.init_method, self.device)
+        store = make_store(init.rank, self.layout.size, init.store_port)
+        self.group = TPGroup(self.layout, store, self.device)
         self.dtype = resolve_dtype(config.model.dtype, init.hf_config)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,

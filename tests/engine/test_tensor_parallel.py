@@ -1,0 +1,159 @@
+"""Tensor parallelism (TP=2 over gloo on the CPU): greedy outputs token-exact against TP=1 and
+transformers for every architecture, each rank's KV shard, clear errors, no orphaned workers."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.parallel import check_tensor_parallel_size
+from test_hf_exact import MAX_NEW, Reference, mixed_prompts, run, shared_prefix_prompts
+
+# Tiny models: 4 query heads; KV heads split (2 -> 1 per rank) or replicated (1 -> 1 per rank).
+VARIANTS = {
+    "llama-gqa": dict(arch="llama"),
+    "mistral": dict(arch="mistral"),
+    # 1999 tokens: the last rank's vocabulary shard is zero-padded; the LM head is the embedding.
+    "qwen2-tied-qkv-bias": dict(arch="qwen2", tie_word_embeddings=True, vocab_size=1999),
+    "qwen3-qk-norm": dict(arch="qwen3"),
+    "llama-1-kv-head": dict(arch="llama", num_kv_heads=1),
+}
+BLOCKS = dict(num_blocks=512)
+CONFIGS = {
+    "plain": BLOCKS,
+    # Chunked prefill, decode steps padded to 1/2/4/8 rows (the CUDA graph path, run eagerly),
+    # and async scheduling (the forward command carries the ids the driver read).
+    "chunked-padded-async": dict(BLOCKS, max_num_batched_tokens=48, cuda_graph_sizes=[8], async_scheduling=True),
+    "preempted": dict(num_blocks=23),
+    "chunked-preempted": dict(num_blocks=23, max_num_batched_tokens=48),
+    "ngram-spec": dict(BLOCKS, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+}
+CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-gqa", "preempted"),
+         ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
+         ("qwen3-qk-norm", "chunked-preempted"), ("llama-1-kv-head", "ngram-spec")]
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.runner.tp.procs]
+
+
+def shutdown(llm: LLM) -> None:
+    pids = worker_pids(llm)
+    llm.engine.shutdown()
+    assert not [p for p in pids if alive(p)], "tensor-parallel workers outlived their engine"
+
+
+class Engines:
+    """TP=1 and TP=2 engines and transformers per variant, made on demand; another variant's
+    TP=2 engines are shut down first (each holds a worker process)."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.variant: str | None = None
+        self.tp2: dict[str, LLM] = {}
+        self.ref: Reference | None = None
+
+    def path(self, variant: str) -> str:
+        return self.factory(max_position_embeddings=1024, **VARIANTS[variant])
+
+    def get(self, variant: str, config: str) -> tuple[LLM, Reference]:
+        if variant != self.variant:
+            self.close()
+            self.variant, self.ref = variant, Reference(self.path(variant))
+        if config not in self.tp2:
+            self.tp2[config] = LLM(self.path(variant), device="cpu", tensor_parallel_size=2, **CONFIGS[config])
+        return self.tp2[config], self.ref
+
+    def tp1(self, variant: str, config: str) -> LLM:
+        return LLM(self.path(variant), device="cpu", **CONFIGS[config])
+
+    def close(self) -> None:
+        for llm in self.tp2.values():
+            shutdown(llm)
+        self.tp2.clear()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_factory):
+    pool = Engines(tiny_model_factory)
+    yield pool
+    pool.close()
+
+
+# The tests run in this file's order, which keeps each variant's engines together.
+
+def test_prefix_cache_hits_are_exact(engines):
+    llm, ref = engines.get("llama-gqa", "plain")
+    prompts = shared_prefix_prompts(ref.model.config.vocab_size)
+    expected = [ref.generate(p) for p in prompts]
+    hits = llm.engine.kv_cache_manager.prefix_hits
+    assert run(llm, prompts) == expected
+    assert llm.engine.kv_cache_manager.prefix_hits > hits, "later prompts share a 200-token prefix"
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for prompt, out in zip(prompts, outputs):  # the second pass: every full block from the cache
+        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_seeded_sampling_repeats(engines):
+    llm, ref = engines.get("llama-gqa", "plain")
+    prompts = mixed_prompts(ref.model.config.vocab_size, seed=5)[:4]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("variant,config", CASES, ids=[f"{v}-{c}" for v, c in CASES])
+def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
+    llm, ref = engines.get(variant, config)
+    prompts = mixed_prompts(ref.model.config.vocab_size)
+    expected = [ref.generate(p) for p in prompts]
+    tp2 = run(llm, prompts)
+    assert tp2 == run(engines.tp1(variant, config), prompts)
+    assert tp2 == expected
+    core = llm.engine
+    assert core.runner.cuda_graphs_off_reason == "tensor parallelism"
+    if "preempted" in config:
+        assert core.scheduler.num_preemptions > 0, "the tiny KV pool should force preemption"
+    if "padded" in config:
+        assert core.runner.decode_graphs.sizes == [1, 2, 4, 8] and core.runner.decode_graphs.num_steps > 0
+    if "async" in config:
+        assert core.num_async_steps > 0
+    if config == "ngram-spec":
+        assert core.stats()["spec_decode_num_draft_tokens"] > 0
+    core.check_integrity(expect_all_free=True)
+    # Each rank's KV shard: 2 KV heads split (one per rank) or 1 replicated (on both); every
+    # rank has the driver's block count.
+    (worker,) = core.runner.tp.call("info")
+    shard = (2, core.runner.num_blocks, 16, 1, 16)
+    assert tuple(core.runner.kv_caches[0].shape) == worker["kv_cache_shape"] == shard
+    assert worker["rank"] == 1 and worker["pid"] == core.runner.tp.procs[0].pid and worker["threads"] == 1
+
+
+def test_a_killed_worker_fails_the_engine(engines):
+    llm, ref = engines.get("llama-1-kv-head", "ngram-spec")  # the last variant: this engine is done for
+    engines.tp2.pop("ngram-spec")
+    (pid,) = worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) died \(exit code -9\)"):
+        run(llm, mixed_prompts(ref.model.config.vocab_size)[:2])
+    shutdown(llm)
+
+
+def test_sizes_the_checkpoint_cannot_split_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 and the model's 6 KV heads: one must divide"):
+        check_tensor_parallel_size(4, num_heads=12, num_kv_heads=6, intermediate_size=128)
+    with pytest.raises(ValueError, match="does not divide the model's MLP intermediate size 100"):
+        check_tensor_parallel_size(8, num_heads=8, num_kv_heads=8, intermediate_size=100)
+    check_tensor_parallel_size(8, num_heads=16, num_kv_heads=2, intermediate_size=128)  # KV heads replicated 4x
