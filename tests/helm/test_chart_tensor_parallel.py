@@ -143,11 +143,17 @@ def engine_cli() -> argparse.ArgumentParser:
     return cli
 
 
+def parsed_args(role: str, sets: dict, major: str = "3") -> argparse.Namespace:
+    deployment = by_kind(render(major, sets=sets), "Deployment")[f"pd-pdserve-{role}"]
+    return engine_cli().parse_args(container(deployment)["args"])
+
+
+@pytest.mark.parametrize("major", ["3", "4"])
 @pytest.mark.parametrize("cpu_limit,tp,threads", [("2", 2, 1), ("1500m", 2, 1), ("9", 2, 4), (16, 4, 4), (3.5, 2, 1)])
-def test_cpu_ranks_split_the_pods_cpu_limit_and_the_engine_cli_takes_it(cpu_limit, tp, threads):
+def test_cpu_ranks_split_the_pods_cpu_limit_and_the_engine_cli_takes_it(major, cpu_limit, tp, threads):
     sets = {"prefill.tensorParallelSize": tp, "prefill.accelerator.count": 0,
             "prefill.resources": {"requests": {"cpu": "1"}, "limits": {"cpu": cpu_limit, "memory": "8Gi"}}}
-    args = engine_cli().parse_args(container(by_kind(render("3", sets=sets), "Deployment")["pd-pdserve-prefill"])["args"])
+    args = parsed_args("prefill", sets, major)
     assert (args.tensor_parallel_size, args.num_threads) == (tp, threads)
 
 
@@ -160,5 +166,5 @@ def test_threads_are_left_to_the_engine_on_gpus_without_a_cpu_limit_and_to_the_u
         assert not any(a.startswith("--num-threads") for a in container(deployments[f"pd-pdserve-{role}"])["args"])
     sets = {"prefill.tensorParallelSize": 2, "prefill.accelerator.count": 0, "prefill.resources.limits.cpu": "8",
             "prefill.extraArgs": ["--num-threads=3"]}
-    args = engine_cli().parse_args(container(by_kind(render("3", sets=sets), "Deployment")["pd-pdserve-prefill"])["args"])
+    args = parsed_args("prefill", sets)
     assert args.num_threads == 3  # extraArgs come last: the user's flag wins
