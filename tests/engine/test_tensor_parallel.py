@@ -29,8 +29,11 @@ CONFIGS = {
     "preempted": dict(num_blocks=23),
     "chunked-preempted": dict(num_blocks=23, max_num_batched_tokens=48),
     "ngram-spec": dict(BLOCKS, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    # The draft (here the target's own checkpoint) runs unsharded on rank 0.
+    "draft-model": dict(BLOCKS, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
 }
 CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-gqa", "preempted"),
+         ("llama-gqa", "draft-model"),
          ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
          ("qwen3-qk-norm", "chunked-preempted"), ("llama-1-kv-head", "ngram-spec")]
 
@@ -67,11 +70,18 @@ class Engines:
             self.close()
             self.variant, self.ref = variant, Reference(self.path(variant))
         if config not in self.tp2:
-            self.tp2[config] = LLM(self.path(variant), device="cpu", tensor_parallel_size=2, **CONFIGS[config])
+            self.tp2[config] = LLM(self.path(variant), device="cpu", tensor_parallel_size=2,
+                                   **self.kwargs(variant, config))
         return self.tp2[config], self.ref
 
+    def kwargs(self, variant: str, config: str) -> dict:
+        kwargs = dict(CONFIGS[config])
+        if config == "draft-model":
+            kwargs["speculative_config"] = dict(kwargs["speculative_config"], model=self.path(variant))
+        return kwargs
+
     def tp1(self, variant: str, config: str) -> LLM:
-        return LLM(self.path(variant), device="cpu", **CONFIGS[config])
+        return LLM(self.path(variant), device="cpu", **self.kwargs(variant, config))
 
     def close(self) -> None:
         for llm in self.tp2.values():
@@ -126,8 +136,10 @@ def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
         assert core.runner.decode_graphs.sizes == [1, 2, 4, 8] and core.runner.decode_graphs.num_steps > 0
     if "async" in config:
         assert core.num_async_steps > 0
-    if config == "ngram-spec":
+    if "spec" in config or "draft" in config:
         assert core.stats()["spec_decode_num_draft_tokens"] > 0
+    if config == "draft-model":  # its own checkpoint as the draft: every proposal is accepted
+        assert core.stats()["spec_decode_acceptance_rate"] > 0.9
     core.check_integrity(expect_all_free=True)
     # Each rank's KV shard: 2 KV heads split (one per rank) or 1 replicated (on both); every
     # rank has the driver's block count.
@@ -157,3 +169,19 @@ def test_sizes_the_checkpoint_cannot_split_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="does not divide the model's MLP intermediate size 100"):
         check_tensor_parallel_size(8, num_heads=8, num_kv_heads=8, intermediate_size=100)
     check_tensor_parallel_size(8, num_heads=16, num_kv_heads=2, intermediate_size=128)  # KV heads replicated 4x
+
+
+def test_a_kv_connector_is_refused_at_tp2(tiny_llama):
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+
+    config = EngineConfig.create(tiny_llama, device="cpu", tensor_parallel_size=2, num_blocks=64)
+    with pytest.raises(ValueError, match=r"a KV connector with tensor_parallel_size > 1 \(here 2\)"):
+        EngineCore(config, kv_connector_factory=lambda: pytest.fail("no connector may be made"))
+
+
+def test_the_flag_reaches_the_engine_config():
+    from engine.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
+    assert args.tensor_parallel_size == 2
