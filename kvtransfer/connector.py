@@ -126,8 +126,10 @@ class PrefillTransport(Transport):
 
     @abstractmethod
     def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
-                    transfer_id: int, timeout_s: float) -> None:
-        """Move the blocks to the puller after `PullReady`; raise on any failure."""
+                    transfer_id: int, timeout_s: float, heads: tuple[int, int] | None = None) -> None:
+        """Move the blocks to the puller after `PullReady`; raise on any failure. `heads`: only
+        that local head range [h0, h1) of each block (a decode of another TP size), in the wire
+        order (layer, K/V, block, token, head) of a contiguous [.., h1 - h0, head_dim] buffer."""
 
     def close_peer(self, peer: Any) -> None:
         pass
@@ -152,8 +154,10 @@ class DecodeTransport(Transport):
 
     @abstractmethod
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
-                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
-        """Fill the local blocks; only ever writes into `local_block_ids`."""
+                    remote_block_ids: list[int], transfer_id: int, deadline: float,
+                    heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
+        """Fill the local blocks; only ever writes into `local_block_ids` (only their local head
+        range `heads`, when given; `remote_heads` is the same heads in the prefill rank's cache)."""
 
     def close_peer(self, peer: Any) -> None:
         pass

@@ -18,6 +18,7 @@ from kvtransfer.connector import DecodeTransport, KVConnector, TransferEvents
 from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, LeaseExpired, PeerLost, ProtocolError,
                                TransferAborted, TransferTimeout)
 from kvtransfer.handle import KVHandle
+from kvtransfer.shards import PullSource, plan_pull
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class _Pull:
     local_block_ids: list[int]
     first_block: int
     deadline: float
-    transfer_id: int
+    sources: tuple[PullSource, ...]  # the prefill ranks it pulls from, then those it only releases
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: "Future[None]" = field(default_factory=Future)
     sock: socket.socket | None = None  # while the pull holds a connection; abort() shuts it down
@@ -49,6 +50,10 @@ class DecodeConnector(KVConnector):
     everything else is reported by `get_finished()`. A pull that reports failure has stopped
     writing into its reserved blocks, and its handle is spent: the prefill side is told to
     free the blocks (best effort; failing that, its lease expires).
+
+    Under tensor parallelism there is one connector per decode rank, its layout naming the
+    rank's shard: it pulls exactly its KV heads, from whichever prefill ranks hold them (the
+    handle, merged from the prefill's ranks, names them all), and releases its part of their leases.
     """
     role = "decode"
 
@@ -84,7 +89,8 @@ class DecodeConnector(KVConnector):
         The outcome is reported by `get_finished()`; the returned future resolves at the same
         time (None, or the KVTransferError), for callers that would rather wait than poll."""
         handle.verify(self._secret)
-        self._transport.layout.check_compatible(handle.layout_fingerprint)
+        self._transport.layout.check_compatible(handle.layout_fingerprint, handle.layout)
+        sources = plan_pull(self._transport.layout, handle)
         local = [int(b) for b in local_block_ids]
         if first_block < 0 or first_block + len(local) > handle.num_blocks:
             raise BlockRangeError(f"blocks [{first_block}, {first_block + len(local)}) outside the "
@@ -93,7 +99,7 @@ class DecodeConnector(KVConnector):
             raise BlockRangeError("local block ids repeat")
         self._transport.check_block_ids(local)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
-        pull = _Pull(request_id, handle, local, first_block, time.monotonic() + timeout, next(self._transfer_ids))
+        pull = _Pull(request_id, handle, local, first_block, time.monotonic() + timeout, sources)
         with self._lock:
             if self._closed:
                 raise KVTransferError("connector is closed")
@@ -105,13 +111,24 @@ class DecodeConnector(KVConnector):
         return pull.done
 
     def extend_lease(self, handle: KVHandle, seconds: float) -> "Future[float]":
-        """Keep the prefill side's blocks while waiting for room; resolves to the new expiry (unix time)."""
+        """Keep the prefill side's blocks while waiting for room; resolves to the new expiry
+        (unix time; the earliest, over the prefill ranks this rank deals with)."""
         handle.verify(self._secret)
-        return self._executor.submit(self._control, handle, wire.Extend(handle.to_bytes(), seconds))
+        return self._executor.submit(self._on_each, plan_pull(self._transport.layout, handle),
+                                     wire.Extend(handle.to_bytes(), seconds))
 
     def release(self, handle: KVHandle) -> "Future[float]":
-        """Free the prefill side's blocks without pulling (e.g. all of them were cached here)."""
-        return self._executor.submit(self._control, handle, wire.Release(handle.to_bytes()))
+        """Free the prefill side's blocks without pulling (e.g. all of them were cached here):
+        this rank's part of them, on every prefill rank it deals with."""
+        return self._executor.submit(self._on_each, plan_pull(self._transport.layout, handle),
+                                     self._release_msg(handle))
+
+    def _on_each(self, sources: Sequence[PullSource], msg: wire.Message) -> float:
+        return min(self._control(source.ref.endpoint, msg) for source in sources)
+
+    def _release_msg(self, handle: KVHandle) -> wire.Release:
+        shard = self._transport.layout.shard
+        return wire.Release(handle.to_bytes(), shard.tp_rank, shard.tp_size)
 
     def abort(self, request_id: str) -> bool:
         """Stop a pull and free the prefill side's blocks; the pull is reported as failed
@@ -156,17 +173,19 @@ class DecodeConnector(KVConnector):
 
     # ---- worker threads ---------------------------------------------------------------------
     def _run_pull(self, pull: _Pull) -> None:
-        conn, error = None, None
+        conn, error, received = None, None, 0
         try:
-            conn = self._acquire(pull.handle.endpoint, pull.deadline)
-            with self._lock:
-                pull.sock = conn.sock
-            if pull.cancelled.is_set():
-                raise TransferAborted(f"request {pull.request_id!r} aborted before its pull started")
-            self._pull_on(conn, pull)
-            with self._lock:
-                pull.sock = None
-            self._put_back(conn)
+            for source in pull.sources:  # in turn: one worker per request, requests in parallel
+                conn = self._acquire(source.ref.endpoint, pull.deadline)
+                with self._lock:
+                    pull.sock = conn.sock
+                if pull.cancelled.is_set():
+                    raise TransferAborted(f"request {pull.request_id!r} aborted before its pull started")
+                received += self._pull_on(conn, pull, source)
+                with self._lock:
+                    pull.sock = None
+                self._put_back(conn)
+                conn = None
         except Exception as e:  # noqa: BLE001 - every failure must reach get_finished()
             if isinstance(e, KVTransferError):
                 error = e
@@ -184,7 +203,7 @@ class DecodeConnector(KVConnector):
             pull.sock = None
             if error is None:
                 self._counters["pulls_finished"] += 1
-                self._counters["bytes_received"] += len(pull.local_block_ids) * self._transport.layout.block_bytes
+                self._counters["bytes_received"] += received
                 self._events.finished.append(pull.request_id)
             else:
                 self._counters["aborted" if isinstance(error, TransferAborted) else "failed"] += 1
@@ -203,41 +222,52 @@ class DecodeConnector(KVConnector):
         else:
             pull.done.set_result(None)
 
-    def _pull_on(self, conn: _Conn, pull: _Pull) -> None:
+    def _pull_on(self, conn: _Conn, pull: _Pull, source: PullSource) -> int:
+        """Pull (or only release) one prefill rank's part; returns the bytes received."""
         n = len(pull.local_block_ids)
-        if not n:  # every block was already here: only the release is left
+        if not n or not source.pulls:  # every block was already here, or nobody reads this replica
             self._settimeout(conn, pull.deadline)
-            wire.send_msg(conn.sock, wire.Release(pull.handle.to_bytes()))
+            wire.send_msg(conn.sock, self._release_msg(pull.handle))
             wire.expect(conn.sock, wire.Ok)
-            return
-        self._transfer(conn, pull, n)
+            return 0
+        transfer_id = next(self._transfer_ids)
+        nbytes = self._transfer(conn, pull, source, n, transfer_id)
         if pull.cancelled.is_set():
             raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
         # The prefill side pinned the blocks until our deadline: done before it, the copy read
         # blocks that nobody could free or reuse meanwhile. Past it, nothing is guaranteed.
         self._settimeout(conn, pull.deadline)
-        wire.send_msg(conn.sock, wire.Finish(pull.transfer_id, pull.handle.to_bytes(), release=True))
+        shard = self._transport.layout.shard
+        wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), True, shard.tp_rank, shard.tp_size))
+        return nbytes
 
-    def _transfer(self, conn: _Conn, pull: _Pull, n: int) -> None:
+    def _transfer(self, conn: _Conn, pull: _Pull, source: PullSource, n: int, transfer_id: int) -> int:
         layout = self._transport.layout
+        whole = source.remote_heads is None  # the prefill rank's whole shard: the pull names no heads
         self._settimeout(conn, pull.deadline)
-        wire.send_msg(conn.sock, wire.Pull(pull.transfer_id, pull.handle.to_bytes(), pull.first_block, n,
-                                           layout.fingerprint, pull.deadline - time.monotonic()))
+        wire.send_msg(conn.sock, wire.Pull(transfer_id, pull.handle.to_bytes(), pull.first_block, n,
+                                           layout.fingerprint, pull.deadline - time.monotonic(),
+                                           -1 if whole else source.head_start, -1 if whole else source.head_end,
+                                           layout.tp_rank, layout.tp_size, layout.describe()))
         ready = wire.expect(conn.sock, wire.PullReady)
-        if ready.transfer_id != pull.transfer_id or ready.nbytes != n * layout.block_bytes:
-            raise ProtocolError(f"peer announced {ready.nbytes} bytes, expected {n * layout.block_bytes}")
+        nbytes = n * layout.num_layers * layout.head_bytes_per_layer(source.num_heads)
+        if ready.transfer_id != transfer_id or ready.nbytes != nbytes:
+            raise ProtocolError(f"peer announced {ready.nbytes} bytes, expected {nbytes}")
         remote = list(pull.handle.block_ids[pull.first_block:pull.first_block + n])
-        self._transport.recv_blocks(conn.peer, conn.sock, pull.local_block_ids, remote, pull.transfer_id, pull.deadline)
+        self._transport.recv_blocks(conn.peer, conn.sock, pull.local_block_ids, remote, transfer_id, pull.deadline,
+                                    source.heads, source.remote_heads)
+        return nbytes
 
     def _abort_remote(self, pull: _Pull) -> None:
-        try:
-            self._control(pull.handle, wire.Abort(pull.handle.to_bytes()), timeout_s=2.0)
-        except Exception as e:  # noqa: BLE001 - best effort: the lease expires anyway
-            log.debug("abort of %s not delivered: %s", pull.request_id, e)
+        for source in pull.sources:
+            try:
+                self._control(source.ref.endpoint, wire.Abort(pull.handle.to_bytes()), timeout_s=2.0)
+            except Exception as e:  # noqa: BLE001 - best effort: the lease expires anyway
+                log.debug("abort of %s on %s not delivered: %s", pull.request_id, source.ref.endpoint, e)
 
-    def _control(self, handle: KVHandle, msg: wire.Message, timeout_s: float | None = None) -> float:
+    def _control(self, endpoint: str, msg: wire.Message, timeout_s: float | None = None) -> float:
         deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
-        conn = self._acquire(handle.endpoint, deadline)
+        conn = self._acquire(endpoint, deadline)
         try:
             self._settimeout(conn, deadline)
             wire.send_msg(conn.sock, msg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Annotated
+from typing import Annotated, Sequence
 
 import msgspec
 
@@ -16,11 +16,26 @@ _SHORT = Annotated[str, msgspec.Meta(max_length=256)]
 _TAG_DOMAIN = b"pdserve/kvhandle/v1"
 
 
+class KVShardRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One tensor-parallel prefill rank's part of a handle: where it serves global KV heads
+    [head_start, head_end) of the request's blocks, and the tag of its own lease (empty in the
+    handle that rank publishes; `merge_shard_handles` fills it in)."""
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    endpoint: _SHORT
+    head_start: Annotated[int, msgspec.Meta(ge=0)]
+    head_end: Annotated[int, msgspec.Meta(ge=0)]
+    engine_id: _SHORT
+    tag: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
+
 class KVHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One request's published blocks on one prefill engine.
+    """One request's published blocks on one prefill engine (all of its TP ranks).
 
     Wire format: a msgpack map of these fields (msgspec), versioned by `version`. `tag` is
-    HMAC-SHA256, keyed by the deployment secret, over every other field.
+    HMAC-SHA256, keyed by the deployment secret, over every other field. `shards` and `layout`
+    are set only by tensor-parallel prefills and left out of the bytes (and of the tag) when
+    empty, so a TP=1 handle is byte-for-byte what it was before they existed.
     """
     request_id: _SHORT
     engine_id: _SHORT
@@ -32,11 +47,15 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     lease_expiry: float
     tag: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
     version: int = HANDLE_VERSION
+    shards: Annotated[tuple[KVShardRef, ...], msgspec.Meta(max_length=1 << 10)] = ()
+    layout: _SHORT = ""  # the prefill's KVLayout.describe(), for errors that name both sides
 
     def _signed_fields(self) -> bytes:
-        return msgspec.msgpack.encode((
-            _TAG_DOMAIN, self.version, self.request_id, self.engine_id, self.transport, self.endpoint,
-            self.block_ids, self.num_tokens, self.layout_fingerprint, self.lease_expiry))
+        fields: tuple = (_TAG_DOMAIN, self.version, self.request_id, self.engine_id, self.transport, self.endpoint,
+                         self.block_ids, self.num_tokens, self.layout_fingerprint, self.lease_expiry)
+        if self.shards or self.layout:
+            fields += (self.shards, self.layout)
+        return msgspec.msgpack.encode(fields)
 
     def signed(self, secret: bytes) -> "KVHandle":
         tag = hmac.new(secret, self._signed_fields(), hashlib.sha256).digest()
@@ -53,7 +72,11 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return len(self.block_ids)
 
     def to_bytes(self) -> bytes:
-        return msgspec.msgpack.encode(self)
+        fields = msgspec.structs.asdict(self)
+        for name in ("shards", "layout"):
+            if not fields[name]:
+                del fields[name]
+        return msgspec.msgpack.encode(fields)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "KVHandle":
@@ -66,3 +89,32 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if handle.version != HANDLE_VERSION:
             raise ProtocolError(f"KV handle version {handle.version} is not {HANDLE_VERSION}")
         return handle
+
+
+def merge_shard_handles(handles: Sequence[KVHandle], secret: bytes) -> KVHandle:
+    """One handle for a request published on every rank of a tensor-parallel prefill: each rank's
+    handle names its own shard; the merged one names them all (with each rank's lease tag) and is
+    signed anew. Raises AuthError for a handle that does not verify, ProtocolError when the ranks
+    disagree on the request, its blocks, tokens, layout or transport, or a rank is missing."""
+    if not handles:
+        raise ProtocolError("no shard handles to merge")
+    for handle in handles:
+        handle.verify(secret)
+    if len(handles) == 1 and not handles[0].shards:
+        return handles[0]  # TP=1: the handle is already whole
+    first = handles[0]
+    for handle in handles:
+        if len(handle.shards) != 1 or handle.shards[0].tag:
+            raise ProtocolError(f"handle of {handle.engine_id!r} for {handle.request_id!r} is not one rank's handle")
+        for name in ("request_id", "transport", "block_ids", "num_tokens", "layout_fingerprint", "layout"):
+            if getattr(handle, name) != getattr(first, name):
+                raise ProtocolError(f"shard handles of {first.request_id!r} disagree on {name}: "
+                                    f"{getattr(first, name)!r} (rank {first.shards[0].rank}) != "
+                                    f"{getattr(handle, name)!r} (rank {handle.shards[0].rank})")
+    refs = sorted((msgspec.structs.replace(h.shards[0], tag=h.tag) for h in handles), key=lambda ref: ref.rank)
+    tp_size = refs[0].tp_size
+    if [ref.rank for ref in refs] != list(range(tp_size)) or any(ref.tp_size != tp_size for ref in refs):
+        raise ProtocolError(f"request {first.request_id!r}: shard handles of ranks {[r.rank for r in refs]} "
+                            f"do not make one TP={tp_size} prefill")
+    return msgspec.structs.replace(first, engine_id=refs[0].engine_id, endpoint=refs[0].endpoint, shards=tuple(refs),
+                                   lease_expiry=min(h.lease_expiry for h in handles), tag=b"").signed(secret)

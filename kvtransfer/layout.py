@@ -15,14 +15,49 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "f
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """Which of the model's KV heads one tensor-parallel rank holds: global heads [head_start, head_end)."""
+    tp_size: int
+    tp_rank: int
+    head_start: int
+    head_end: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_end - self.head_start
+
+
+def shard_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """Global KV heads [start, end) of rank `tp_rank` of `tp_size`: contiguous equal slices, or,
+    when there are fewer heads than ranks, one head per group of tp_size // total ranks (vLLM's
+    replication). Raises ValueError for a split that is neither."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not a rank")
+    if total_kv_heads % tp_size == 0:
+        local = total_kv_heads // tp_size
+        return tp_rank * local, (tp_rank + 1) * local
+    if tp_size % total_kv_heads == 0:
+        head = tp_rank // (tp_size // total_kv_heads)
+        return head, head + 1
+    raise ValueError(f"{total_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks "
+                     f"(neither divides the other)")
+
+
+@dataclass(frozen=True)
 class KVLayout:
-    """Per layer the cache is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per layer the cache is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Under tensor parallelism the cache is rank `tp_rank`'s shard: `num_kv_heads` is the local
+    count, `total_kv_heads` the model's (0: the same as num_kv_heads, i.e. no sharding)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str = "float16"
     device: str = "cpu"
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -30,6 +65,27 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.total_kv_heads == 0:
+            if self.tp_size != 1:  # num_kv_heads * tp_size would be wrong when heads are replicated
+                raise ValueError("a tensor-parallel layout must name total_kv_heads, the model's KV heads")
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        start, end = shard_heads(self.total_kv_heads, self.tp_size, self.tp_rank)
+        if end - start != self.num_kv_heads:
+            raise ValueError(f"rank {self.tp_rank} of {self.tp_size} holds {end - start} of the "
+                             f"{self.total_kv_heads} KV heads, not num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def shard(self) -> KVShard:
+        return KVShard(self.tp_size, self.tp_rank, *shard_heads(self.total_kv_heads, self.tp_size, self.tp_rank))
+
+    def head_bytes_per_layer(self, num_heads: int) -> int:
+        """Bytes of `num_heads` heads of one block in one layer, K and V together."""
+        return 2 * self.block_size * num_heads * self.head_dim * self.dtype_bytes
+
+    def describe(self) -> str:
+        """The model-level layout in words, for errors that must name both sides."""
+        return (f"{self.num_layers} layers, {self.total_kv_heads} KV heads of dim {self.head_dim}, "
+                f"block size {self.block_size}, {self.dtype}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -38,7 +94,7 @@ class KVLayout:
     @property
     def block_bytes_per_layer(self) -> int:
         """Bytes of one block in one layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.head_bytes_per_layer(self.num_kv_heads)
 
     @property
     def half_block_bytes(self) -> int:
@@ -52,9 +108,11 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> str:
-        """Hash of everything that fixes the bytes of a block; the device is deliberately left out
-        (a CPU prefill may feed a GPU decode), so is num_blocks (each side sizes its own pool)."""
-        desc = f"kv/v1/{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.block_size}/{self.dtype}"
+        """Hash of everything that fixes the bytes of a block of the *model*; the device is
+        deliberately left out (a CPU prefill may feed a GPU decode), so is num_blocks (each side
+        sizes its own pool), and so is the sharding: engines of different TP sizes hold pieces of
+        the same blocks (`shard` says which piece)."""
+        desc = f"kv/v1/{self.num_layers}/{self.total_kv_heads}/{self.head_dim}/{self.block_size}/{self.dtype}"
         return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
     @property
@@ -92,6 +150,10 @@ class KVLayout:
                 raise LayoutMismatch(f"layer {i}: the KV cache must be contiguous")
         return num_blocks
 
-    def check_compatible(self, fingerprint: str) -> None:
+    def check_compatible(self, fingerprint: str, remote: str = "") -> None:
+        """Raise LayoutMismatch unless `fingerprint` is this model's; `remote`, the peer's
+        `describe()` when it sent one, goes into the message."""
         if fingerprint != self.fingerprint:
-            raise LayoutMismatch(f"remote layout {fingerprint} != local layout {self.fingerprint} ({self})")
+            theirs = f" ({remote})" if remote else ""
+            raise LayoutMismatch(f"remote KV layout {fingerprint}{theirs} != local KV layout "
+                                 f"{self.fingerprint} ({self.describe()})")

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvtransfer.errors import AuthError, LeaseExpired, UnknownRequest
+from kvtransfer.errors import AuthError, LeaseExpired, ProtocolError, UnknownRequest
 
 RELEASED, EXPIRED, ABORTED = "released", "expired", "aborted"
 
@@ -20,6 +20,8 @@ class Lease:
     expiry: float  # on the table's monotonic clock; publish and extend set it
     pins: dict[int, float] = field(default_factory=dict)  # transfer id -> its deadline
     ending: str | None = None  # released or aborted while a transfer was still reading the blocks
+    releasers: frozenset[int] | None = None  # who must release (decode ranks); set by the first release
+    released_by: set[int] = field(default_factory=set)
 
     def ends_at(self) -> float:
         """A transfer in progress keeps the blocks until it ends or its deadline passes, not longer."""
@@ -122,9 +124,22 @@ class LeaseTable:
             lease.expiry = max(lease.expiry, self._clock() + seconds)
             return lease.expiry - self._clock()
 
-    def release(self, request_id: str, tag: bytes) -> None:
+    def release(self, request_id: str, tag: bytes, releaser: int = 0,
+                releasers: frozenset[int] = frozenset({0})) -> bool:
+        """`releaser` is done with the blocks; they are freed once every one of `releasers` is
+        (several decode ranks may each pull a piece of them). Returns whether the lease ended."""
         with self._lock:
-            self._end(self._live(request_id, tag), RELEASED)
+            lease = self._live(request_id, tag)
+            if lease.releasers is None:
+                lease.releasers = frozenset(releasers)
+            if releaser not in lease.releasers or lease.releasers != releasers:
+                raise ProtocolError(f"request {request_id!r}: release by {releaser} of {sorted(releasers)}, "
+                                    f"but the lease waits for {sorted(lease.releasers)}")
+            lease.released_by.add(releaser)
+            if lease.released_by < lease.releasers:
+                return False
+            self._end(lease, RELEASED)
+            return True
 
     def abort(self, request_id: str) -> bool:
         with self._lock:

@@ -100,11 +100,11 @@ class NcclPrefillTransport(PrefillTransport):
         return pair, {"store_port": self._store.port, "pair": key, "backend": self.backend}, []
 
     def send_blocks(self, peer: _Pair, sock: socket.socket, block_ids: list[int],
-                    transfer_id: int, timeout_s: float) -> None:
+                    transfer_id: int, timeout_s: float, heads: tuple[int, int] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         chunks = iter(range(1 << 20))
         peer.staging.send(self.kernels, self.kv_caches, block_ids,
-                          lambda buf: peer.start(buf, True, next(chunks), deadline))
+                          lambda buf: peer.start(buf, True, next(chunks), deadline), heads)
 
     def close_peer(self, peer: Any) -> None:
         if peer is not None:
@@ -133,10 +133,11 @@ class NcclDecodeTransport(DecodeTransport):
         return _Pair(store, key, DECODE_RANK, self.backend, Staging(self.layout, self.layout.device, self.chunk_bytes))
 
     def recv_blocks(self, peer: _Pair, sock: socket.socket, local_block_ids: list[int],
-                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
+                    remote_block_ids: list[int], transfer_id: int, deadline: float,
+                    heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
         chunks = iter(range(1 << 20))
         peer.staging.recv(self.kernels, self.kv_caches, local_block_ids,
-                          lambda buf: peer.start(buf, False, next(chunks), deadline))
+                          lambda buf: peer.start(buf, False, next(chunks), deadline), heads)
 
     def close_peer(self, peer: Any) -> None:
         if peer is not None:

@@ -13,8 +13,9 @@ from typing import Callable, Sequence
 from kvtransfer import wire
 from kvtransfer.connector import KVConnector, PrefillTransport, TransferEvents, no_delay
 from kvtransfer.errors import AuthError, BlockRangeError, KVTransferError, LeaseExpired, ProtocolError, UnknownRequest
-from kvtransfer.handle import MAX_BLOCKS, KVHandle
+from kvtransfer.handle import MAX_BLOCKS, KVHandle, KVShardRef
 from kvtransfer.lease import EXPIRED, RELEASED, LeaseTable
+from kvtransfer.shards import release_consumers
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -67,10 +68,16 @@ class PrefillConnector(KVConnector):
             raise BlockRangeError(f"{len(block_ids)} blocks exceed the {MAX_BLOCKS} a handle may carry")
         self._transport.check_block_ids(block_ids)
         ttl = self.leases.default_ttl_s if lease_ttl_s is None else lease_ttl_s
+        layout = self._transport.layout
+        sharded: dict = {}
+        if layout.tp_size > 1:  # this rank's part: merge_shard_handles makes the request's handle
+            shard = layout.shard
+            sharded = dict(shards=(KVShardRef(shard.tp_rank, shard.tp_size, self.endpoint, shard.head_start,
+                                              shard.head_end, self.engine_id),), layout=layout.describe())
         handle = KVHandle(request_id=request_id, engine_id=self.engine_id, transport=self._transport.name,
                           endpoint=self.endpoint, block_ids=block_ids, num_tokens=num_tokens,
-                          layout_fingerprint=self._transport.layout.fingerprint,
-                          lease_expiry=time.time() + ttl).signed(self._secret)
+                          layout_fingerprint=layout.fingerprint,
+                          lease_expiry=time.time() + ttl, **sharded).signed(self._secret)
         self.leases.add(request_id, block_ids, handle.tag, ttl)
         return handle
 
@@ -183,12 +190,39 @@ class PrefillConnector(KVConnector):
         sock.settimeout(None)
         return peer
 
-    def _verified(self, raw: bytes) -> KVHandle:
+    def _verified(self, raw: bytes) -> tuple[KVHandle, bytes]:
+        """The handle, checked, and the tag of this engine's lease in it (a handle merged from a
+        TP prefill's ranks carries each rank's tag in its shard entry)."""
         handle = KVHandle.from_bytes(raw)
         handle.verify(self._secret)
-        if handle.engine_id != self.engine_id:
-            raise UnknownRequest(f"handle of engine {handle.engine_id!r} sent to engine {self.engine_id!r}")
-        return handle
+        if not handle.shards:
+            if handle.engine_id != self.engine_id:
+                raise UnknownRequest(f"handle of engine {handle.engine_id!r} sent to engine {self.engine_id!r}")
+            return handle, handle.tag
+        shard = self._transport.layout.shard
+        ref = next((r for r in handle.shards if r.engine_id == self.engine_id), None)
+        if ref is None:
+            raise UnknownRequest(f"handle of engines {[r.engine_id for r in handle.shards]} sent to engine "
+                                 f"{self.engine_id!r}")
+        if (ref.rank, ref.tp_size, ref.head_start, ref.head_end) != (shard.tp_rank, shard.tp_size,
+                                                                      shard.head_start, shard.head_end):
+            raise ProtocolError(f"handle names rank {ref.rank} of {ref.tp_size} with heads [{ref.head_start}, "
+                                f"{ref.head_end}) for engine {self.engine_id!r}, which is {shard}")
+        return handle, ref.tag or handle.tag
+
+    def _releasers(self, decode_rank: int, decode_tp: int) -> frozenset[int]:
+        """The decode ranks (of a TP=decode_tp decode) that must each release this rank's lease."""
+        layout = self._transport.layout
+        if not 0 <= decode_rank < decode_tp:
+            raise ProtocolError(f"decode rank {decode_rank} of {decode_tp} is not a rank")
+        try:
+            return release_consumers(layout.total_kv_heads, layout.tp_size, decode_tp, layout.tp_rank)
+        except ValueError as e:
+            raise ProtocolError(f"a TP={decode_tp} decode cannot pull from this prefill: {e}") from None
+
+    def _release(self, raw: bytes, decode_rank: int, decode_tp: int) -> None:
+        handle, tag = self._verified(raw)
+        self.leases.release(handle.request_id, tag, decode_rank, self._releasers(decode_rank, decode_tp))
 
     def _dispatch(self, peer: object, sock: socket.socket, msg: wire.Message, pinned: dict[int, str]) -> None:
         try:
@@ -199,8 +233,7 @@ class PrefillConnector(KVConnector):
                 if msg.transfer_id in pinned:
                     self.leases.unpin(pinned.pop(msg.transfer_id), msg.transfer_id)
                 if msg.release:
-                    handle = self._verified(msg.handle)
-                    self.leases.release(handle.request_id, handle.tag)
+                    self._release(msg.handle, msg.decode_rank, msg.decode_tp)
                 return
             reply = self._control(msg)
         except KVTransferError as e:
@@ -212,42 +245,56 @@ class PrefillConnector(KVConnector):
 
     def _control(self, msg: wire.Message) -> wire.Message:
         if isinstance(msg, wire.Extend):
-            handle = self._verified(msg.handle)
-            remaining = self.leases.extend(handle.request_id, handle.tag, min(msg.seconds, MAX_TRANSFER_TIMEOUT_S))
+            handle, tag = self._verified(msg.handle)
+            remaining = self.leases.extend(handle.request_id, tag, min(msg.seconds, MAX_TRANSFER_TIMEOUT_S))
             return wire.Ok(lease_expiry=time.time() + remaining)
         if isinstance(msg, wire.Release):
-            handle = self._verified(msg.handle)
-            self.leases.release(handle.request_id, handle.tag)
+            self._release(msg.handle, msg.decode_rank, msg.decode_tp)
             return wire.Ok()
         if isinstance(msg, wire.Abort):
-            handle = self._verified(msg.handle)
-            self.leases.check(handle.request_id, handle.tag)
+            handle, tag = self._verified(msg.handle)
+            self.leases.check(handle.request_id, tag)
             self.leases.abort(handle.request_id)
             return wire.Ok()
         raise ProtocolError(f"unexpected {type(msg).__name__} on a prefill connection")
 
     def _serve_pull(self, peer: object, sock: socket.socket, msg: wire.Pull, pinned: dict[int, str]) -> None:
-        handle = self._verified(msg.handle)
+        handle, tag = self._verified(msg.handle)
         layout = self._transport.layout
-        layout.check_compatible(msg.layout_fingerprint)
-        layout.check_compatible(handle.layout_fingerprint)
+        layout.check_compatible(msg.layout_fingerprint, msg.layout)
+        layout.check_compatible(handle.layout_fingerprint, handle.layout)
         if msg.num_blocks < 0 or msg.first_block < 0 or msg.first_block + msg.num_blocks > handle.num_blocks:
             raise BlockRangeError(f"blocks [{msg.first_block}, {msg.first_block + msg.num_blocks}) "
                                   f"outside the {handle.num_blocks} published for {handle.request_id!r}")
+        heads = self._local_heads(msg)
+        self._releasers(msg.decode_rank, msg.decode_tp)
         timeout_s = min(max(msg.timeout_s, 0.001), MAX_TRANSFER_TIMEOUT_S)
-        lease = self.leases.pin(handle.request_id, handle.tag, msg.transfer_id, timeout_s)
+        lease = self.leases.pin(handle.request_id, tag, msg.transfer_id, timeout_s)
         pinned[msg.transfer_id] = handle.request_id  # unpinned by Finish, or when the connection ends
         block_ids = list(lease.block_ids[msg.first_block:msg.first_block + msg.num_blocks])
-        nbytes = len(block_ids) * layout.block_bytes
+        num_heads = layout.num_kv_heads if heads is None else heads[1] - heads[0]
+        nbytes = len(block_ids) * layout.num_layers * layout.head_bytes_per_layer(num_heads)
         wire.send_msg(sock, wire.PullReady(msg.transfer_id, nbytes))
         try:
-            self._transport.send_blocks(peer, sock, block_ids, msg.transfer_id, timeout_s)
+            self._transport.send_blocks(peer, sock, block_ids, msg.transfer_id, timeout_s, heads)
         except Exception as e:
             self._count("failed")
             # Raw bytes may be half sent: an error frame now would read as KV data. Hang up.
             raise _BrokenConnection(f"transfer {msg.transfer_id} failed: {e}") from e
         self._count("pulls_served")
         self._count("bytes_sent", nbytes)
+
+
+    def _local_heads(self, msg: wire.Pull) -> tuple[int, int] | None:
+        """The pull's global head range as a range of this rank's cache; None: all of it."""
+        shard = self._transport.layout.shard
+        if msg.head_start == -1 and msg.head_end == -1:
+            return None
+        if not shard.head_start <= msg.head_start < msg.head_end <= shard.head_end:
+            raise ProtocolError(f"KV heads [{msg.head_start}, {msg.head_end}) are outside this prefill rank's "
+                                f"shard [{shard.head_start}, {shard.head_end}) (rank {shard.tp_rank} of {shard.tp_size})")
+        local = (msg.head_start - shard.head_start, msg.head_end - shard.head_start)
+        return None if local == (0, shard.num_heads) else local
 
 
 def _peer_name(sock: socket.socket) -> str:

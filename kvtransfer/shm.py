@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvtransfer.connector import DecodeTransport, PrefillTransport
@@ -107,24 +108,27 @@ class ShmPrefillTransport(PrefillTransport):
             raise ProtocolError("no KV caches allocated yet")
         staged = self._mirror is not None
         peer = HostStaging(self.layout, self.layout.device) if staged else None
-        return peer, {"num_blocks": self.num_blocks, "size": self._size, "staged": staged}, [self._fd]
+        return peer, {"num_blocks": self.num_blocks, "size": self._size, "staged": staged,
+                      "num_kv_heads": self.layout.num_kv_heads}, [self._fd]
 
     def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
-                    transfer_id: int, timeout_s: float) -> None:
+                    transfer_id: int, timeout_s: float, heads: tuple[int, int] | None = None) -> None:
         """CPU caches: nothing to send, the puller reads the blocks (the pinned lease keeps them
-        until `Finish`). GPU caches: stage them into the mirror first, then say so."""
+        until `Finish`). GPU caches: stage them (only `heads` of them, when given) into the
+        mirror first, then say so."""
         if peer is None:
             return
         ids = torch.tensor(block_ids, dtype=torch.long)
+        h0, h1 = heads or (0, self.layout.num_kv_heads)
         first_layer = [0]
 
         def to_mirror(host: torch.Tensor) -> None:
             l0 = first_layer[0]
             for layer, blocks in zip(self._mirror[l0:l0 + host.shape[0]], host):
-                layer[:, ids] = blocks
+                layer[:, :, :, h0:h1].index_copy_(1, ids, blocks)
             first_layer[0] += host.shape[0]
 
-        peer.send_host(self.kernels, self.kv_caches, block_ids, to_mirror)
+        peer.send_host(self.kernels, self.kv_caches, block_ids, to_mirror, heads)
         sock.sendall(STAGED)
 
     def close(self) -> None:
@@ -140,7 +144,15 @@ class _PeerMapping:
     layers: list[memoryview]
     num_blocks: int
     staged: bool  # a GPU prefill: wait for its STAGED byte before reading
+    num_kv_heads: int  # of the peer's shard: a prefill of another TP size holds more or fewer
     connections: int = 0
+
+    def heads(self, layer: int, block_ids: Sequence[int], heads: tuple[int, int], layout: KVLayout) -> torch.Tensor:
+        """Bytes of heads [h0, h1) of the given blocks of one layer, copied out of the mapping:
+        uint8 [2, blocks, block_size, h1 - h0, head_dim * dtype bytes]."""
+        src = np.frombuffer(self.layers[layer], dtype=np.uint8).reshape(
+            2, self.num_blocks, layout.block_size, self.num_kv_heads, layout.head_dim * layout.dtype_bytes)
+        return torch.from_numpy(src[:, list(block_ids), :, heads[0]:heads[1]])
 
 
 class ShmDecodeTransport(DecodeTransport):
@@ -179,8 +191,10 @@ class ShmDecodeTransport(DecodeTransport):
             if len(fds) != 1:
                 raise ProtocolError("the shm handshake must pass exactly one memfd")
             num_blocks, size = int(server_info.get("num_blocks", -1)), int(server_info.get("size", -1))
+            num_kv_heads = int(server_info.get("num_kv_heads", self.layout.num_kv_heads))
             st = os.fstat(fds[0])
-            if num_blocks <= 0 or size != num_blocks * self.layout.block_bytes or st.st_size < size:
+            block_bytes = self.layout.num_layers * self.layout.head_bytes_per_layer(max(num_kv_heads, 0))
+            if num_blocks <= 0 or num_kv_heads <= 0 or size != num_blocks * block_bytes or st.st_size < size:
                 raise ProtocolError(f"shm peer announced {num_blocks} blocks in {size} bytes: inconsistent")
             key = (st.st_dev, st.st_ino, size)
             with self._peers_lock:
@@ -191,7 +205,7 @@ class ShmDecodeTransport(DecodeTransport):
                     view = memoryview(mapping)
                     peer = self._peers[key] = _PeerMapping(
                         key, [view[i * layer_bytes:(i + 1) * layer_bytes] for i in range(self.layout.num_layers)],
-                        num_blocks, bool(server_info.get("staged", False)))
+                        num_blocks, bool(server_info.get("staged", False)), num_kv_heads)
                 peer.connections += 1
                 return peer
         finally:
@@ -211,7 +225,8 @@ class ShmDecodeTransport(DecodeTransport):
         self._flat = None if self.host_staging else cache_views(kv_caches)
 
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
-                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
+                    remote_block_ids: list[int], transfer_id: int, deadline: float,
+                    heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
         if any(not 0 <= b < peer.num_blocks for b in remote_block_ids):
             raise BlockRangeError(f"remote block ids outside the peer's {peer.num_blocks} blocks")
         if peer.staged:
@@ -221,6 +236,19 @@ class ShmDecodeTransport(DecodeTransport):
                     raise PeerLost("the shm peer hung up before staging the blocks")
             except socket.timeout:
                 raise TransferTimeout("the shm peer did not stage the blocks before the deadline") from None
+        whole = heads is None and remote_heads is None and peer.num_kv_heads == self.layout.num_kv_heads
+        remote_heads = remote_heads or (0, peer.num_kv_heads)
+        heads = heads or (0, self.layout.num_kv_heads)
+        if heads[1] - heads[0] != remote_heads[1] - remote_heads[0] or remote_heads[1] > peer.num_kv_heads:
+            raise ProtocolError(f"heads {remote_heads} of the peer's {peer.num_kv_heads} do not fit local heads {heads}")
+        if self._flat is not None and not whole:  # a head range is strided: one gather, one scatter per layer
+            ids = torch.tensor(local_block_ids, dtype=torch.long)
+            for layer, cache in enumerate(self.kv_caches):
+                if time.monotonic() > deadline:
+                    raise TransferTimeout("shm copy passed its deadline")
+                cache.view(torch.uint8)[:, :, :, heads[0]:heads[1]].index_copy_(
+                    1, ids, peer.heads(layer, remote_block_ids, remote_heads, self.layout))
+            return
         if self._flat is not None:
             copy_blocks(peer.layers, peer.num_blocks, remote_block_ids, self._flat, self.num_blocks,
                         local_block_ids, self.layout.half_block_bytes, deadline)
@@ -235,6 +263,11 @@ class ShmDecodeTransport(DecodeTransport):
             if time.monotonic() > deadline:
                 raise TransferTimeout("shm copy passed its deadline")
             l0 = first_layer[0]
+            if not whole:
+                for i, dst in enumerate(host.view(torch.uint8)):
+                    dst.copy_(peer.heads(l0 + i, remote_block_ids, remote_heads, self.layout))
+                first_layer[0] += host.shape[0]
+                return
             dst, offset = as_bytes(host), 0
             for view in block_views(peer.layers[l0:l0 + host.shape[0]], self.layout, peer.num_blocks,
                                     remote_block_ids):
@@ -242,4 +275,4 @@ class ShmDecodeTransport(DecodeTransport):
                 offset += len(view)
             first_layer[0] += host.shape[0]
 
-        staging.recv_host(self.kernels, self.kv_caches, local_block_ids, from_mapping)
+        staging.recv_host(self.kernels, self.kv_caches, local_block_ids, from_mapping, None if whole else heads)

@@ -1,7 +1,9 @@
 """Staging: blocks of a group of layers gathered into one contiguous buffer, chunk by chunk.
 
 Transports that move one contiguous buffer at a time (ucx, nccl, tcp from a GPU) go through
-here; the gather/scatter itself is the kernel interface's (`kernels.get_backend`).
+here; the gather/scatter itself is the kernel interface's (`kernels.get_backend`). A pull of a
+sub-range of heads (engines of different TP sizes) goes through here on every transport: the
+buffer then holds [layers, 2, blocks, block_size, h1 - h0, head_dim], gathered with torch.
 """
 from __future__ import annotations
 
@@ -43,9 +45,30 @@ def block_views(flat: Sequence[memoryview], layout: KVLayout, num_blocks: int,
     return views
 
 
-def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """Layer ranges [l0, l1) whose blocks fit in chunk_bytes (at least one layer each)."""
-    per_layer = max(num_blocks * layout.block_bytes_per_layer, 1)
+def num_heads_of(layout: KVLayout, heads: tuple[int, int] | None) -> int:
+    return layout.num_kv_heads if heads is None else heads[1] - heads[0]
+
+
+def gather_heads(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, heads: tuple[int, int],
+                 out: torch.Tensor) -> None:
+    """out[layer, kv, j] = kv_caches[layer][kv, ids[j], :, h0:h1]: kernels.gather_blocks for a head range."""
+    h0, h1 = heads
+    for layer, cache in enumerate(kv_caches):
+        torch.index_select(cache[:, :, :, h0:h1], 1, ids, out=out[layer])
+
+
+def scatter_heads(staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                  heads: tuple[int, int]) -> None:
+    """Inverse of gather_heads: only heads [h0, h1) of the blocks are written."""
+    h0, h1 = heads
+    for layer, cache in enumerate(kv_caches):
+        cache[:, :, :, h0:h1].index_copy_(1, ids, staging[layer])
+
+
+def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int,
+                 num_heads: int | None = None) -> Iterator[tuple[int, int]]:
+    """Layer ranges [l0, l1) whose blocks (num_heads of their heads) fit in chunk_bytes (at least one layer each)."""
+    per_layer = max(num_blocks * layout.head_bytes_per_layer(num_heads or layout.num_kv_heads), 1)
     step = max(1, chunk_bytes // per_layer)
     for l0 in range(0, layout.num_layers, step):
         yield l0, min(l0 + step, layout.num_layers)
@@ -67,10 +90,11 @@ class Staging:
         self.chunk_bytes = chunk_bytes
         self._bufs = [torch.empty(0, dtype=layout.torch_dtype, device=self.device) for _ in range(2)]
 
-    def view(self, slot: int, num_layers: int, num_blocks: int) -> torch.Tensor:
+    def view(self, slot: int, num_layers: int, num_blocks: int, num_heads: int | None = None) -> torch.Tensor:
         lo = self.layout
-        shape = (num_layers, 2, num_blocks, lo.block_size, lo.num_kv_heads, lo.head_dim)
-        numel = num_layers * 2 * num_blocks * lo.block_size * lo.num_kv_heads * lo.head_dim
+        num_heads = num_heads or lo.num_kv_heads
+        shape = (num_layers, 2, num_blocks, lo.block_size, num_heads, lo.head_dim)
+        numel = num_layers * 2 * num_blocks * lo.block_size * num_heads * lo.head_dim
         if self._bufs[slot].numel() < numel:
             self._bufs[slot] = torch.empty(numel, dtype=lo.torch_dtype, device=self.device)
         return self._bufs[slot][:numel].view(shape)
@@ -78,28 +102,44 @@ class Staging:
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
+    @staticmethod
+    def gather(kernels: Any, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, heads: tuple[int, int] | None,
+               out: torch.Tensor) -> None:
+        if heads is None:
+            kernels.gather_blocks(kv_caches, ids, out=out)
+        else:
+            gather_heads(kv_caches, ids, heads, out)
+
+    @staticmethod
+    def scatter(kernels: Any, buf: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                heads: tuple[int, int] | None) -> None:
+        if heads is None:
+            kernels.scatter_blocks(buf, kv_caches, ids)
+        else:
+            scatter_heads(buf, kv_caches, ids, heads)
+
     def send(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-             start_send: Callable[[torch.Tensor], Wait]) -> None:
-        """Gather each chunk of layers into a buffer and start sending it; `start_send` returns
-        a function that waits for that send to complete."""
-        ids, in_flight = self._ids(block_ids), []
-        for k, (l0, l1) in enumerate(layer_chunks(self.layout, len(block_ids), self.chunk_bytes)):
+             start_send: Callable[[torch.Tensor], Wait], heads: tuple[int, int] | None = None) -> None:
+        """Gather each chunk of layers (`heads`, a local head range, of them) into a buffer and
+        start sending it; `start_send` returns a function that waits for that send to complete."""
+        ids, in_flight, nh = self._ids(block_ids), [], num_heads_of(self.layout, heads)
+        for k, (l0, l1) in enumerate(layer_chunks(self.layout, len(block_ids), self.chunk_bytes, nh)):
             if len(in_flight) == 2:
                 in_flight.pop(0)()  # this slot's previous chunk must be gone before we overwrite it
-            buf = self.view(k % 2, l1 - l0, len(block_ids))
-            kernels.gather_blocks(kv_caches[l0:l1], ids, out=buf)
+            buf = self.view(k % 2, l1 - l0, len(block_ids), nh)
+            self.gather(kernels, kv_caches[l0:l1], ids, heads, buf)
             in_flight.append(start_send(buf))
         for wait in in_flight:
             wait()
 
     def recv(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-             start_recv: Callable[[torch.Tensor], Wait]) -> None:
+             start_recv: Callable[[torch.Tensor], Wait], heads: tuple[int, int] | None = None) -> None:
         """Keep the next chunk's receive posted while scattering the current one."""
-        ids = self._ids(block_ids)
-        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+        ids, nh = self._ids(block_ids), num_heads_of(self.layout, heads)
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes, nh))
 
         def post(k: int) -> tuple[torch.Tensor, Wait]:
-            buf = self.view(k % 2, chunks[k][1] - chunks[k][0], len(block_ids))
+            buf = self.view(k % 2, chunks[k][1] - chunks[k][0], len(block_ids), nh)
             return buf, start_recv(buf)
 
         current = post(0)
@@ -108,7 +148,7 @@ class Staging:
             wait()
             if k + 1 < len(chunks):
                 current = post(k + 1)
-            kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)
+            self.scatter(kernels, buf, kv_caches[l0:l1], ids, heads)
 
 
 class HostStaging(Staging):
@@ -145,8 +185,9 @@ class HostStaging(Staging):
         return event
 
     def send_host(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-                  send: Callable[[torch.Tensor], None]) -> None:
-        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+                  send: Callable[[torch.Tensor], None], heads: tuple[int, int] | None = None) -> None:
+        nh = num_heads_of(self.layout, heads)
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes, nh))
         if self.on_cuda:  # the blocks were written on the compute stream
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_side_stream():
@@ -155,8 +196,8 @@ class HostStaging(Staging):
         def stage(k: int) -> tuple[torch.Tensor, Any]:
             l0, l1 = chunks[k]
             with self._on_side_stream():
-                buf = self.view(k % 2, l1 - l0, len(block_ids))
-                kernels.gather_blocks(kv_caches[l0:l1], ids, out=buf)
+                buf = self.view(k % 2, l1 - l0, len(block_ids), nh)
+                self.gather(kernels, kv_caches[l0:l1], ids, heads, buf)
                 host = self.host_view(k % 2, buf)
                 if host is not buf:
                     host.copy_(buf, non_blocking=True)
@@ -174,15 +215,16 @@ class HostStaging(Staging):
             send(host)
 
     def recv_host(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-                  recv: Callable[[torch.Tensor], None]) -> None:
-        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes))
+                  recv: Callable[[torch.Tensor], None], heads: tuple[int, int] | None = None) -> None:
+        nh = num_heads_of(self.layout, heads)
+        chunks = list(layer_chunks(self.layout, len(block_ids), self.chunk_bytes, nh))
         with self._on_side_stream():
             ids = self._ids(block_ids)
         copied: list[Any] = [None, None]
         for k, (l0, l1) in enumerate(chunks):
             slot = k % 2
             with self._on_side_stream():
-                buf = self.view(slot, l1 - l0, len(block_ids))
+                buf = self.view(slot, l1 - l0, len(block_ids), nh)
             if copied[slot] is not None:
                 copied[slot].synchronize()  # chunk k-2 has left this host buffer
             host = self.host_view(slot, buf)
@@ -190,7 +232,7 @@ class HostStaging(Staging):
             with self._on_side_stream():
                 if host is not buf:
                     buf.copy_(host, non_blocking=True)
-                kernels.scatter_blocks(buf, kv_caches[l0:l1], ids)
+                self.scatter(kernels, buf, kv_caches[l0:l1], ids, heads)
                 copied[slot] = self._record()
         if self.on_cuda:
             self.stream.synchronize()  # every block is in the cache before the pull is reported done

@@ -119,8 +119,10 @@ class _Mode:
         self.direct = on_cpu if self.requested is None else self.requested
         self.flat = cache_views(kv_caches) if self.direct else []
 
-    def peer_state(self) -> HostStaging | None:
-        return None if self.direct else HostStaging(self.layout, self.layout.device, self.chunk_bytes)
+    def peer_state(self) -> HostStaging:
+        """Staging for GPU caches, and for head ranges (strided in the cache) on any device; its
+        buffers grow on first use, so a direct-I/O connection that never needs them costs nothing."""
+        return HostStaging(self.layout, self.layout.device, self.chunk_bytes)
 
 
 class TcpPrefillTransport(PrefillTransport):
@@ -139,13 +141,13 @@ class TcpPrefillTransport(PrefillTransport):
         return self.mode.peer_state(), {}, []
 
     def send_blocks(self, peer: Any, sock: socket.socket, block_ids: list[int],
-                    transfer_id: int, timeout_s: float) -> None:
+                    transfer_id: int, timeout_s: float, heads: tuple[int, int] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
-        if self.mode.direct:
+        if self.mode.direct and heads is None:
             send_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, block_ids), deadline)
         else:
             peer.send_host(self.kernels, self.kv_caches, block_ids,
-                           lambda host: send_views(sock, [as_bytes(host)], deadline))
+                           lambda host: send_views(sock, [as_bytes(host)], deadline), heads)
 
 
 class TcpDecodeTransport(DecodeTransport):
@@ -164,10 +166,10 @@ class TcpDecodeTransport(DecodeTransport):
         return self.mode.peer_state()
 
     def recv_blocks(self, peer: Any, sock: socket.socket, local_block_ids: list[int],
-                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
-        if self.mode.direct:
+                    remote_block_ids: list[int], transfer_id: int, deadline: float,
+                    heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
+        if self.mode.direct and heads is None:
             recv_views(sock, block_views(self.mode.flat, self.layout, self.num_blocks, local_block_ids), deadline)
             return
-
         peer.recv_host(self.kernels, self.kv_caches, local_block_ids,
-                       lambda host: recv_views(sock, [as_bytes(host)], deadline))
+                       lambda host: recv_views(sock, [as_bytes(host)], deadline), heads)

@@ -141,14 +141,14 @@ class UcxPrefillTransport(PrefillTransport):
             {"ucx_address": self.side.ucx.address}, []
 
     def send_blocks(self, peer: _Peer, sock: socket.socket, block_ids: list[int],
-                    transfer_id: int, timeout_s: float) -> None:
+                    transfer_id: int, timeout_s: float, heads: tuple[int, int] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         chunks = iter(range(1 << 12))
 
         def start(buf: torch.Tensor) -> Callable[[], None]:
             return self.side.start(peer, buf, _tag(transfer_id, next(chunks)), True, sock, deadline)
 
-        peer.staging.send(self.kernels, self.kv_caches, block_ids, start)
+        peer.staging.send(self.kernels, self.kv_caches, block_ids, start, heads)
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)
@@ -172,13 +172,14 @@ class UcxDecodeTransport(DecodeTransport):
         return _Peer(ep, Staging(self.layout, self.layout.device, self.side.chunk_bytes))
 
     def recv_blocks(self, peer: _Peer, sock: socket.socket, local_block_ids: list[int],
-                    remote_block_ids: list[int], transfer_id: int, deadline: float) -> None:
+                    remote_block_ids: list[int], transfer_id: int, deadline: float,
+                    heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
         chunks = iter(range(1 << 12))
 
         def start(buf: torch.Tensor) -> Callable[[], None]:
             return self.side.start(peer, buf, _tag(transfer_id, next(chunks)), False, sock, deadline)
 
-        peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, start)
+        peer.staging.recv(self.kernels, self.kv_caches, local_block_ids, start, heads)
 
     def close_peer(self, peer: Any) -> None:
         self.side.close_peer(peer)

@@ -44,13 +44,21 @@ class Welcome(msgspec.Struct, tag="welcome"):
     transport_info: dict[str, Any] = {}
 
 
-class Pull(msgspec.Struct, tag="pull"):
+class Pull(msgspec.Struct, tag="pull", omit_defaults=True):
+    """Blocks [first_block, first_block + num_blocks) of the handle, global KV heads
+    [head_start, head_end) of them (-1: the prefill rank's whole shard), for decode rank
+    `decode_rank` of a TP=`decode_tp` engine; `layout` is the puller's KVLayout.describe()."""
     transfer_id: int
     handle: _Bytes
     first_block: int
     num_blocks: int
     layout_fingerprint: _Str
     timeout_s: float
+    head_start: int = -1
+    head_end: int = -1
+    decode_rank: int = 0
+    decode_tp: int = 1
+    layout: _Str = ""
 
 
 class PullReady(msgspec.Struct, tag="pull_ready"):
@@ -58,11 +66,14 @@ class PullReady(msgspec.Struct, tag="pull_ready"):
     nbytes: int
 
 
-class Finish(msgspec.Struct, tag="finish"):
-    """One way, puller -> prefill, after its copy: unpins the blocks and (usually) releases them."""
+class Finish(msgspec.Struct, tag="finish", omit_defaults=True):
+    """One way, puller -> prefill, after its copy: unpins the blocks and (usually) releases them
+    on behalf of decode rank `decode_rank` of `decode_tp` (the lease ends once all that need it have)."""
     transfer_id: int
     handle: _Bytes
     release: bool = True
+    decode_rank: int = 0
+    decode_tp: int = 1
 
 
 class Extend(msgspec.Struct, tag="extend"):
@@ -70,8 +81,10 @@ class Extend(msgspec.Struct, tag="extend"):
     seconds: float
 
 
-class Release(msgspec.Struct, tag="release"):
+class Release(msgspec.Struct, tag="release", omit_defaults=True):
     handle: _Bytes
+    decode_rank: int = 0
+    decode_tp: int = 1
 
 
 class Abort(msgspec.Struct, tag="abort"):

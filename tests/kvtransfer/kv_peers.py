@@ -49,7 +49,7 @@ def _stalling(base: type, stalled: Any, truncate_bytes: int | None) -> type:
     from kvtransfer.errors import PeerLost
 
     class Stalling(base):
-        def send_blocks(self, peer, sock, block_ids, transfer_id, timeout_s):
+        def send_blocks(self, peer, sock, block_ids, transfer_id, timeout_s, heads=None):
             if truncate_bytes is not None:
                 sock.sendall(bytes(truncate_bytes))
                 raise PeerLost("test: stream cut short on purpose")

@@ -1,0 +1,318 @@
+"""KV transfer between engines of different tensor-parallel sizes: every decode rank pulls exactly
+its KV heads from the prefill ranks that hold them, over every transport, bit for bit.
+
+In-process connectors: prefill ranks hold head shards of one random reference KV cache; after
+every decode rank pulled, the decode shards put together are the reference's blocks."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from kvtransfer import KVHandle, KVLayout, LayoutMismatch, ProtocolError, create_connector
+from kvtransfer.handle import merge_shard_handles
+from kvtransfer.layout import shard_heads
+from kvtransfer.shards import plan_pull, plan_sources
+
+from kv_peers import SECRET, blocks_bytes, fill, wait_events
+
+PREFILL_BLOCKS, DECODE_BLOCKS = 64, 80
+MODEL = dict(num_layers=2, head_dim=16, block_size=4, dtype="float16")
+
+# (transport, transport options): the options take the staged paths GPU caches take.
+VARIANTS = [("tcp", {}), ("tcp", {"direct_io": False}), ("shm", {}), ("shm", {"host_staging": True}),
+            ("ucx", {}), ("nccl", {})]
+VARIANT_IDS = [t + ("-staged" if o else "") for t, o in VARIANTS]
+# (total KV heads, prefill TP, decode TP)
+SPLITS = [(4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 1, 4), (4, 4, 1), (4, 2, 4), (4, 4, 2)]
+REPLICATED = [(2, 1, 4), (2, 4, 1), (2, 4, 4), (1, 2, 1), (1, 1, 2), (1, 4, 2), (2, 4, 2)]
+
+
+def layout(total: int, tp: int, rank: int, **model) -> KVLayout:
+    start, end = shard_heads(total, tp, rank)
+    return KVLayout(num_kv_heads=end - start, tp_size=tp, tp_rank=rank, total_kv_heads=total, **{**MODEL, **model})
+
+
+def reference(total: int, seed: int = 1) -> list[torch.Tensor]:
+    """The unsharded model's KV cache, random bit patterns (NaNs included): only bytes can compare."""
+    caches = [torch.empty(KVLayout(num_kv_heads=total, **MODEL).cache_shape(PREFILL_BLOCKS), dtype=torch.float16)
+              for _ in range(MODEL["num_layers"])]
+    fill(caches, seed)
+    return caches
+
+
+class TPEngines:
+    """One connector per rank of a TP engine, each with its shard of the KV cache."""
+
+    def __init__(self, role: str, transport: str, options: dict, total: int, tp: int, **kw):
+        self.layouts = [layout(total, tp, r) for r in range(tp)]
+        self.connectors = [create_connector(transport, role, lo, secret=SECRET, engine_id=f"{role}-rank{r}",
+                                            timeout_s=20.0, **options, **kw) for r, lo in enumerate(self.layouts)]
+        blocks = PREFILL_BLOCKS if role == "prefill" else DECODE_BLOCKS
+        self.caches = [c.worker.allocate_kv_caches(blocks) for c in self.connectors]
+
+    def load(self, ref: list[torch.Tensor]) -> None:
+        for lo, caches in zip(self.layouts, self.caches):
+            shard = lo.shard
+            for cache, full in zip(caches, ref):
+                cache.copy_(full[:, :, :, shard.head_start:shard.head_end])
+
+    def poison(self) -> None:
+        for caches in self.caches:
+            for cache in caches:
+                cache.view(torch.uint8).fill_(0xA5)
+
+    def close(self) -> None:
+        for c in self.connectors:
+            c.close()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*args, **kw) -> TPEngines:
+        made.append(TPEngines(*args, **kw))
+        return made[-1]
+
+    yield make
+    for e in reversed(made):
+        e.close()
+
+
+def publish(prefill: TPEngines, rid: str, block_ids: list[int]) -> KVHandle:
+    """What the TP prefill's driver does: every rank publishes the same blocks, one handle merged."""
+    return merge_shard_handles([c.publish(rid, block_ids, len(block_ids) * MODEL["block_size"])
+                                for c in prefill.connectors], SECRET)
+
+
+def wait_freed(connector, rid: str, timeout: float = 10.0) -> list:
+    deadline, freed = time.monotonic() + timeout, []
+    while not any(f.request_id == rid for f in freed):
+        freed += connector.get_finished().freed
+        assert time.monotonic() < deadline, f"{connector.engine_id} never freed {rid}"
+        time.sleep(0.005)
+    return freed
+
+
+def heads_bytes(caches: list[torch.Tensor], block_ids: list[int], h0: int, h1: int) -> list[bytes]:
+    ids = torch.tensor(block_ids)
+    return [c[:, ids, :, h0:h1].contiguous().view(torch.uint8).numpy().tobytes() for c in caches]
+
+
+def check_transfer(engines, transport: str, options: dict, total: int, a: int, b: int) -> None:
+    ref = reference(total)
+    prefill = engines("prefill", transport, options, total, a)
+    prefill.load(ref)
+    decode = engines("decode", transport, options, total, b)
+    decode.poison()
+    rng = random.Random(f"{total}-{a}-{b}")
+    remote = rng.sample(range(PREFILL_BLOCKS), 12)
+    local = rng.sample(range(DECODE_BLOCKS), 12)
+    untouched = [x for x in range(DECODE_BLOCKS) if x not in local][:20]
+    handle = publish(prefill, "req", remote)
+
+    for connector in decode.connectors:
+        connector.start_pull("req", handle, local)
+    for connector in decode.connectors:
+        events = wait_events(connector, ["req"])
+        assert events.finished == ["req"], events.failed
+
+    bs, hd, layers = MODEL["block_size"], MODEL["head_dim"], MODEL["num_layers"]
+    for h in range(total):  # every head, from each decode rank holding it (replicas included)
+        for lo, caches in zip(decode.layouts, decode.caches):
+            shard = lo.shard
+            if shard.head_start <= h < shard.head_end:
+                got = heads_bytes(caches, local, h - shard.head_start, h - shard.head_start + 1)
+                assert got == heads_bytes(ref, remote, h, h + 1), f"head {h} on decode rank {lo.tp_rank}"
+    for caches in decode.caches:
+        assert all(set(x) == {0xA5} for x in blocks_bytes(caches, untouched))  # nothing else written
+    for lo, connector in zip(decode.layouts, decode.connectors):
+        assert connector.stats()["bytes_received"] == lo.num_kv_heads * hd * bs * 2 * layers * len(local) * 2
+    for connector in prefill.connectors:  # every rank's lease released (none left to expire)
+        assert [(f.block_ids, f.reason) for f in wait_freed(connector, "req")] == [(tuple(remote), "released")]
+        assert connector.num_published_blocks == 0
+    # each prefill rank sent exactly the heads decode ranks took from it, and nothing twice (the
+    # release comes after the pull on its connection, so the counters are final by now)
+    sent = [c.stats().get("bytes_sent", 0) for c in prefill.connectors]
+    needed = [0] * a
+    for j in range(b):
+        for s in plan_sources(total, a, b, j):
+            needed[s.prefill_rank] += (s.head_end - s.head_start) * hd * bs * 2 * layers * len(local) * 2
+    assert sent == needed
+    assert sum(sent) == sum(c.stats()["bytes_received"] for c in decode.connectors)
+
+
+@pytest.mark.parametrize("total,a,b", SPLITS, ids=[f"h{t}-p{a}-d{b}" for t, a, b in SPLITS])
+@pytest.mark.parametrize("transport,options", VARIANTS, ids=VARIANT_IDS)
+def test_decode_ranks_pull_their_heads_bit_exact(engines, transport, options, total, a, b):
+    check_transfer(engines, transport, options, total, a, b)
+
+
+@pytest.mark.parametrize("total,a,b", REPLICATED, ids=[f"h{t}-p{a}-d{b}" for t, a, b in REPLICATED])
+@pytest.mark.parametrize("transport,options", [VARIANTS[0], VARIANTS[2], VARIANTS[4], VARIANTS[5]],
+                         ids=["tcp", "shm", "ucx", "nccl"])
+def test_replicated_heads_pulled_once_per_decode_rank(engines, transport, options, total, a, b):
+    check_transfer(engines, transport, options, total, a, b)
+
+
+def test_whole_shard_pull_keeps_the_zero_copy_path(engines):
+    """a == b: rank j pulls prefill rank j's whole blocks, with no head range on the wire."""
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    handle = publish(prefill, "same-tp", [1, 2])
+    for rank in range(2):
+        (source,) = plan_pull(layout(4, 2, rank), handle)
+        assert (source.ref.rank, source.heads, source.remote_heads) == (rank, None, None)
+    halves = plan_pull(layout(4, 4, 3), handle)
+    assert [(s.ref.rank, s.heads, s.remote_heads) for s in halves] == [(1, None, (1, 2))]
+
+
+def test_lease_waits_for_every_decode_rank(engines):
+    """a < b: both decode ranks read prefill rank 0; its blocks stay until the second has pulled."""
+    prefill = engines("prefill", "tcp", {}, 4, 1)
+    prefill.load(reference(4))
+    decode = engines("decode", "tcp", {}, 4, 2)
+    handle = publish(prefill, "shared", [5, 6, 7])
+    decode.connectors[0].start_pull("shared", handle, [0, 1, 2])
+    assert wait_events(decode.connectors[0], ["shared"]).finished == ["shared"]
+    time.sleep(0.2)  # the release reached the prefill; it must not free what rank 1 still needs
+    assert prefill.connectors[0].get_finished().freed == []
+    assert prefill.connectors[0].num_published_blocks == 3
+    decode.connectors[1].start_pull("shared", handle, [0, 1, 2])
+    assert wait_events(decode.connectors[1], ["shared"]).finished == ["shared"]
+    assert [f.reason for f in wait_freed(prefill.connectors[0], "shared")] == ["released"]
+
+
+def test_release_without_pull_frees_every_rank(engines):
+    """Every block cached on the decode: each decode rank releases its part of every prefill rank's lease."""
+    prefill = engines("prefill", "tcp", {}, 2, 4)  # replicated: ranks 1 and 3 are nobody's source
+    decode = engines("decode", "tcp", {}, 2, 1)
+    handle = publish(prefill, "cached", [3])
+    decode.connectors[0].release(handle).result(timeout=20)
+    for connector in prefill.connectors:
+        assert [f.reason for f in wait_freed(connector, "cached")] == ["released"]
+
+
+def test_prefill_refuses_heads_outside_its_shard(engines):
+    from kvtransfer import wire
+    from test_kv_faults import _session
+
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    handle = publish(prefill, "outside", [1, 2])
+    fingerprint = handle.layout_fingerprint
+    with _session(prefill.connectors[1].endpoint) as sock:  # rank 1 holds heads [2, 4)
+        for h0, h1 in [(0, 2), (1, 3), (3, 5), (3, 3)]:
+            wire.send_msg(sock, wire.Pull(1, handle.to_bytes(), 0, 2, fingerprint, 5.0, h0, h1, 0, 2))
+            with pytest.raises(ProtocolError, match="outside this prefill rank's shard"):
+                wire.recv_msg(sock)
+        wire.send_msg(sock, wire.Pull(2, handle.to_bytes(), 0, 2, fingerprint, 5.0, 2, 3, 0, 5))  # TP 5 cannot split 4
+        with pytest.raises(ProtocolError, match="TP=5"):
+            wire.recv_msg(sock)
+    assert prefill.connectors[1].stats().get("bytes_sent", 0) == 0
+    assert prefill.connectors[1].num_published_blocks == 2
+
+
+@pytest.mark.parametrize("other,named", [
+    (dict(block_size=8), "block size 8"), (dict(dtype="bfloat16"), "bfloat16"),
+    (dict(num_layers=3), "3 layers"), (dict(head_dim=32), "dim 32")])
+def test_layout_mismatch_names_both_sides(engines, other, named):
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    handle = publish(prefill, "other-model", [1])
+    decode = create_connector("tcp", "decode", layout(4, 2, 0, **other), secret=SECRET, engine_id="d")
+    try:
+        decode.worker.allocate_kv_caches(8)
+        with pytest.raises(LayoutMismatch) as e:
+            decode.start_pull("other-model", handle, [0])
+        assert named in str(e.value) and str(handle.layout) in str(e.value)  # theirs and ours
+    finally:
+        decode.close()
+
+
+def test_prefill_names_both_layouts_when_a_pull_disagrees(engines):
+    from kvtransfer import wire
+    from test_kv_faults import _session
+
+    prefill = engines("prefill", "tcp", {}, 4, 1)
+    handle = publish(prefill, "mismatch", [1])
+    theirs = layout(4, 1, 0, block_size=8)
+    with _session(prefill.connectors[0].endpoint) as sock:
+        wire.send_msg(sock, wire.Pull(1, handle.to_bytes(), 0, 1, theirs.fingerprint, 5.0, layout=theirs.describe()))
+        with pytest.raises(LayoutMismatch) as e:
+            wire.recv_msg(sock)
+    assert "block size 8" in str(e.value) and "block size 4" in str(e.value)
+
+
+def test_total_heads_decide_compatibility_not_tp():
+    """Same model, any TP: one fingerprint; another head count is another model."""
+    assert len({layout(4, tp, 0).fingerprint for tp in (1, 2, 4)}) == 1
+    assert layout(2, 4, 3).fingerprint == KVLayout(num_kv_heads=2, **MODEL).fingerprint
+    assert layout(4, 2, 0).fingerprint != layout(2, 1, 0).fingerprint  # 2 local heads, but of another model
+
+
+def test_tp1_handles_and_fingerprints_are_unchanged():
+    """Pinned from before sharding existed: TP=1 handles keep their bytes and signatures."""
+    assert KVLayout(2, 4, 32, 16, "float32").fingerprint == "aef5b6e5cd180951"
+    assert KVLayout(28, 8, 128, 16, "bfloat16").fingerprint == "425d94e825cd7d3b"
+    old = bytes.fromhex(
+        "8aaa726571756573745f6964a27231a9656e67696e655f6964a27030a97472616e73706f7274a3746370a8656e64706f696e74"
+        "b37463703a2f2f31302e302e302e313a35303030a9626c6f636b5f69647393030104aa6e756d5f746f6b656e7328b26c6179"
+        "6f75745f66696e6765727072696e74b061656635623665356364313830393531ac6c656173655f657870697279cb41d954fc"
+        "40200000a3746167c4200a81a991f66593efc152d0bb5d9796ae6da61644183ab5e174f1064abb9abe23a776657273696f6e01")
+    handle = KVHandle.from_bytes(old)
+    handle.verify(SECRET)
+    assert handle.shards == () and handle.layout == ""
+    assert handle.to_bytes() == old
+    made = KVHandle(request_id="r1", engine_id="p0", transport="tcp", endpoint="tcp://10.0.0.1:5000",
+                    block_ids=(3, 1, 4), num_tokens=40, layout_fingerprint="aef5b6e5cd180951",
+                    lease_expiry=1700000000.5).signed(SECRET)
+    assert made.to_bytes() == old
+    assert merge_shard_handles([made], SECRET) is made
+
+
+def test_merge_refuses_handles_that_do_not_make_one_prefill(engines):
+    from kvtransfer import AuthError
+    import msgspec
+
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    h0 = prefill.connectors[0].publish("m", [1, 2], 8)
+    h1 = prefill.connectors[1].publish("m", [1, 2], 8)
+    merged = merge_shard_handles([h1, h0], SECRET)
+    assert [s.rank for s in merged.shards] == [0, 1] and merged.endpoint == prefill.connectors[0].endpoint
+    assert KVHandle.from_bytes(merged.to_bytes()) == merged
+    with pytest.raises(ProtocolError, match="ranks"):
+        merge_shard_handles([h0], SECRET)
+    with pytest.raises(ProtocolError, match="disagree on block_ids"):
+        other = prefill.connectors[1].publish("n", [1, 3], 8)
+        merge_shard_handles([h0, msgspec.structs.replace(other, request_id="m", tag=b"").signed(SECRET)], SECRET)
+    with pytest.raises(AuthError):
+        merge_shard_handles([h0, msgspec.structs.replace(h1, block_ids=(1, 3))], SECRET)
+    with pytest.raises(ProtocolError, match="not one rank's handle"):
+        merge_shard_handles([merged, h1], SECRET)
+    decode = create_connector("tcp", "decode", layout(4, 2, 0), secret=SECRET, engine_id="d")
+    try:
+        decode.worker.allocate_kv_caches(8)
+        with pytest.raises(ProtocolError, match="merge_shard_handles"):
+            decode.start_pull("m", h0, [0, 1])  # one rank's handle, not the request's
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("total,tp,heads", [
+    (8, 2, [(0, 4), (4, 8)]), (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+    (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]), (1, 2, [(0, 1), (0, 1)])])
+def test_shard_heads(total, tp, heads):
+    shards = [layout(total, tp, r).shard for r in range(tp)]
+    assert [(s.head_start, s.head_end) for s in shards] == heads
+
+
+def test_sharded_layouts_are_validated():
+    with pytest.raises(ValueError, match="cannot be split"):
+        KVLayout(num_kv_heads=1, tp_size=3, total_kv_heads=4, **MODEL)
+    with pytest.raises(ValueError, match="not num_kv_heads"):
+        KVLayout(num_kv_heads=4, tp_size=2, total_kv_heads=4, **MODEL)
+    with pytest.raises(ValueError, match="total_kv_heads"):
+        KVLayout(num_kv_heads=2, tp_size=2, **MODEL)
+    with pytest.raises(ValueError, match="not a rank"):
+        KVLayout(num_kv_heads=2, tp_size=2, tp_rank=2, total_kv_heads=4, **MODEL)
