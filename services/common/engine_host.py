@@ -19,6 +19,7 @@ from services.common.auth import ServerAuth
 from services.common.grpc_server import GrpcService, RequestAborted
 from services.common.kv_connector import KVConnectorConfig
 from services.common.metrics import ServiceMetrics
+from services.common.pairing_descriptor import describe_engine
 from services.common.role import Role
 
 logger = logging.getLogger("pdserve.engine")
@@ -61,10 +62,12 @@ class EngineHost:
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    """Abort and GetLoad, the same on every role."""
+    """Abort and GetLoad, the same on every role. GetLoad is the router's handshake: each report
+    carries the pairing descriptor, so a pair that cannot work is refused before any request."""
 
-    def __init__(self, host: EngineHost) -> None:
+    def __init__(self, host: EngineHost, pairing: pb.PairingDescriptor) -> None:
         self.host = host
+        self.pairing = pairing
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         engine = self.host.engine
@@ -74,8 +77,10 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
         engine = self.host.engine
-        return convert.load_report(engine.stats(), self.host.engine_id, self.host.role.value,
-                                   engine.config.cache.block_size, engine.max_model_len)
+        report = convert.load_report(engine.stats(), self.host.engine_id, self.host.role.value,
+                                     engine.config.cache.block_size, engine.max_model_len)
+        report.pairing.CopyFrom(self.pairing)
+        return report
 
 
 def engine_kwargs(args) -> dict:
@@ -122,10 +127,12 @@ async def serve(args, role: Role, service_name: str, add_servicer: Callable[[Eng
     model_name = args.served_model_name or os.path.basename(os.path.normpath(engine.config.model.path))
     metrics = ServiceMetrics(engine.stats, model_name, role.value, engine_id)
     host = EngineHost(engine, role, engine_id, metrics)
+    pairing = describe_engine(engine.config, engine.tokenizer.get_vocab(), model_name,
+                              kv_connector.transport if kv_connector is not None else "")
 
     def add(server: grpc.aio.Server) -> None:
         add_servicer(host, server)
-        pb_grpc.add_EngineServicer_to_server(EngineServicer(host), server)
+        pb_grpc.add_EngineServicer_to_server(EngineServicer(host, pairing), server)
 
     names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in (service_name, "Engine")]
     service = GrpcService(args.host, args.port, names, add, args.drain_timeout, auth, args.health_port)

@@ -92,15 +92,42 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
 
     def check_available(self) -> None:
-        """503 up front, before anything is streamed, when a role has no healthy instance."""
-        for role in ("prefill", "decode") if self.disaggregated else ("decode",):
-            if role == "prefill" and self.pd_policy is not None and self.pd_policy.serves_without_prefill():
-                continue  # the decode instances compute the prompts while no prefill is healthy
-            if not self.pool.healthy(role):
+        """503 up front, before anything is streamed, when a role has no healthy instance, or no
+        healthy prefill can pair with a healthy decode."""
+        needs_prefill = self.disaggregated and not (
+            self.pd_policy is not None and self.pd_policy.serves_without_prefill())
+        for role in ("prefill", "decode") if needs_prefill else ("decode",):
+            if not self.pool.healthy(role):  # else the decode instances compute the prompts
                 raise RouterError(503, self.pool.unavailable_reason(role), code="no_healthy_instance")
+        if needs_prefill:
+            self._candidates("prefill", [], self.pool.healthy("decode"))
 
-    def _pick(self, route: RouteRequest, exclude: list[Instance]) -> Instance:
-        candidates = [i for i in self.pool.healthy(route.role) if i not in exclude]
+    def _can_pair(self, inst: Instance, other: Instance) -> bool:
+        prefill, decode = (inst, other) if inst.role == "prefill" else (other, inst)
+        return self.pool.pairs.can_pair(prefill, decode)
+
+    def _paired(self, role: str, exclude, pair_with: list[Instance] | None) -> tuple[list[Instance], list[Instance]]:
+        """(healthy instances of `role` not excluded, those of them that pair with one of
+        `pair_with`); no pairing asked (None, or no instance to pair with): the same list twice."""
+        healthy = [i for i in self.pool.healthy(role) if i not in exclude]
+        if not pair_with:
+            return healthy, healthy
+        return healthy, [i for i in healthy if any(self._can_pair(i, o) for o in pair_with)]
+
+    def _candidates(self, role: str, exclude, pair_with: list[Instance] | None) -> list[Instance]:
+        """What a pick may choose from; a 503 naming every refused pair when some are healthy
+        but none pairs (another model, KV layout, transport or sharding): at once, not a hang."""
+        healthy, paired = self._paired(role, exclude, pair_with)
+        if healthy and not paired:
+            ours, theirs = (healthy, pair_with) if role == "prefill" else (pair_with, healthy)
+            raise RouterError(503, self.pool.pairs.why_unpaired(ours, theirs), code="no_compatible_pair")
+        return paired
+
+    def _pick(self, route: RouteRequest, exclude: list[Instance],
+              pair_with: list[Instance] | None = None) -> Instance:
+        """`pair_with`: a prefill's possible decodes, or a decode's prefill (KV will move
+        between them); None for a decode that computes the prompt itself."""
+        candidates = self._candidates(route.role, exclude, pair_with)
         if not candidates:
             reason = self.pool.unavailable_reason(route.role) if not exclude else (
                 f"no other healthy {route.role} instance to retry on")
@@ -110,9 +137,9 @@ class Dispatcher:
         self.metrics.routing_decisions.labels(route.role, inst.address).inc()
         return inst
 
-    def _can_retry(self, role: str, tried: list[Instance], exclude: list[Instance] = ()) -> bool:
-        return len(tried) < self.max_attempts and any(
-            i.healthy and i not in tried and i not in exclude for i in self.pool.instances(role))
+    def _can_retry(self, role: str, tried: list[Instance], exclude: list[Instance] = (),
+                   pair_with: list[Instance] | None = None) -> bool:
+        return len(tried) < self.max_attempts and bool(self._paired(role, [*tried, *exclude], pair_with)[1])
 
     def _failed(self, inst: Instance, request_id: str, e: grpc.aio.AioRpcError, retrying: bool) -> None:
         if e.code() == Code.UNAVAILABLE:
@@ -197,7 +224,7 @@ class Dispatcher:
             return
         pinned: Instance | None = None  # prefill instance holding KV that no decode has pulled yet
         try:
-            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, deadline)
+            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, deadline, lost)
             # The prefill engine ran the request with its real parameters: its finish reason is
             # the answer, and when it has one nothing was published and no decode follows.
             finish = resp.finish_reason or None
@@ -216,7 +243,7 @@ class Dispatcher:
                                    kv_handle=resp.kv_handle)
             # The first token waits for a decode to take the request: when every decode is full
             # the client gets a 429 before anything was streamed, not a broken stream.
-            async for chunk in self._decode(decode_route, req, deadline, lost, first=first):
+            async for chunk in self._decode(decode_route, req, deadline, lost, first=first, prefill=prefill):
                 if chunk is not first:
                     pinned = None  # decode answered: it pulled the KV (or recomputed) and prefill freed it
                 yield chunk
@@ -225,7 +252,7 @@ class Dispatcher:
                 self._abort_later(pinned, request_id)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
-                       deadline: float) -> tuple[Instance, pb.PrefillResponse]:
+                       deadline: float, lost: list[Instance]) -> tuple[Instance, pb.PrefillResponse]:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                 sampling=sampling, publish_kv=True)
         route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None)
@@ -233,7 +260,8 @@ class Dispatcher:
         failures: list[str] = []
         codes: set[grpc.StatusCode] = set()
         while True:
-            inst = self._pick(route, tried)
+            decodes = [d for d in self.pool.healthy("decode") if d not in lost]  # only a prefill one can pull from
+            inst = self._pick(route, tried, decodes)
             tried.append(inst)
             timeout = min(self.prefill_timeout_s, self._remaining(deadline))
             try:
@@ -247,7 +275,7 @@ class Dispatcher:
                 self._abort_later(inst, request_id)  # timed out or half-failed: free what it holds
                 failures.append(f"{inst.address}: {e.code().name}: {e.details()}")
                 codes.add(e.code())
-                retrying = self._can_retry("prefill", tried)
+                retrying = self._can_retry("prefill", tried, pair_with=decodes)
                 self._failed(inst, request_id, e, retrying)
                 self._remaining(deadline)
                 if not retrying and Code.RESOURCE_EXHAUSTED in codes:  # full, or full and down
@@ -256,14 +284,16 @@ class Dispatcher:
                     raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
                                            f"{'; '.join(failures)}", code="upstream_failed") from None
 
-    async def _decode(self, route: RouteRequest, req: pb.DecodeRequest, deadline: float,
-                      lost: list[Instance], first: TokenChunk | None = None) -> AsyncIterator[TokenChunk]:
+    async def _decode(self, route: RouteRequest, req: pb.DecodeRequest, deadline: float, lost: list[Instance],
+                      first: TokenChunk | None = None, prefill: Instance | None = None) -> AsyncIterator[TokenChunk]:
         """The decode stream, retried on another instance until it yields a token; `first` (the
-        prefill's token) is yielded as soon as an instance has taken the request."""
+        prefill's token) is yielded as soon as an instance has taken the request. With `prefill`
+        (whose KV it pulls), only a decode that pairs with it is chosen."""
         tried: list[Instance] = []
         codes: set[grpc.StatusCode] = set()
+        pair_with = [prefill] if prefill is not None else None
         while True:
-            inst = self._pick(route, [*lost, *tried])
+            inst = self._pick(route, [*lost, *tried], pair_with)
             tried.append(inst)
             call = inst.decode.Decode(req, timeout=self._remaining(deadline))
             received = False
@@ -302,7 +332,7 @@ class Dispatcher:
                 if received or e.code() not in RETRYABLE:
                     raise _upstream_error(inst, e) from None
                 codes.add(e.code())
-                retrying = self._can_retry("decode", tried, lost)
+                retrying = self._can_retry("decode", tried, lost, pair_with)
                 self._failed(inst, req.request_id, e, retrying)
                 self._remaining(deadline)
                 if not retrying and Code.RESOURCE_EXHAUSTED in codes:  # full, or full and down

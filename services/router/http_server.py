@@ -150,7 +150,11 @@ class HttpGateway:
         if self.router.draining:
             raise RouterError(503, "the router is shutting down", code="draining")
         self.router.dispatcher.check_available()
-        return self._json_response({"status": "ok"})
+        body = {"status": "ok"}
+        refused = self.router.pool.pairs.incompatible()
+        if refused:  # ready through the other pairs; these are never chosen
+            body["incompatible_pairs"] = refused
+        return self._json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.common.auth import ChannelAuth
+from services.router.pairing import PairTable
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class Instance:
         self.draining = False  # discovery removed it: no new requests, in-flight ones finish
         self.reason = "not checked yet"  # why it is unhealthy
         self.load: pb.LoadReport | None = None
+        # Its pairing descriptor (in `load`) is this life's: false from each start until a report
+        # comes, for a pod restarted behind the same address may be another version.
+        self.described = False
         # Tokens routed here since the last load report: keeps least-load honest between polls.
         self.routed_tokens = 0
 
@@ -89,6 +93,7 @@ class InstancePool:
         self._checks: set[asyncio.Task] = set()
         self._sources = sources or {}  # role -> where its instances come from, for messages
         self._auth = auth  # the credentials every channel to an engine carries
+        self.pairs = PairTable(metrics)  # which prefill x decode pairs can move KV
 
     def instances(self, role: str) -> list[Instance]:
         return self._instances[role]
@@ -124,6 +129,7 @@ class InstancePool:
         self._instances[role] = [i for i in self._instances[role] if not i.draining] + added
         for inst in added:
             logger.info("%s instance %s added by discovery", role, inst.address)
+        self._refresh_pairs()  # the removed ones' pairs go
         if added:  # checked now, not at the next interval: a new pod serves as soon as it can
             task = asyncio.create_task(self._check(added))
             self._checks.add(task)
@@ -155,10 +161,16 @@ class InstancePool:
         for inst, (ok, reason) in zip(instances, results):
             if inst.draining:
                 continue  # removed while it was being checked
-            was = inst.healthy
-            self._set_health(inst, ok, reason)
-            if ok and not was:  # a first report now: its limits and KV events endpoint, before any poll
+            if ok and (not inst.healthy or not inst.described):
+                # A first report before it takes requests: its limits, its KV events endpoint and
+                # the descriptor it is paired by (asked again at each check until one arrives).
+                if inst.described:
+                    inst.described = False
+                    self._refresh_pairs()
                 await self._fetch_load(inst)
+                if inst.draining:
+                    continue
+            self._set_health(inst, ok, reason)
 
     def mark_unhealthy(self, inst: Instance, reason: str) -> None:
         self._set_health(inst, False, reason)
@@ -174,6 +186,9 @@ class InstancePool:
         inst.healthy, inst.reason, inst.checked = ok, reason, True
         self._metrics.instance_healthy.labels(inst.role, inst.address).set(1 if ok else 0)
 
+    def _refresh_pairs(self) -> None:
+        self.pairs.refresh(self._instances["prefill"], self._instances["decode"])
+
     async def poll_loads(self) -> None:
         await asyncio.gather(*(self._fetch_load(i) for role in ROLES for i in self.healthy(role)))
 
@@ -183,6 +198,10 @@ class InstancePool:
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", inst, e.code().name)
             return
-        inst.load, inst.routed_tokens = report, 0
+        previous, inst.load, inst.routed_tokens = inst.load, report, 0
+        if not inst.described or previous.HasField("pairing") != report.HasField("pairing") or (
+                previous.pairing != report.pairing):  # a first descriptor, or a pod of another version
+            inst.described = True
+            self._refresh_pairs()
         if self._on_load is not None:
             self._on_load(report)

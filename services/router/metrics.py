@@ -46,6 +46,10 @@ class RouterMetrics:
         self.instance_healthy = Gauge(
             "pdserve:router_instance_healthy", "1 when the instance's health check says SERVING.",
             ["role", "instance"], registry=r)
+        self.incompatible_pairs = Gauge(
+            "pdserve:router_incompatible_pairs", "Prefill x decode pairs that cannot move KV between "
+            "them (another model, KV layout, transport or sharding): never chosen; /readyz says why.",
+            registry=r)
         self.ttft = Histogram(
             "pdserve:router_time_to_first_token_seconds", "Time to first token, as the router sees it.",
             buckets=TTFT_BUCKETS, registry=r)

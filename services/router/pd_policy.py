@@ -12,7 +12,7 @@
       second hop cost more than the compute), or
     * the prefill pool is queueing: its least loaded instance has more than
       `max_prefill_queue_tokens` outstanding, while that decode has room (no request waiting and
-      KV cache usage under `decode_room_usage`), or no prefill instance is healthy;
+      KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs with it;
   else the prompt goes to a prefill instance.
 Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
 """
@@ -76,8 +76,8 @@ class PdPolicy:
             uncached = len(route.prompt_token_ids)
         if uncached <= self.max_local_prefill_tokens:
             return PdDecision(False, "short_uncached", local)
-        prefills = self.pool.healthy("prefill")
-        if not prefills:
+        prefills = [p for p in self.pool.healthy("prefill") if self.pool.pairs.can_pair(p, decode)]
+        if not prefills:  # none healthy, or none this decode can pull from
             return PdDecision(False, "no_prefill", local)
         queue = min(i.load_score for i in prefills)
         if queue > self.max_prefill_queue_tokens and self._has_room(decode):

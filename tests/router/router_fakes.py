@@ -50,6 +50,19 @@ def toy_generate(prompt: list[int], n: int, stop_token_ids=()) -> tuple[list[int
     return out, "length"
 
 
+def fake_pairing(model: str = "tiny", block_size: int = 16, dtype: str = "float32", kv_heads: int = 2,
+                 tp: int = 1, transport: str = "tcp", num_layers: int = 2) -> pb.PairingDescriptor:
+    """The pairing descriptor a real engine of this shape reports (the model fingerprint stands for
+    the checkpoint's: one per model name)."""
+    from kvtransfer import KVLayout
+
+    layout = KVLayout(num_layers, kv_heads, 16, block_size, dtype=dtype)
+    return pb.PairingDescriptor(model_name=model, model_fingerprint=f"fp-{model}",
+                                kv_layout_fingerprint=layout.fingerprint, kv_block_size=block_size,
+                                kv_dtype=dtype, total_kv_heads=kv_heads, tensor_parallel_size=tp,
+                                kv_transport=transport)
+
+
 def client_ids(request_ids) -> list[str]:
     """The client's request ids behind the engines' keys (the router appends a unique suffix)."""
     return [rid.rsplit(".", 1)[0] for rid in request_ids]
@@ -82,8 +95,11 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
 
     def __init__(self, role: str, registry: KVRegistry | None = None, *, name: str = "",
                  prefill_delay: float = 0.0, token_delay: float = 0.0, fail: grpc.StatusCode | None = None,
-                 fail_times: int = 0, max_model_len: int = 2048, eos_token_id: int = EOS) -> None:
+                 fail_times: int = 0, max_model_len: int = 2048, eos_token_id: int = EOS,
+                 pairing: pb.PairingDescriptor | None = None) -> None:
         self.role = role
+        self.pairing = pairing if pairing is not None else fake_pairing()  # what GetLoad reports
+        self.load_unavailable = False  # GetLoad fails (UNAVAILABLE) while set
         self.eos_token_id = eos_token_id
         self.name = name or role
         self.registry = registry or KVRegistry()
@@ -176,8 +192,11 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         return pb.AbortResponse(found=self.registry.pinned.pop(handle, None) is not None)
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
+        if self.load_unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no load report yet")
         return pb.LoadReport(engine_id=self.name, role=self.role, num_running=len(self.running),
-                             outstanding_tokens=100 * len(self.running), max_model_len=self.max_model_len)
+                             outstanding_tokens=100 * len(self.running), max_model_len=self.max_model_len,
+                             pairing=self.pairing)
 
 
 class _CallLog(grpc.aio.ServerInterceptor):

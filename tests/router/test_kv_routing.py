@@ -106,17 +106,20 @@ def test_auto_is_round_robin_until_instances_publish_events():
 
 
 class FakePool:
-    def __init__(self, prefill: list, decode: list) -> None:
+    def __init__(self, prefill: list, decode: list, refused: tuple = ()) -> None:
         self.roles = {"prefill": prefill, "decode": decode}
+        # (prefill, decode) addresses that cannot pair (pairing.PairTable's verdicts)
+        self.pairs = SimpleNamespace(can_pair=lambda p, d: (p.address, d.address) not in refused)
 
     def healthy(self, role: str) -> list:
         return self.roles[role]
 
 
-def decide(mode: str, index: KvIndex, prefill_load: int = 0, decode_report=None, prompt=PROMPT, **kw):
+def decide(mode: str, index: KvIndex, prefill_load: int = 0, decode_report=None, prompt=PROMPT,
+           refused: tuple = (), **kw):
     metrics = RouterMetrics()
     decode = inst("d", **(decode_report or {}))
-    pool = FakePool([inst("p", load=prefill_load)], [decode])
+    pool = FakePool([inst("p", load=prefill_load)], [decode], refused)
     pd = PdPolicy(mode, make_policy("auto", index), pool, metrics, **kw)
     decision = pd.decide(route(prompt))
     return decision, metrics
@@ -139,6 +142,11 @@ def test_conditional_decisions(cached, prefill_load, report, expect):
     label = "prefill_remote" if expect[0] else "decode_local"
     assert metrics.registry.get_sample_value("pdserve:router_pd_decisions_total",
                                              {"decision": label, "reason": expect[1]}) == 1
+
+
+def test_a_decode_no_prefill_pairs_with_computes_long_prompts_itself():
+    decision, _ = decide("conditional", index_with({"d": []}), refused=(("p", "d"),), max_local_prefill_tokens=16)
+    assert (decision.disaggregate, decision.reason) == (False, "no_prefill")
 
 
 def test_short_prompts_stay_local_even_when_the_decode_cache_is_cold():

@@ -1,0 +1,45 @@
+"""An engine's pairing descriptor: what a prefill and a decode must agree on, reported in GetLoad."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from engine.config import EngineConfig
+from kvtransfer import KVLayout
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+
+# The config.json keys that fix what a token's KV means; weights of the same shape are not told
+# apart (hashing them would cost a read of the checkpoint at every start).
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling")
+
+
+def model_fingerprint(hf_config: dict, vocab: dict[str, int]) -> str:
+    """sha256 over the architecture-defining config and the tokenizer's vocabulary: two engines
+    with the same fingerprint read each other's token ids and KV the same way."""
+    arch = {key: hf_config.get(key) for key in ARCHITECTURE_KEYS}
+    digest = hashlib.sha256(b"model/v1\0")
+    digest.update(json.dumps(arch, sort_keys=True).encode())
+    digest.update(b"\0")
+    digest.update(json.dumps(sorted(vocab.items())).encode())
+    return digest.hexdigest()[:16]
+
+
+def describe_engine(config: EngineConfig, vocab: dict[str, int], model_name: str,
+                    kv_transport: str) -> pb.PairingDescriptor:
+    """Computed once at start from the config the engine core runs with (the same checkpoint,
+    block size and dtype), so GetLoad costs nothing more. `kv_transport` is empty when colocated."""
+    from engine.models.llama import LlamaArch  # torch: only engine processes import this module
+    from engine.models.loader import resolve_dtype
+
+    hf_config = config.model.hf_config
+    arch = LlamaArch.from_hf_config(hf_config)
+    dtype = str(resolve_dtype(config.model.dtype, hf_config)).removeprefix("torch.")
+    # The model-level layout: every rank's shard of the same heads shares it, whatever the TP size.
+    layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.block_size, dtype=dtype)
+    return pb.PairingDescriptor(
+        model_name=model_name, model_fingerprint=model_fingerprint(hf_config, vocab),
+        kv_layout_fingerprint=layout.fingerprint, kv_block_size=config.cache.block_size, kv_dtype=dtype,
+        total_kv_heads=arch.num_kv_heads,
+        tensor_parallel_size=getattr(config.parallel, "tensor_parallel_size", 1), kv_transport=kv_transport)
