@@ -3,7 +3,6 @@ pairing descriptors the engines report in GetLoad, before any request waits on a
 from __future__ import annotations
 
 import logging
-from typing import Iterable
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
@@ -52,28 +51,33 @@ class PairTable:
     def __init__(self, metrics) -> None:
         self._metrics = metrics
         self._verdicts: dict[tuple[str, str], str | None] = {}  # (prefill, decode) -> reason or None
+        # The last verdict logged per pair, kept while an instance is between reports (restarting),
+        # so that one coming back unchanged is not logged again.
+        self._logged: dict[tuple[str, str], str | None] = {}
         self._unchecked_logged: set[str] = set()
 
-    def refresh(self, prefills: Iterable, decodes: Iterable) -> None:
+    def refresh(self, prefills: list, decodes: list) -> None:
         """`prefills`/`decodes`: the pool's instances; one not `described` yet is not paired."""
-        described = [[i for i in group if i.described] for group in (prefills, decodes)]
-        for inst in described[0] + described[1]:
-            if not inst.load.HasField("pairing") and inst.address not in self._unchecked_logged:
+        for inst in prefills + decodes:
+            if inst.described and not inst.load.HasField("pairing") and inst.address not in self._unchecked_logged:
                 self._unchecked_logged.add(inst.address)
                 logger.warning("%s instance %s reports no pairing descriptor (an engine older than the "
                                "router?): it is paired unchecked", inst.role, inst.address)
         verdicts = {}
-        for p in described[0]:
-            for d in described[1]:
+        for p in (i for i in prefills if i.described):
+            for d in (i for i in decodes if i.described):
                 reason = (pair_incompatibility(p.load.pairing, d.load.pairing)
                           if p.load.HasField("pairing") and d.load.HasField("pairing") else None)
                 key = (p.address, d.address)
-                if reason is not None and self._verdicts.get(key) != reason:
+                if reason is not None and self._logged.get(key) != reason:
                     logger.warning("prefill %s and decode %s cannot pair: %s", p.address, d.address, reason)
-                elif reason is None and self._verdicts.get(key):
+                elif reason is None and self._logged.get(key):
                     logger.info("prefill %s and decode %s can pair now", p.address, d.address)
-                verdicts[key] = reason
+                verdicts[key] = self._logged[key] = reason
         self._verdicts = verdicts
+        present = {(p.address, d.address) for p in prefills for d in decodes}
+        self._logged = {key: r for key, r in self._logged.items() if key in present}
+        self._unchecked_logged &= {i.address for i in prefills + decodes}
         self._metrics.incompatible_pairs.set(sum(r is not None for r in verdicts.values()))
 
     def can_pair(self, prefill, decode) -> bool:

@@ -63,6 +63,9 @@ def fake_pairing(model: str = "tiny", block_size: int = 16, dtype: str = "float3
                                 kv_transport=transport)
 
 
+TINY_PAIRING = fake_pairing()  # what every fake reports unless told otherwise
+
+
 def client_ids(request_ids) -> list[str]:
     """The client's request ids behind the engines' keys (the router appends a unique suffix)."""
     return [rid.rsplit(".", 1)[0] for rid in request_ids]
@@ -96,9 +99,9 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
     def __init__(self, role: str, registry: KVRegistry | None = None, *, name: str = "",
                  prefill_delay: float = 0.0, token_delay: float = 0.0, fail: grpc.StatusCode | None = None,
                  fail_times: int = 0, max_model_len: int = 2048, eos_token_id: int = EOS,
-                 pairing: pb.PairingDescriptor | None = None) -> None:
+                 pairing: pb.PairingDescriptor | None = TINY_PAIRING) -> None:
         self.role = role
-        self.pairing = pairing if pairing is not None else fake_pairing()  # what GetLoad reports
+        self.pairing = pairing  # what GetLoad reports; None: none (an engine older than the router)
         self.load_unavailable = False  # GetLoad fails (UNAVAILABLE) while set
         self.eos_token_id = eos_token_id
         self.name = name or role

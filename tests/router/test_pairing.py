@@ -141,3 +141,27 @@ def test_colocated_instances_are_not_paired(make_stack, tokenizer):
         assert status == 200, body
     assert stack.metric("pdserve:router_incompatible_pairs") == 0
     assert sum(len(d.engine.requests) for d in stack.decodes) == 4
+
+
+def test_a_refused_pair_is_logged_once_across_restarts(make_stack, loop_thread, caplog):
+    caplog.set_level(logging.WARNING, logger="services.router.pairing")
+    stack = make_stack(prefill=1, decode=2, decode_kwargs=[{}, {"pairing": MISFITS["dtype"]}])
+    odd, inst = stack.decodes[1], stack.router.pool.instances("decode")[1]
+    for _ in range(2):  # restarted as the same version: refused again, not logged again
+        loop_thread.run(odd.set_serving(False))
+        wait_until(lambda: not inst.healthy, what="the decode to be seen down")
+        loop_thread.run(odd.set_serving(True))
+        wait_until(lambda: inst.healthy and inst.described, what="the decode back with its report")
+    assert stack.metric("pdserve:router_incompatible_pairs") == 1
+    assert sum("cannot pair" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_an_engine_without_a_descriptor_is_paired_unchecked(make_stack, caplog):
+    """An engine older than the router reports no descriptor: served as before, with a warning."""
+    caplog.set_level(logging.WARNING, logger="services.router.pairing")
+    stack = make_stack(prefill=1, decode=1, decode_kwargs=[{"pairing": None}])
+    assert not stack.router.pool.instances("decode")[0].load.HasField("pairing")
+    status, _, body = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 4})
+    assert status == 200, body
+    assert f"decode instance {stack.decodes[0].address} reports no pairing descriptor" in caplog.text
+    assert len(stack.decodes[0].engine.requests) == 1
