@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-tp bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -48,6 +48,10 @@ test: $(STAMP) $(GENERATED)
 
 bench-engine: $(STAMP)
 	$(VPY) bench/engine_bench.py
+
+# TP=2 (one thread per rank) against TP=1 (two threads) on the CPU, and gloo's all-reduce cost.
+bench-tp: $(STAMP)
+	$(VPY) -m bench.tp_bench
 
 bench-kvtransfer: $(STAMP)
 	$(VPY) bench/kvtransfer_bench.py

@@ -39,6 +39,8 @@ class TPDriver:
         for rank in range(layout.size):
             rank_device(device, rank)  # enough devices, before anything starts
         threads = threads_per_rank(config) if device.type == "cpu" else None
+        # Process-wide: given back on shutdown (an LLM's process outlives its engine).
+        self._threads_before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,6 +142,7 @@ class TPDriver:
     def shutdown(self) -> None:
         self._finalizer()
         self.group.close()
+        torch.set_num_threads(self._threads_before)
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
