@@ -12,7 +12,8 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb
 # The config.json keys that fix what a token's KV means; weights of the same shape are not told
 # apart (hashing them would cost a read of the checkpoint at every start).
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling")
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+                     "rope_parameters")  # the keys are cached after RoPE: its parameters count
 
 
 def model_fingerprint(hf_config: dict, vocab: dict[str, int]) -> str:
@@ -42,4 +43,4 @@ def describe_engine(config: EngineConfig, vocab: dict[str, int], model_name: str
         model_name=model_name, model_fingerprint=model_fingerprint(hf_config, vocab),
         kv_layout_fingerprint=layout.fingerprint, kv_block_size=config.cache.block_size, kv_dtype=dtype,
         total_kv_heads=arch.num_kv_heads,
-        tensor_parallel_size=getattr(config.parallel, "tensor_parallel_size", 1), kv_transport=kv_transport)
+        tensor_parallel_size=config.parallel.tensor_parallel_size, kv_transport=kv_transport)

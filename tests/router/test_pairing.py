@@ -165,3 +165,19 @@ def test_an_engine_without_a_descriptor_is_paired_unchecked(make_stack, caplog):
     assert status == 200, body
     assert f"decode instance {stack.decodes[0].address} reports no pairing descriptor" in caplog.text
     assert len(stack.decodes[0].engine.requests) == 1
+
+
+def test_a_changed_descriptor_is_seen_at_the_next_load_report(make_stack):
+    """With load polling (least_load) a descriptor that changes under the same address (a pod of
+    another version behind it) is checked at the next report, with no health flap in between."""
+    stack = make_stack(prefill=1, decode=2, policy="least_load", load_poll_interval_s=0.05)
+    changed = stack.decodes[1]
+    changed.engine.pairing = fake_pairing(block_size=32)
+    wait_until(lambda: stack.metric("pdserve:router_incompatible_pairs") == 1, what="the pair refused")
+    before = len(changed.engine.requests)
+    for _ in range(6):
+        status, _, body = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 4})
+        assert status == 200, body
+    assert len(changed.engine.requests) == before
+    changed.engine.pairing = fake_pairing()
+    wait_until(lambda: stack.metric("pdserve:router_incompatible_pairs") == 0, what="the pair accepted again")

@@ -1,0 +1,58 @@
+"""The pairing descriptor an engine reports in GetLoad: what tells two checkpoints, block sizes,
+dtypes and TP sizes apart, and what does not."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.processor import load_tokenizer
+from kvtransfer import KVLayout
+from services.common.pairing_descriptor import describe_engine, model_fingerprint
+from services.router.pairing import pair_incompatibility
+
+
+def describe(path: str, transport: str = "tcp", **engine_kwargs):
+    return describe_engine(EngineConfig.create(path, **engine_kwargs), load_tokenizer(path).get_vocab(), "m",
+                           transport)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+def test_the_descriptor_says_what_the_kv_cache_is(tiny):
+    d = describe(tiny, block_size=32, dtype="bfloat16", tensor_parallel_size=2)
+    # The tiny llama: 2 layers, 2 KV heads of 16 (hidden 64 / 4 heads).
+    assert (d.kv_block_size, d.kv_dtype, d.total_kv_heads, d.tensor_parallel_size, d.kv_transport) == (
+        32, "bfloat16", 2, 2, "tcp")
+    assert d.kv_layout_fingerprint == KVLayout(2, 2, 16, 32, dtype="bfloat16").fingerprint
+    assert pair_incompatibility(d, describe(tiny, block_size=32, dtype="bfloat16")) is None  # TP 2 feeds TP 1
+
+
+def test_block_size_and_dtype_change_the_layout_not_the_model(tiny):
+    base = describe(tiny)
+    for other, why in ((describe(tiny, block_size=32), "KV block size 16 vs 32"),
+                       (describe(tiny, dtype="float16"), "KV dtype float32 vs float16"),
+                       (describe(tiny, transport="shm"), "KV transport tcp vs shm")):
+        assert other.model_fingerprint == base.model_fingerprint
+        assert pair_incompatibility(base, other) == why
+
+
+def test_another_checkpoint_is_another_model(tiny, tiny_model_factory):
+    base = describe(tiny)
+    deeper = describe(tiny_model_factory("llama", num_layers=3))
+    assert deeper.model_fingerprint != base.model_fingerprint
+    assert pair_incompatibility(base, deeper).startswith("model m")
+    # The same architecture with a longer context is the same model: its KV means the same.
+    assert describe(tiny_model_factory("llama", max_position_embeddings=512)).model_fingerprint == base.model_fingerprint
+
+
+def test_the_tokenizer_is_part_of_the_model(tiny):
+    hf_config = EngineConfig.create(tiny).model.hf_config
+    vocab = load_tokenizer(tiny).get_vocab()
+    renamed = dict(vocab)
+    token = next(t for t in renamed if renamed[t] > 10)
+    renamed[token + "_x"] = renamed.pop(token)  # one id spelled differently
+    assert model_fingerprint(hf_config, vocab) == model_fingerprint(hf_config, dict(reversed(vocab.items())))
+    assert model_fingerprint(hf_config, vocab) != model_fingerprint(hf_config, renamed)
