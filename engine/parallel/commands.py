@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -20,14 +21,39 @@ class WorkerInit:
 
 @dataclass(frozen=True)
 class Forward:
-    """One forward pass over the step's flattened batch (the AttentionMetadata as host arrays)."""
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
+    """One forward pass over the step's flattened batch: the input ids, positions and the
+    AttentionMetadata's tensors packed into one int64 vector. On the CPU it travels in the command;
+    on CUDA it follows the command as a broadcast on the device group (packed = None), so the
+    driver never waits for the device to read its inputs back (async scheduling's ids are there)."""
+    num_tokens: int
+    num_seqs: int
+    table_width: int
     decode_only: bool
+    packed: np.ndarray | None
+
+    @classmethod
+    def pack(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta, on_host: bool):
+        """-> (the command, the packed vector on the inputs' device)."""
+        parts = (input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                 meta.block_tables.reshape(-1))
+        packed = torch.cat([p.to(torch.int64) for p in parts])
+        b, w = meta.block_tables.shape
+        return cls(input_ids.shape[0], b, w, meta.decode_only, packed.numpy() if on_host else None), packed
+
+    @property
+    def size(self) -> int:
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1 + self.num_seqs * self.table_width
+
+    def unpack(self, packed: torch.Tensor):
+        """-> (input_ids, positions, AttentionMetadata) on the packed vector's device."""
+        from engine.models.llama import AttentionMetadata
+
+        t, b, w = self.num_tokens, self.num_seqs, self.table_width
+        ids, pos, slots, qsl, seq_lens, table = packed.split([t, t, t, b + 1, b, b * w])
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl.to(torch.int32),
+                                 seq_lens=seq_lens.to(torch.int32), block_tables=table.view(b, w).to(torch.int32),
+                                 decode_only=self.decode_only)
+        return ids, pos, meta
 
 
 @dataclass(frozen=True)

@@ -170,14 +170,11 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         self.driver.check_alive()
-
-        def host(t: torch.Tensor):
-            return t.cpu().numpy()
-
-        # On CUDA the host copies wait for the ids (async scheduling reads them on the device).
-        self.driver.send(Forward(host(input_ids), host(positions), host(meta.slot_mapping),
-                                 host(meta.query_start_loc), host(meta.seq_lens), host(meta.block_tables),
-                                 meta.decode_only))
+        on_host = input_ids.device.type == "cpu"
+        cmd, packed = Forward.pack(input_ids, positions, meta, on_host)
+        self.driver.send(cmd)
+        if not on_host:
+            self.driver.run(self.driver.group.broadcast, packed)
         return self.driver.run(self.local, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

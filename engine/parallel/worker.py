@@ -47,17 +47,12 @@ class TPWorker:
 
     @torch.inference_mode()
     def forward(self, cmd: Forward) -> None:
-        from engine.models.llama import AttentionMetadata
-
-        dev = self.device
-
-        def t(a):
-            return torch.from_numpy(a).to(dev)
-
-        meta = AttentionMetadata(slot_mapping=t(cmd.slot_mapping), query_start_loc=t(cmd.query_start_loc),
-                                 seq_lens=t(cmd.seq_lens), block_tables=t(cmd.block_tables),
-                                 decode_only=cmd.decode_only)
-        self.model(t(cmd.input_ids), t(cmd.positions), self.kv_caches, meta)
+        if cmd.packed is not None:
+            packed = torch.from_numpy(cmd.packed).to(self.device)
+        else:
+            packed = self.group.broadcast(torch.empty(cmd.size, dtype=torch.int64, device=self.device))
+        input_ids, positions, meta = cmd.unpack(packed)
+        self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def compute_logits(self, cmd: ComputeLogits) -> None:

@@ -185,3 +185,24 @@ def test_the_flag_reaches_the_engine_config():
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2
+
+
+def test_forward_inputs_round_trip_through_one_packed_vector():
+    import torch
+
+    from engine.models.llama import AttentionMetadata
+    from engine.parallel.commands import Forward
+
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5, 17, -1]),
+                             query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                             seq_lens=torch.tensor([6, 18, 1], dtype=torch.int32),
+                             block_tables=torch.tensor([[0, 0], [3, 1], [0, 0]], dtype=torch.int32), decode_only=True)
+    ids, pos = torch.tensor([11, 12, 0]), torch.tensor([5, 17, 0])
+    for on_host in (True, False):  # in the command (CPU), or broadcast after it (CUDA)
+        cmd, packed = Forward.pack(ids, pos, meta, on_host)
+        assert (cmd.packed is not None) == on_host and cmd.size == packed.numel()
+        got_ids, got_pos, got = cmd.unpack(packed if cmd.packed is None else torch.from_numpy(cmd.packed))
+        assert got_ids.tolist() == ids.tolist() and got_pos.tolist() == pos.tolist() and got.decode_only
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            want = getattr(meta, name)
+            assert getattr(got, name).dtype == want.dtype and getattr(got, name).tolist() == want.tolist()
