@@ -1,7 +1,6 @@
 """Decode side: pulls published blocks into its own block ids, off the engine thread."""
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import os
@@ -11,13 +10,14 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from kvtransfer import wire
 from kvtransfer.connector import DecodeTransport, KVConnector, TransferEvents
 from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, LeaseExpired, PeerLost, ProtocolError,
                                TransferAborted, TransferTimeout)
 from kvtransfer.handle import KVHandle
+from kvtransfer.links import Link, PrefillLinks, settimeout
 from kvtransfer.shards import PullSource, plan_pull
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,8 @@ class _Pull:
     sources: tuple[PullSource, ...]  # the prefill ranks it pulls from, then those it only releases
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: "Future[None]" = field(default_factory=Future)
-    sock: socket.socket | None = None  # while the pull holds a connection; abort() shuts it down
-
-
-@dataclass
-class _Conn:
-    endpoint: str
-    sock: socket.socket
-    peer: Any
+    socks: set[socket.socket] = field(default_factory=set)  # connections in use; abort() shuts them down
+    errors: list[BaseException] = field(default_factory=list)  # of its sources, in the order they happened
 
 
 class DecodeConnector(KVConnector):
@@ -64,12 +58,11 @@ class DecodeConnector(KVConnector):
             raise ValueError("a deployment secret is required to verify KV handles")
         self._transport = transport
         self._secret = secret
-        self._handshake_key = wire.handshake_key(secret, auth_token)
+        self._links = PrefillLinks(transport, wire.handshake_key(secret, auth_token), engine_id)
         self.engine_id = engine_id
         self.default_timeout_s = default_timeout_s
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kv-decode")
         self._lock = threading.Lock()
-        self._idle: dict[str, list[_Conn]] = {}
         self._inflight: dict[str, _Pull] = {}
         self._events = TransferEvents()
         self._counters: Counter[str] = Counter()
@@ -138,8 +131,8 @@ class DecodeConnector(KVConnector):
             pull = self._inflight.get(request_id)
             if pull is not None:
                 pull.cancelled.set()
-                if pull.sock is not None:
-                    _shutdown(pull.sock)
+                for sock in pull.socks:
+                    _shutdown(sock)
         return pull is not None
 
     @property
@@ -164,28 +157,14 @@ class DecodeConnector(KVConnector):
         for request_id in request_ids:  # socket transfers stop at once, gloo/NCCL at their deadline
             self.abort(request_id)
         self._executor.shutdown(wait=True, cancel_futures=False)
-        with self._lock:
-            conns = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
-        for conn in conns:
-            self._drop(conn)
+        self._links.close()
         self._transport.close()
 
     # ---- worker threads ---------------------------------------------------------------------
     def _run_pull(self, pull: _Pull) -> None:
-        conn, error, received = None, None, 0
+        error, received = None, 0
         try:
-            for source in pull.sources:  # in turn: one worker per request, requests in parallel
-                conn = self._acquire(source.ref.endpoint, pull.deadline)
-                with self._lock:
-                    pull.sock = conn.sock
-                if pull.cancelled.is_set():
-                    raise TransferAborted(f"request {pull.request_id!r} aborted before its pull started")
-                received += self._pull_on(conn, pull, source)
-                with self._lock:
-                    pull.sock = None
-                self._put_back(conn)
-                conn = None
+            received = self._pull_sources(pull)
         except Exception as e:  # noqa: BLE001 - every failure must reach get_finished()
             if isinstance(e, KVTransferError):
                 error = e
@@ -196,11 +175,8 @@ class DecodeConnector(KVConnector):
                 error = e
             if pull.cancelled.is_set() and isinstance(error, KVTransferError):
                 error = TransferAborted(f"request {pull.request_id!r} aborted during its pull")
-            if conn is not None:
-                self._drop(conn)
         with self._lock:
             del self._inflight[pull.request_id]
-            pull.sock = None
             if error is None:
                 self._counters["pulls_finished"] += 1
                 self._counters["bytes_received"] += received
@@ -222,11 +198,64 @@ class DecodeConnector(KVConnector):
         else:
             pull.done.set_result(None)
 
-    def _pull_on(self, conn: _Conn, pull: _Pull, source: PullSource) -> int:
+    def _pull_sources(self, pull: _Pull) -> int:
+        """Every prefill rank of the pull at once (each its own connection and its own heads of
+        the blocks: disjoint writes); the first failure stops the others. Returns bytes received."""
+        def run(source: PullSource) -> int:
+            try:
+                return self._pull_source(pull, source)
+            except BaseException as e:
+                with self._lock:
+                    pull.errors.append(e)
+                    for sock in pull.socks:  # the request is lost: stop its other transfers now
+                        _shutdown(sock)
+                raise
+
+        if len(pull.sources) == 1:
+            return run(pull.sources[0])
+        received = [0] * len(pull.sources)
+
+        def run_into(i: int) -> None:
+            try:
+                received[i] = run(pull.sources[i])
+            except BaseException:  # noqa: BLE001 - recorded in pull.errors
+                pass
+
+        threads = [threading.Thread(target=run_into, args=(i,), name="kv-decode-source", daemon=True)
+                   for i in range(1, len(pull.sources))]
+        for thread in threads:
+            thread.start()
+        run_into(0)
+        for thread in threads:
+            thread.join()
+        if pull.errors:
+            raise pull.errors[0]  # the cause; the others are its consequence
+        return sum(received)
+
+    def _pull_source(self, pull: _Pull, source: PullSource) -> int:
+        conn = self._links.acquire(source.ref.endpoint, pull.deadline)
+        try:
+            with self._lock:
+                pull.socks.add(conn.sock)
+                if pull.errors:
+                    raise TransferAborted(f"request {pull.request_id!r}: another source failed")
+            if pull.cancelled.is_set():
+                raise TransferAborted(f"request {pull.request_id!r} aborted before its pull started")
+            received = self._pull_on(conn, pull, source)
+        except BaseException:
+            self._links.drop(conn)
+            raise
+        finally:
+            with self._lock:
+                pull.socks.discard(conn.sock)
+        self._links.put_back(conn)
+        return received
+
+    def _pull_on(self, conn: Link, pull: _Pull, source: PullSource) -> int:
         """Pull (or only release) one prefill rank's part; returns the bytes received."""
         n = len(pull.local_block_ids)
         if not n or not source.pulls:  # every block was already here, or nobody reads this replica
-            self._settimeout(conn, pull.deadline)
+            settimeout(conn, pull.deadline)
             wire.send_msg(conn.sock, self._release_msg(pull.handle))
             wire.expect(conn.sock, wire.Ok)
             return 0
@@ -236,15 +265,15 @@ class DecodeConnector(KVConnector):
             raise TransferAborted(f"request {pull.request_id!r} aborted during its pull")
         # The prefill side pinned the blocks until our deadline: done before it, the copy read
         # blocks that nobody could free or reuse meanwhile. Past it, nothing is guaranteed.
-        self._settimeout(conn, pull.deadline)
+        settimeout(conn, pull.deadline)
         shard = self._transport.layout.shard
         wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), True, shard.tp_rank, shard.tp_size))
         return nbytes
 
-    def _transfer(self, conn: _Conn, pull: _Pull, source: PullSource, n: int, transfer_id: int) -> int:
+    def _transfer(self, conn: Link, pull: _Pull, source: PullSource, n: int, transfer_id: int) -> int:
         layout = self._transport.layout
         whole = source.remote_heads is None  # the prefill rank's whole shard: the pull names no heads
-        self._settimeout(conn, pull.deadline)
+        settimeout(conn, pull.deadline)
         wire.send_msg(conn.sock, wire.Pull(transfer_id, pull.handle.to_bytes(), pull.first_block, n,
                                            layout.fingerprint, pull.deadline - time.monotonic(),
                                            -1 if whole else source.head_start, -1 if whole else source.head_end,
@@ -267,67 +296,16 @@ class DecodeConnector(KVConnector):
 
     def _control(self, endpoint: str, msg: wire.Message, timeout_s: float | None = None) -> float:
         deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
-        conn = self._acquire(endpoint, deadline)
+        conn = self._links.acquire(endpoint, deadline)
         try:
-            self._settimeout(conn, deadline)
+            settimeout(conn, deadline)
             wire.send_msg(conn.sock, msg)
             ok = wire.expect(conn.sock, wire.Ok)
         except BaseException:
-            self._drop(conn)
+            self._links.drop(conn)
             raise
-        self._put_back(conn)
+        self._links.put_back(conn)
         return ok.lease_expiry
-
-    @staticmethod
-    def _settimeout(conn: _Conn, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferTimeout("deadline passed")
-        conn.sock.settimeout(remaining)
-
-    def _acquire(self, endpoint: str, deadline: float) -> _Conn:
-        with self._lock:
-            idle = self._idle.get(endpoint)
-            if idle:
-                return idle.pop()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferTimeout(f"deadline passed before connecting to {endpoint}")
-        try:
-            sock = self._transport.connect(endpoint, remaining)
-        except socket.timeout:
-            raise TransferTimeout(f"timed out connecting to {endpoint}") from None
-        except OSError as e:
-            raise PeerLost(f"cannot connect to {endpoint}: {e}") from None
-        try:
-            return _Conn(endpoint, sock, self._handshake(sock, deadline))
-        except BaseException:
-            sock.close()
-            raise
-
-    def _handshake(self, sock: socket.socket, deadline: float) -> Any:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        nonce = os.urandom(32)
-        wire.send_msg(sock, wire.Hello(self.engine_id, nonce))
-        challenge = wire.expect(sock, wire.Challenge)
-        if not hmac.compare_digest(challenge.proof, wire.proof(self._handshake_key, b"server", nonce, challenge.nonce)):
-            raise AuthError(f"prefill {challenge.engine_id!r} failed the handshake")
-        wire.send_msg(sock, wire.Auth(wire.proof(self._handshake_key, b"client", nonce, challenge.nonce),
-                                      self._transport.client_info()))
-        max_fds = self._transport.max_fds
-        welcome, fds = wire.expect(sock, wire.Welcome, max_fds) if max_fds else (wire.expect(sock, wire.Welcome), [])
-        return self._transport.open_peer(sock, welcome.transport_info, fds)
-
-    def _put_back(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed:
-                self._idle.setdefault(conn.endpoint, []).append(conn)
-                return
-        self._drop(conn)
-
-    def _drop(self, conn: _Conn) -> None:
-        self._transport.close_peer(conn.peer)
-        conn.sock.close()
 
 
 def _shutdown(sock: socket.socket) -> None:

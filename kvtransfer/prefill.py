@@ -15,7 +15,7 @@ from kvtransfer.connector import KVConnector, PrefillTransport, TransferEvents, 
 from kvtransfer.errors import AuthError, BlockRangeError, KVTransferError, LeaseExpired, ProtocolError, UnknownRequest
 from kvtransfer.handle import MAX_BLOCKS, KVHandle, KVShardRef
 from kvtransfer.lease import EXPIRED, RELEASED, LeaseTable
-from kvtransfer.shards import release_consumers
+from kvtransfer.shards import lease_releasers, local_heads
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -210,19 +210,10 @@ class PrefillConnector(KVConnector):
                                 f"{ref.head_end}) for engine {self.engine_id!r}, which is {shard}")
         return handle, ref.tag or handle.tag
 
-    def _releasers(self, decode_rank: int, decode_tp: int) -> frozenset[int]:
-        """The decode ranks (of a TP=decode_tp decode) that must each release this rank's lease."""
-        layout = self._transport.layout
-        if not 0 <= decode_rank < decode_tp:
-            raise ProtocolError(f"decode rank {decode_rank} of {decode_tp} is not a rank")
-        try:
-            return release_consumers(layout.total_kv_heads, layout.tp_size, decode_tp, layout.tp_rank)
-        except ValueError as e:
-            raise ProtocolError(f"a TP={decode_tp} decode cannot pull from this prefill: {e}") from None
-
     def _release(self, raw: bytes, decode_rank: int, decode_tp: int) -> None:
         handle, tag = self._verified(raw)
-        self.leases.release(handle.request_id, tag, decode_rank, self._releasers(decode_rank, decode_tp))
+        releasers = lease_releasers(self._transport.layout, decode_rank, decode_tp)
+        self.leases.release(handle.request_id, tag, decode_rank, releasers)
 
     def _dispatch(self, peer: object, sock: socket.socket, msg: wire.Message, pinned: dict[int, str]) -> None:
         try:
@@ -266,8 +257,8 @@ class PrefillConnector(KVConnector):
         if msg.num_blocks < 0 or msg.first_block < 0 or msg.first_block + msg.num_blocks > handle.num_blocks:
             raise BlockRangeError(f"blocks [{msg.first_block}, {msg.first_block + msg.num_blocks}) "
                                   f"outside the {handle.num_blocks} published for {handle.request_id!r}")
-        heads = self._local_heads(msg)
-        self._releasers(msg.decode_rank, msg.decode_tp)
+        heads = None if msg.head_end == -1 else local_heads(layout.shard, msg.head_start, msg.head_end)
+        lease_releasers(layout, msg.decode_rank, msg.decode_tp)
         timeout_s = min(max(msg.timeout_s, 0.001), MAX_TRANSFER_TIMEOUT_S)
         lease = self.leases.pin(handle.request_id, tag, msg.transfer_id, timeout_s)
         pinned[msg.transfer_id] = handle.request_id  # unpinned by Finish, or when the connection ends
@@ -283,18 +274,6 @@ class PrefillConnector(KVConnector):
             raise _BrokenConnection(f"transfer {msg.transfer_id} failed: {e}") from e
         self._count("pulls_served")
         self._count("bytes_sent", nbytes)
-
-
-    def _local_heads(self, msg: wire.Pull) -> tuple[int, int] | None:
-        """The pull's global head range as a range of this rank's cache; None: all of it."""
-        shard = self._transport.layout.shard
-        if msg.head_start == -1 and msg.head_end == -1:
-            return None
-        if not shard.head_start <= msg.head_start < msg.head_end <= shard.head_end:
-            raise ProtocolError(f"KV heads [{msg.head_start}, {msg.head_end}) are outside this prefill rank's "
-                                f"shard [{shard.head_start}, {shard.head_end}) (rank {shard.tp_rank} of {shard.tp_size})")
-        local = (msg.head_start - shard.head_start, msg.head_end - shard.head_start)
-        return None if local == (0, shard.num_heads) else local
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from kvtransfer.errors import LayoutMismatch, ProtocolError
 from kvtransfer.handle import KVHandle, KVShardRef
-from kvtransfer.layout import KVLayout, shard_heads
+from kvtransfer.layout import KVLayout, KVShard, shard_heads
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,27 @@ def release_consumers(total_kv_heads: int, prefill_tp: int, decode_tp: int, pref
     blocks are freed (the inverse of release_ranks)."""
     return frozenset(j for j in range(decode_tp)
                      if prefill_rank in release_ranks(total_kv_heads, prefill_tp, decode_tp, j))
+
+
+def lease_releasers(layout: KVLayout, decode_rank: int, decode_tp: int) -> frozenset[int]:
+    """The decode ranks of a TP=decode_tp decode that must each release prefill rank
+    `layout.shard`'s lease; ProtocolError for a decode that cannot split the model's heads."""
+    if not 0 <= decode_rank < decode_tp:
+        raise ProtocolError(f"decode rank {decode_rank} of {decode_tp} is not a rank")
+    try:
+        return release_consumers(layout.total_kv_heads, layout.tp_size, decode_tp, layout.tp_rank)
+    except ValueError as e:
+        raise ProtocolError(f"a TP={decode_tp} decode cannot pull from this prefill: {e}") from None
+
+
+def local_heads(shard: KVShard, head_start: int, head_end: int) -> tuple[int, int] | None:
+    """Global heads [head_start, head_end) as a range of the shard's cache (None: all of it);
+    ProtocolError when they are not all in the shard."""
+    if not shard.head_start <= head_start < head_end <= shard.head_end:
+        raise ProtocolError(f"KV heads [{head_start}, {head_end}) are outside this prefill rank's shard "
+                            f"[{shard.head_start}, {shard.head_end}) (rank {shard.tp_rank} of {shard.tp_size})")
+    local = (head_start - shard.head_start, head_end - shard.head_start)
+    return None if local == (0, shard.num_heads) else local
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVHandle, KVLayout, LayoutMismatch, ProtocolError, create_connector
+from kvtransfer import KVHandle, KVLayout, LayoutMismatch, PeerLost, ProtocolError, create_connector
 from kvtransfer.handle import merge_shard_handles
 from kvtransfer.layout import shard_heads
 from kvtransfer.shards import plan_pull, plan_sources
@@ -30,6 +30,9 @@ SPLITS = [(4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 1, 4), (4, 4, 1), (4, 
 REPLICATED = [(2, 1, 4), (2, 4, 1), (2, 4, 4), (1, 2, 1), (1, 1, 2), (1, 4, 2), (2, 4, 2)]
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
+
+
 def layout(total: int, tp: int, rank: int, **model) -> KVLayout:
     start, end = shard_heads(total, tp, rank)
     return KVLayout(num_kv_heads=end - start, tp_size=tp, tp_rank=rank, total_kv_heads=total, **{**MODEL, **model})
@@ -46,18 +49,19 @@ def reference(total: int, seed: int = 1) -> list[torch.Tensor]:
 class TPEngines:
     """One connector per rank of a TP engine, each with its shard of the KV cache."""
 
-    def __init__(self, role: str, transport: str, options: dict, total: int, tp: int, **kw):
-        self.layouts = [layout(total, tp, r) for r in range(tp)]
+    def __init__(self, role: str, transport: str, options: dict, total: int, tp: int, device: str = "cpu", **kw):
+        self.layouts = [layout(total, tp, r, device=device) for r in range(tp)]
         self.connectors = [create_connector(transport, role, lo, secret=SECRET, engine_id=f"{role}-rank{r}",
                                             timeout_s=20.0, **options, **kw) for r, lo in enumerate(self.layouts)]
         blocks = PREFILL_BLOCKS if role == "prefill" else DECODE_BLOCKS
         self.caches = [c.worker.allocate_kv_caches(blocks) for c in self.connectors]
+        self.freed: list[list] = [[] for _ in self.connectors]  # prefill: leases freed, not yet looked at
 
     def load(self, ref: list[torch.Tensor]) -> None:
         for lo, caches in zip(self.layouts, self.caches):
             shard = lo.shard
             for cache, full in zip(caches, ref):
-                cache.copy_(full[:, :, :, shard.head_start:shard.head_end])
+                cache.copy_(full[:, :, :, shard.head_start:shard.head_end].to(cache.device))
 
     def poison(self) -> None:
         for caches in self.caches:
@@ -88,25 +92,29 @@ def publish(prefill: TPEngines, rid: str, block_ids: list[int]) -> KVHandle:
                                 for c in prefill.connectors], SECRET)
 
 
-def wait_freed(connector, rid: str, timeout: float = 10.0) -> list:
-    deadline, freed = time.monotonic() + timeout, []
-    while not any(f.request_id == rid for f in freed):
-        freed += connector.get_finished().freed
-        assert time.monotonic() < deadline, f"{connector.engine_id} never freed {rid}"
+def wait_freed(engines: TPEngines, rank: int, rid: str, timeout: float = 10.0) -> list:
+    """Rank `rank`'s freed leases of `rid`, once there is one (others stay for later calls)."""
+    deadline, kept = time.monotonic() + timeout, engines.freed[rank]
+    while not any(f.request_id == rid for f in kept):
+        kept += engines.connectors[rank].get_finished().freed
+        assert time.monotonic() < deadline, f"rank {rank} never freed {rid}"
         time.sleep(0.005)
+    freed = [f for f in kept if f.request_id == rid]
+    kept[:] = [f for f in kept if f.request_id != rid]
     return freed
 
 
 def heads_bytes(caches: list[torch.Tensor], block_ids: list[int], h0: int, h1: int) -> list[bytes]:
     ids = torch.tensor(block_ids)
-    return [c[:, ids, :, h0:h1].contiguous().view(torch.uint8).numpy().tobytes() for c in caches]
+    return [c.cpu()[:, ids, :, h0:h1].contiguous().view(torch.uint8).numpy().tobytes() for c in caches]
 
 
-def check_transfer(engines, transport: str, options: dict, total: int, a: int, b: int) -> None:
+def check_transfer(engines, transport: str, options: dict, total: int, a: int, b: int,
+                   devices: tuple[str, str] = ("cpu", "cpu")) -> None:
     ref = reference(total)
-    prefill = engines("prefill", transport, options, total, a)
+    prefill = engines("prefill", transport, options, total, a, devices[0])
     prefill.load(ref)
-    decode = engines("decode", transport, options, total, b)
+    decode = engines("decode", transport, options, total, b, devices[1])
     decode.poison()
     rng = random.Random(f"{total}-{a}-{b}")
     remote = rng.sample(range(PREFILL_BLOCKS), 12)
@@ -128,11 +136,11 @@ def check_transfer(engines, transport: str, options: dict, total: int, a: int, b
                 got = heads_bytes(caches, local, h - shard.head_start, h - shard.head_start + 1)
                 assert got == heads_bytes(ref, remote, h, h + 1), f"head {h} on decode rank {lo.tp_rank}"
     for caches in decode.caches:
-        assert all(set(x) == {0xA5} for x in blocks_bytes(caches, untouched))  # nothing else written
+        assert all(set(x) == {0xA5} for x in blocks_bytes([c.cpu() for c in caches], untouched))  # nothing else
     for lo, connector in zip(decode.layouts, decode.connectors):
         assert connector.stats()["bytes_received"] == lo.num_kv_heads * hd * bs * 2 * layers * len(local) * 2
-    for connector in prefill.connectors:  # every rank's lease released (none left to expire)
-        assert [(f.block_ids, f.reason) for f in wait_freed(connector, "req")] == [(tuple(remote), "released")]
+    for rank, connector in enumerate(prefill.connectors):  # every rank's lease released (none left to expire)
+        assert [(f.block_ids, f.reason) for f in wait_freed(prefill, rank, "req")] == [(tuple(remote), "released")]
         assert connector.num_published_blocks == 0
     # each prefill rank sent exactly the heads decode ranks took from it, and nothing twice (the
     # release comes after the pull on its connection, so the counters are final by now)
@@ -158,6 +166,54 @@ def test_replicated_heads_pulled_once_per_decode_rank(engines, transport, option
     check_transfer(engines, transport, options, total, a, b)
 
 
+@needs_cuda
+@pytest.mark.parametrize("devices", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+@pytest.mark.parametrize("total,a,b", [(4, 2, 1), (4, 1, 2), (4, 2, 4), (2, 4, 1)],
+                         ids=["h4-p2-d1", "h4-p1-d2", "h4-p2-d4", "h2-p4-d1"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])  # NCCL: one GPU cannot be two ranks of a pair
+def test_gpu_caches_pull_their_heads_bit_exact(engines, transport, total, a, b, devices):
+    check_transfer(engines, transport, {}, total, a, b, devices)
+
+
+def test_partial_and_concurrent_pulls_across_ranks(engines):
+    """Blocks already cached on the decode are not moved; several requests pull at once, each
+    decode rank reading two prefill ranks in parallel."""
+    ref = reference(4, seed=3)
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    prefill.load(ref)
+    decode = engines("decode", "tcp", {}, 4, 1)
+    decode.poison()
+    handles = {f"r{i}": publish(prefill, f"r{i}", list(range(6 * i, 6 * i + 6))) for i in range(8)}
+    for i, (rid, handle) in enumerate(handles.items()):
+        decode.connectors[0].start_pull(rid, handle, list(range(6 * i + 2, 6 * i + 6)), first_block=2)
+    events = wait_events(decode.connectors[0], handles)
+    assert sorted(events.finished) == sorted(handles), events.failed
+    for i in range(8):
+        assert heads_bytes(decode.caches[0], list(range(6 * i + 2, 6 * i + 6)), 0, 4) == \
+            heads_bytes(ref, list(range(6 * i + 2, 6 * i + 6)), 0, 4)
+        assert set(blocks_bytes(decode.caches[0], [6 * i, 6 * i + 1])[0]) == {0xA5}
+    moved = 8 * 4 * MODEL["num_layers"] * KVLayout(num_kv_heads=4, **MODEL).block_bytes_per_layer
+    assert decode.connectors[0].stats()["bytes_received"] == moved
+    for rank, connector in enumerate(prefill.connectors):
+        freed = [f for rid in handles for f in wait_freed(prefill, rank, rid)]
+        assert sorted(f.request_id for f in freed) == sorted(handles)
+        assert {f.reason for f in freed} == {"released"}
+        assert connector.stats()["bytes_sent"] == moved // 2
+
+
+def test_a_lost_prefill_rank_fails_the_pull_and_frees_the_others(engines):
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    decode = engines("decode", "tcp", {}, 4, 1)
+    decode.poison()
+    handle = publish(prefill, "half-gone", [1, 2, 3])
+    prefill.connectors[1].close()  # rank 1 died: its heads cannot be had
+    decode.connectors[0].start_pull("half-gone", handle, [4, 5, 6])
+    error = wait_events(decode.connectors[0], ["half-gone"]).failed["half-gone"]
+    assert isinstance(error, PeerLost)
+    # the request is recomputed: rank 0 gets its blocks back now, not at lease expiry
+    assert [f.reason for f in wait_freed(prefill, 0, "half-gone")] == ["aborted"]
+
+
 def test_whole_shard_pull_keeps_the_zero_copy_path(engines):
     """a == b: rank j pulls prefill rank j's whole blocks, with no head range on the wire."""
     prefill = engines("prefill", "tcp", {}, 4, 2)
@@ -177,12 +233,14 @@ def test_lease_waits_for_every_decode_rank(engines):
     handle = publish(prefill, "shared", [5, 6, 7])
     decode.connectors[0].start_pull("shared", handle, [0, 1, 2])
     assert wait_events(decode.connectors[0], ["shared"]).finished == ["shared"]
-    time.sleep(0.2)  # the release reached the prefill; it must not free what rank 1 still needs
+    # a round trip on the connection the one-way Finish took: the prefill has read the release
+    # by now, and must not free what decode rank 1 still needs
+    decode.connectors[0].extend_lease(handle, 1.0).result(timeout=20)
     assert prefill.connectors[0].get_finished().freed == []
     assert prefill.connectors[0].num_published_blocks == 3
     decode.connectors[1].start_pull("shared", handle, [0, 1, 2])
     assert wait_events(decode.connectors[1], ["shared"]).finished == ["shared"]
-    assert [f.reason for f in wait_freed(prefill.connectors[0], "shared")] == ["released"]
+    assert [f.reason for f in wait_freed(prefill, 0, "shared")] == ["released"]
 
 
 def test_release_without_pull_frees_every_rank(engines):
@@ -191,8 +249,8 @@ def test_release_without_pull_frees_every_rank(engines):
     decode = engines("decode", "tcp", {}, 2, 1)
     handle = publish(prefill, "cached", [3])
     decode.connectors[0].release(handle).result(timeout=20)
-    for connector in prefill.connectors:
-        assert [f.reason for f in wait_freed(connector, "cached")] == ["released"]
+    for rank in range(4):
+        assert [f.reason for f in wait_freed(prefill, rank, "cached")] == ["released"]
 
 
 def test_prefill_refuses_heads_outside_its_shard(engines):
