@@ -158,19 +158,18 @@ class InstancePool:
 
     async def _check(self, instances: list[Instance]) -> None:
         results = await asyncio.gather(*(i.check_health(CHECK_TIMEOUT_S) for i in instances))
+        # A first report before an instance takes requests: its limits, its KV events endpoint and
+        # the descriptor it is paired by (asked again at each check until one arrives).
+        reporting = [i for i, (ok, _) in zip(instances, results)
+                     if ok and not i.draining and (not i.healthy or not i.described)]
+        if any(i.described for i in reporting):  # back from down: maybe another version now
+            for inst in reporting:
+                inst.described = False
+            self._refresh_pairs()
+        await asyncio.gather(*(self._fetch_load(i) for i in reporting))
         for inst, (ok, reason) in zip(instances, results):
-            if inst.draining:
-                continue  # removed while it was being checked
-            if ok and (not inst.healthy or not inst.described):
-                # A first report before it takes requests: its limits, its KV events endpoint and
-                # the descriptor it is paired by (asked again at each check until one arrives).
-                if inst.described:
-                    inst.described = False
-                    self._refresh_pairs()
-                await self._fetch_load(inst)
-                if inst.draining:
-                    continue
-            self._set_health(inst, ok, reason)
+            if not inst.draining:  # else removed while it was being checked
+                self._set_health(inst, ok, reason)
 
     def mark_unhealthy(self, inst: Instance, reason: str) -> None:
         self._set_health(inst, False, reason)
