@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvtransfer.errors import (AuthError, BlockRangeError, KVTransferError, LayoutMismatch, LeaseExpired,
                                PeerLost, ProtocolError, TransferAborted, TransferTimeout, UnknownRequest)
-from kvtransfer.handle import KVHandle
-from kvtransfer.layout import KVLayout
+from kvtransfer.handle import KVHandle, KVShardRef, merge_shard_handles
+from kvtransfer.layout import KVLayout, KVShard
 from kvtransfer.lease import FreedBlocks
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ def create_connector(transport: str, role: str, layout: KVLayout, *, secret: byt
     `transport_options` go to the transport (e.g. tcp's direct_io, chunk_bytes).
     Then register the KV caches: `connector.worker.register_kv_caches(caches)` (or let the
     transport allocate them: `connector.worker.allocate_kv_caches(num_blocks)`, which shm needs).
+
+    Tensor parallelism: one connector per rank, `layout` naming the rank's shard (tp_size,
+    tp_rank, total_kv_heads). Prefill ranks each publish; `merge_shard_handles` makes the
+    request's handle, with which every decode rank pulls exactly its heads.
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
@@ -75,7 +79,8 @@ def create_connector(transport: str, role: str, layout: KVLayout, *, secret: byt
 
 
 __all__ = [
-    "TRANSPORTS", "create_connector", "KVHandle", "KVLayout", "FreedBlocks", "KVTransferError", "AuthError",
+    "TRANSPORTS", "create_connector", "KVHandle", "KVShardRef", "merge_shard_handles", "KVLayout", "KVShard",
+    "FreedBlocks", "KVTransferError", "AuthError",
     "LayoutMismatch", "LeaseExpired", "UnknownRequest", "BlockRangeError", "TransferTimeout",
     "TransferAborted", "PeerLost", "ProtocolError",
 ]

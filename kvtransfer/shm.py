@@ -17,16 +17,16 @@ import os
 import socket
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from kvtransfer.connector import DecodeTransport, PrefillTransport
 from kvtransfer.errors import BlockRangeError, PeerLost, ProtocolError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.staging import HostStaging, as_bytes, block_views, cache_views
+from kvtransfer.staging import HostStaging, as_bytes, block_views, cache_views, paired_runs
 
 STAGED = b"\x01"  # a GPU prefill's "the blocks are in the mirror now"
 
@@ -45,12 +45,7 @@ def copy_blocks(src: Sequence[memoryview], src_blocks: int, src_ids: Sequence[in
     """dst block dst_ids[j] = src block src_ids[j], every layer, K and V: one memcpy per piece
     (runs consecutive on both sides merged). Slicing memoryviews costs about a microsecond and
     is bounds-checked, so random block ids still copy near memcpy speed, safely."""
-    runs: list[list[int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
+    runs = paired_runs(src_ids, dst_ids)
     h = half_block_bytes
     for src_layer, dst_layer in zip(src, dst):
         if time.monotonic() > deadline:
@@ -147,12 +142,18 @@ class _PeerMapping:
     num_kv_heads: int  # of the peer's shard: a prefill of another TP size holds more or fewer
     connections: int = 0
 
-    def heads(self, layer: int, block_ids: Sequence[int], heads: tuple[int, int], layout: KVLayout) -> torch.Tensor:
-        """Bytes of heads [h0, h1) of the given blocks of one layer, copied out of the mapping:
-        uint8 [2, blocks, block_size, h1 - h0, head_dim * dtype bytes]."""
-        src = np.frombuffer(self.layers[layer], dtype=np.uint8).reshape(
-            2, self.num_blocks, layout.block_size, self.num_kv_heads, layout.head_dim * layout.dtype_bytes)
-        return torch.from_numpy(src[:, list(block_ids), :, heads[0]:heads[1]])
+    def copy_heads(self, layer: int, src_ids: Sequence[int], heads: tuple[int, int], layout: KVLayout,
+                   dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+        """dst[:, dst_ids[j]] = heads [h0, h1) of the peer's block src_ids[j] in `layer`; dst is
+        uint8 [2, blocks, block_size, h1 - h0, head_dim * dtype bytes] (a strided view is fine).
+        One strided copy per run of blocks consecutive on both sides."""
+        with warnings.catch_warnings():  # the mapping is read-only (PROT_READ) and only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(self.layers[layer], dtype=torch.uint8).view(
+                2, self.num_blocks, layout.block_size, self.num_kv_heads, layout.head_dim * layout.dtype_bytes)
+        src = src[:, :, :, heads[0]:heads[1]]
+        for s, d, n in paired_runs(src_ids, dst_ids):
+            dst[:, d:d + n] = src[:, s:s + n]
 
 
 class ShmDecodeTransport(DecodeTransport):
@@ -241,13 +242,12 @@ class ShmDecodeTransport(DecodeTransport):
         heads = heads or (0, self.layout.num_kv_heads)
         if heads[1] - heads[0] != remote_heads[1] - remote_heads[0] or remote_heads[1] > peer.num_kv_heads:
             raise ProtocolError(f"heads {remote_heads} of the peer's {peer.num_kv_heads} do not fit local heads {heads}")
-        if self._flat is not None and not whole:  # a head range is strided: one gather, one scatter per layer
-            ids = torch.tensor(local_block_ids, dtype=torch.long)
+        if self._flat is not None and not whole:  # a head range: strided copies, straight cache to cache
             for layer, cache in enumerate(self.kv_caches):
                 if time.monotonic() > deadline:
                     raise TransferTimeout("shm copy passed its deadline")
-                cache.view(torch.uint8)[:, :, :, heads[0]:heads[1]].index_copy_(
-                    1, ids, peer.heads(layer, remote_block_ids, remote_heads, self.layout))
+                peer.copy_heads(layer, remote_block_ids, remote_heads, self.layout,
+                                cache.view(torch.uint8)[:, :, :, heads[0]:heads[1]], local_block_ids)
             return
         if self._flat is not None:
             copy_blocks(peer.layers, peer.num_blocks, remote_block_ids, self._flat, self.num_blocks,
@@ -265,7 +265,8 @@ class ShmDecodeTransport(DecodeTransport):
             l0 = first_layer[0]
             if not whole:
                 for i, dst in enumerate(host.view(torch.uint8)):
-                    dst.copy_(peer.heads(l0 + i, remote_block_ids, remote_heads, self.layout))
+                    peer.copy_heads(l0 + i, remote_block_ids, remote_heads, self.layout, dst,
+                                    range(len(remote_block_ids)))
                 first_layer[0] += host.shape[0]
                 return
             dst, offset = as_bytes(host), 0

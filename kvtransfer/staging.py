@@ -49,20 +49,44 @@ def num_heads_of(layout: KVLayout, heads: tuple[int, int] | None) -> int:
     return layout.num_kv_heads if heads is None else heads[1] - heads[0]
 
 
-def gather_heads(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, heads: tuple[int, int],
-                 out: torch.Tensor) -> None:
-    """out[layer, kv, j] = kv_caches[layer][kv, ids[j], :, h0:h1]: kernels.gather_blocks for a head range."""
+def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(s, d, n) for each run where src[k:k + n] = s, s + 1, ... and dst[k:k + n] = d, d + 1, ...:
+    one copy per run instead of one per block."""
+    runs: list[list[int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def gather_heads(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], ids: torch.Tensor,
+                 heads: tuple[int, int], out: torch.Tensor) -> None:
+    """out[layer, kv, j] = kv_caches[layer][kv, block_ids[j], :, h0:h1]: kernels.gather_blocks for a
+    head range. One index_select per layer on CUDA (`ids`, on the device); on the CPU one strided
+    copy per run of consecutive blocks, ~10x faster than index_select over a strided view."""
     h0, h1 = heads
+    runs = None if out.is_cuda else paired_runs(block_ids, range(len(block_ids)))
     for layer, cache in enumerate(kv_caches):
-        torch.index_select(cache[:, :, :, h0:h1], 1, ids, out=out[layer])
+        if runs is None:
+            torch.index_select(cache[:, :, :, h0:h1], 1, ids, out=out[layer])
+            continue
+        for b, j, n in runs:
+            out[layer, :, j:j + n] = cache[:, b:b + n, :, h0:h1]
 
 
-def scatter_heads(staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor,
-                  heads: tuple[int, int]) -> None:
+def scatter_heads(staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  ids: torch.Tensor, heads: tuple[int, int]) -> None:
     """Inverse of gather_heads: only heads [h0, h1) of the blocks are written."""
     h0, h1 = heads
+    runs = None if staging.is_cuda else paired_runs(range(len(block_ids)), block_ids)
     for layer, cache in enumerate(kv_caches):
-        cache[:, :, :, h0:h1].index_copy_(1, ids, staging[layer])
+        if runs is None:
+            cache[:, :, :, h0:h1].index_copy_(1, ids, staging[layer])
+            continue
+        for j, b, n in runs:
+            cache[:, b:b + n, :, h0:h1] = staging[layer, :, j:j + n]
 
 
 def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int,
@@ -103,20 +127,20 @@ class Staging:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     @staticmethod
-    def gather(kernels: Any, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, heads: tuple[int, int] | None,
-               out: torch.Tensor) -> None:
+    def gather(kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], ids: torch.Tensor,
+               heads: tuple[int, int] | None, out: torch.Tensor) -> None:
         if heads is None:
             kernels.gather_blocks(kv_caches, ids, out=out)
         else:
-            gather_heads(kv_caches, ids, heads, out)
+            gather_heads(kv_caches, block_ids, ids, heads, out)
 
     @staticmethod
-    def scatter(kernels: Any, buf: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor,
-                heads: tuple[int, int] | None) -> None:
+    def scatter(kernels: Any, buf: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                ids: torch.Tensor, heads: tuple[int, int] | None) -> None:
         if heads is None:
             kernels.scatter_blocks(buf, kv_caches, ids)
         else:
-            scatter_heads(buf, kv_caches, ids, heads)
+            scatter_heads(buf, kv_caches, block_ids, ids, heads)
 
     def send(self, kernels: Any, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
              start_send: Callable[[torch.Tensor], Wait], heads: tuple[int, int] | None = None) -> None:
@@ -127,7 +151,7 @@ class Staging:
             if len(in_flight) == 2:
                 in_flight.pop(0)()  # this slot's previous chunk must be gone before we overwrite it
             buf = self.view(k % 2, l1 - l0, len(block_ids), nh)
-            self.gather(kernels, kv_caches[l0:l1], ids, heads, buf)
+            self.gather(kernels, kv_caches[l0:l1], block_ids, ids, heads, buf)
             in_flight.append(start_send(buf))
         for wait in in_flight:
             wait()
@@ -148,7 +172,7 @@ class Staging:
             wait()
             if k + 1 < len(chunks):
                 current = post(k + 1)
-            self.scatter(kernels, buf, kv_caches[l0:l1], ids, heads)
+            self.scatter(kernels, buf, kv_caches[l0:l1], block_ids, ids, heads)
 
 
 class HostStaging(Staging):
@@ -197,7 +221,7 @@ class HostStaging(Staging):
             l0, l1 = chunks[k]
             with self._on_side_stream():
                 buf = self.view(k % 2, l1 - l0, len(block_ids), nh)
-                self.gather(kernels, kv_caches[l0:l1], ids, heads, buf)
+                self.gather(kernels, kv_caches[l0:l1], block_ids, ids, heads, buf)
                 host = self.host_view(k % 2, buf)
                 if host is not buf:
                     host.copy_(buf, non_blocking=True)
@@ -232,7 +256,7 @@ class HostStaging(Staging):
             with self._on_side_stream():
                 if host is not buf:
                     buf.copy_(host, non_blocking=True)
-                self.scatter(kernels, buf, kv_caches[l0:l1], ids, heads)
+                self.scatter(kernels, buf, kv_caches[l0:l1], block_ids, ids, heads)
                 copied[slot] = self._record()
         if self.on_cuda:
             self.stream.synchronize()  # every block is in the cache before the pull is reported done
