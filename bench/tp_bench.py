@@ -3,8 +3,9 @@
 TP=2 with one torch thread per rank against TP=1 with two threads (the same two cores), on a
 random-weight Llama whose matmuls dominate a step (hidden 1024, MLP 4096, 4 layers, ~60M weights).
 Each engine core is driven step by step, as a service runs it, and each step timed from schedule()
-to the sampled tokens: a prefill of one long prompt, and decode steps at batch 1 and 16 (median of
-several). Then the cost of one gloo all-reduce of the activations a step all-reduces ([tokens,
+to the sampled tokens: a prefill of one long prompt, and decode steps at batch 1 and 16. The three
+engines live side by side and take turns, round after round, so a burst of other work on the
+machine falls on all of them; each figure is the median over the rounds (min-max alongside). Then the cost of one gloo all-reduce of the activations a step all-reduces ([tokens,
 hidden] float32) between two processes; a TP=2 step does 2 per layer, plus one for the embedding.
 
 Prints the table and the ratios (TP=2 step time / TP=1 step time: below 1 is a gain), writes them
@@ -41,6 +42,8 @@ class Stepper:
         from engine.config import EngineConfig
         from engine.engine_core import EngineCore
 
+        self.threads = threads
+
         self.core = EngineCore(EngineConfig.create(
             model, device=device, num_threads=threads, tensor_parallel_size=tp, num_blocks=1024,
             max_num_batched_tokens=2048, max_num_seqs=32, enable_prefix_caching=False))
@@ -54,6 +57,13 @@ class Stepper:
         prompt = [(self.n * 7919 + i * 31) % (vocab - 10) + 10 for i in range(prompt_len)]
         self.core.add_request(Request(f"r{self.n}", prompt,
                                       SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)))
+
+    def measure(self, prompt_len: int, context: int, steps: int) -> dict[str, float]:
+        import torch
+
+        torch.set_num_threads(self.threads)  # process-wide: the engines here take turns
+        return {"prefill": self.prefill(prompt_len, 1), "decode_b1": self.decode(1, context, steps),
+                "decode_b16": self.decode(16, context, steps)}
 
     def step(self) -> float:
         sched, runner = self.core.scheduler, self.core.runner
@@ -132,22 +142,28 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--decode-context", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3, help="prefills per setup (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of every engine (median over them)")
     args = ap.parse_args()
     os.makedirs(OUT_DIR, exist_ok=True)
     model = ensure_tiny_model(os.path.join(OUT_DIR, f"model-{MODEL_VERSION}"), **MODEL_SPEC)
     load_before = os.getloadavg()
-    rows: dict[str, dict[str, float]] = {}
-    for name, tp, threads in SETUPS:
-        s = Stepper(model, tp, threads, args.device)
-        try:
-            s.prefill(64, 1)  # warm-up
-            rows[name] = {"prefill": s.prefill(args.prompt_len, args.repeats),
-                          "decode_b1": s.decode(1, args.decode_context, args.decode_steps),
-                          "decode_b16": s.decode(16, args.decode_context, args.decode_steps)}
-        finally:
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in SETUPS}
+    engines = {}
+    try:
+        for name, tp, threads in SETUPS:
+            engines[name] = Stepper(model, tp, threads, args.device)
+            engines[name].measure(64, 16, 2)  # warm-up
+        for r in range(args.rounds):
+            for name in engines:
+                samples[name].append(engines[name].measure(args.prompt_len, args.decode_context, args.decode_steps))
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                           samples[name][-1].items()), flush=True)
+    finally:
+        for s in engines.values():
             s.core.shutdown()
-        print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rows[name].items()), flush=True)
+    rows = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for name, runs in samples.items()}
+    spread = {name: {k: (min(x[k] for x in runs), max(x[k] for x in runs)) for k in runs[0]}
+              for name, runs in samples.items()}
     hidden, layers = MODEL_SPEC["hidden_size"], MODEL_SPEC["num_layers"]
     shapes = {"prefill": (args.prompt_len, hidden), "decode_b1": (1, hidden), "decode_b16": (16, hidden)}
     ar = allreduce_seconds(list(shapes.values()), iters=50)
@@ -156,7 +172,7 @@ def main() -> None:
     print(f"\nloaded machine: load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after "
           f"({os.cpu_count()} cores, other work may share them)")
     print(f"{'step':<12}{'TP=1 x2 thr':>14}{'TP=2 x1 thr':>14}{'TP=1 x1 thr':>14}{'TP2/TP1':>10}"
-          f"{'1 all-reduce':>16}{f'x{per_step} per step':>16}")
+          f"{'1 all-reduce':>16}{f'x{per_step} per step':>16}   (medians over {args.rounds} rounds)")
     results = {}
     for kind, shape in shapes.items():
         ratio = tp2[kind] / tp1[kind]
@@ -165,11 +181,13 @@ def main() -> None:
               f"{ratio:>10.2f}"
               f"{cost * 1e6:>13.0f} us{cost * per_step * 1e3:>13.2f} ms")
         results[kind] = {"tp1_s": tp1[kind], "tp2_s": tp2[kind], "tp1_one_thread_s": single[kind],
+                         "min_max_s": {name: spread[name][kind] for name in spread},
                          "tp2_over_tp1": ratio,
                          "allreduce_shape": list(shape), "allreduce_s": cost,
                          "allreduce_per_step_s": cost * per_step}
     for kind, r in results.items():
-        print(f"tp_{kind}_ratio={r['tp2_over_tp1']:.3f}")
+        lo_hi = "; ".join(f"{name} {a * 1e3:.1f}-{b * 1e3:.1f} ms" for name, (a, b) in r["min_max_s"].items())
+        print(f"tp_{kind}_ratio={r['tp2_over_tp1']:.3f}  (min-max: {lo_hi})")
     out = {"model": MODEL_SPEC, "setups": SETUPS, "args": vars(args), "results": results,
            "load_average": [load_before[0], os.getloadavg()[0]], "cpu_count": os.cpu_count(),
            "platform": platform.platform()}
