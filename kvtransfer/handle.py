@@ -113,7 +113,8 @@ def merge_shard_handles(handles: Sequence[KVHandle], secret: bytes) -> KVHandle:
                                     f"{getattr(handle, name)!r} (rank {handle.shards[0].rank})")
     refs = sorted((msgspec.structs.replace(h.shards[0], tag=h.tag) for h in handles), key=lambda ref: ref.rank)
     tp_size = refs[0].tp_size
-    if [ref.rank for ref in refs] != list(range(tp_size)) or any(ref.tp_size != tp_size for ref in refs):
+    if [ref.rank for ref in refs] != list(range(tp_size)) or any(ref.tp_size != tp_size for ref in refs) \
+            or len({ref.engine_id for ref in refs}) != tp_size:
         raise ProtocolError(f"request {first.request_id!r}: shard handles of ranks {[r.rank for r in refs]} "
                             f"do not make one TP={tp_size} prefill")
     return msgspec.structs.replace(first, engine_id=refs[0].engine_id, endpoint=refs[0].endpoint, shards=tuple(refs),

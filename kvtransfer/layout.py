@@ -74,6 +74,13 @@ class KVLayout:
             raise ValueError(f"rank {self.tp_rank} of {self.tp_size} holds {end - start} of the "
                              f"{self.total_kv_heads} KV heads, not num_kv_heads={self.num_kv_heads}")
 
+    @classmethod
+    def for_rank(cls, num_layers: int, total_kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16",
+                 device: str = "cpu", tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":
+        """The layout of rank `tp_rank`'s shard of a model's KV cache (num_kv_heads derived)."""
+        start, end = shard_heads(total_kv_heads, tp_size, tp_rank)
+        return cls(num_layers, end - start, head_dim, block_size, dtype, device, tp_size, tp_rank, total_kv_heads)
+
     @property
     def shard(self) -> KVShard:
         return KVShard(self.tp_size, self.tp_rank, *shard_heads(self.total_kv_heads, self.tp_size, self.tp_rank))

@@ -26,7 +26,7 @@ import torch
 from kvtransfer.connector import DecodeTransport, PrefillTransport
 from kvtransfer.errors import BlockRangeError, PeerLost, ProtocolError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.staging import HostStaging, as_bytes, block_views, cache_views, paired_runs
+from kvtransfer.staging import HostStaging, as_bytes, block_views, cache_views, paired_runs, scatter_heads
 
 STAGED = b"\x01"  # a GPU prefill's "the blocks are in the mirror now"
 
@@ -114,13 +114,16 @@ class ShmPrefillTransport(PrefillTransport):
         if peer is None:
             return
         ids = torch.tensor(block_ids, dtype=torch.long)
-        h0, h1 = heads or (0, self.layout.num_kv_heads)
         first_layer = [0]
 
         def to_mirror(host: torch.Tensor) -> None:
             l0 = first_layer[0]
-            for layer, blocks in zip(self._mirror[l0:l0 + host.shape[0]], host):
-                layer[:, :, :, h0:h1].index_copy_(1, ids, blocks)
+            mirror = self._mirror[l0:l0 + host.shape[0]]
+            if heads is None:
+                for layer, blocks in zip(mirror, host):
+                    layer[:, ids] = blocks
+            else:
+                scatter_heads(host, mirror, block_ids, ids, heads)
             first_layer[0] += host.shape[0]
 
         peer.send_host(self.kernels, self.kv_caches, block_ids, to_mirror, heads)

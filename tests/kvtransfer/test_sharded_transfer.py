@@ -13,7 +13,6 @@ import torch
 
 from kvtransfer import KVHandle, KVLayout, LayoutMismatch, PeerLost, ProtocolError, create_connector
 from kvtransfer.handle import merge_shard_handles
-from kvtransfer.layout import shard_heads
 from kvtransfer.shards import plan_pull, plan_sources
 
 from kv_peers import SECRET, blocks_bytes, fill, wait_events
@@ -34,8 +33,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def layout(total: int, tp: int, rank: int, **model) -> KVLayout:
-    start, end = shard_heads(total, tp, rank)
-    return KVLayout(num_kv_heads=end - start, tp_size=tp, tp_rank=rank, total_kv_heads=total, **{**MODEL, **model})
+    return KVLayout.for_rank(total_kv_heads=total, tp_size=tp, tp_rank=rank, **{**MODEL, **model})
 
 
 def reference(total: int, seed: int = 1) -> list[torch.Tensor]:
@@ -348,6 +346,9 @@ def test_merge_refuses_handles_that_do_not_make_one_prefill(engines):
         merge_shard_handles([h0, msgspec.structs.replace(h1, block_ids=(1, 3))], SECRET)
     with pytest.raises(ProtocolError, match="not one rank's handle"):
         merge_shard_handles([merged, h1], SECRET)
+    twin = msgspec.structs.replace(h1, shards=(msgspec.structs.replace(h1.shards[0], engine_id=h0.engine_id),))
+    with pytest.raises(ProtocolError, match="do not make one TP=2 prefill"):  # two ranks, one engine id
+        merge_shard_handles([h0, msgspec.structs.replace(twin, tag=b"").signed(SECRET)], SECRET)
     decode = create_connector("tcp", "decode", layout(4, 2, 0), secret=SECRET, engine_id="d")
     try:
         decode.worker.allocate_kv_caches(8)
@@ -366,6 +367,8 @@ def test_shard_heads(total, tp, heads):
 
 
 def test_sharded_layouts_are_validated():
+    assert KVLayout.for_rank(total_kv_heads=8, tp_size=4, tp_rank=3, **MODEL) == \
+        KVLayout(num_kv_heads=2, tp_size=4, tp_rank=3, total_kv_heads=8, **MODEL)
     with pytest.raises(ValueError, match="cannot be split"):
         KVLayout(num_kv_heads=1, tp_size=3, total_kv_heads=4, **MODEL)
     with pytest.raises(ValueError, match="not num_kv_heads"):
