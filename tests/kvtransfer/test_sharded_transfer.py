@@ -377,3 +377,23 @@ def test_sharded_layouts_are_validated():
         KVLayout(num_kv_heads=2, tp_size=2, **MODEL)
     with pytest.raises(ValueError, match="not a rank"):
         KVLayout(num_kv_heads=2, tp_size=2, tp_rank=2, total_kv_heads=4, **MODEL)
+
+
+def test_lease_ends_when_every_releaser_released():
+    from kvtransfer.lease import LeaseTable
+
+    now = [0.0]
+    table = LeaseTable(10.0, clock=lambda: now[0])
+    table.add("r", (1, 2), b"t")
+    assert not table.release("r", b"t", 0, frozenset({0, 1}))
+    assert not table.release("r", b"t", 0, frozenset({0, 1}))  # again: still waiting for rank 1
+    with pytest.raises(ProtocolError, match="waits for"):
+        table.release("r", b"t", 2, frozenset({2, 3}))  # a decode of another TP size
+    assert table.drain_freed() == []
+    assert table.release("r", b"t", 1, frozenset({0, 1}))
+    assert [(f.request_id, f.reason) for f in table.drain_freed()] == [("r", "released")]
+    table.add("s", (3,), b"u")  # half released, then nobody comes: it expires as any lease does
+    table.release("s", b"u", 1, frozenset({0, 1}))
+    now[0] = 11.0
+    assert table.expire() == 1
+    assert [(f.request_id, f.reason) for f in table.drain_freed()] == [("s", "expired")]
