@@ -397,3 +397,43 @@ def test_lease_ends_when_every_releaser_released():
     now[0] = 11.0
     assert table.expire() == 1
     assert [(f.request_id, f.reason) for f in table.drain_freed()] == [("s", "expired")]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx", "nccl"])
+def test_prefill_ranks_in_another_process(transport):
+    """The prefill's two ranks in a second process (as in a deployment): a TP=1 and a TP=4 decode
+    here each pull their heads of one request, bit for bit, and both ranks get their blocks back."""
+    from kv_peers import PrefillPeer, reference_caches
+
+    ranks = [dict(MODEL, num_kv_heads=2, tp_size=2, tp_rank=r, total_kv_heads=4) for r in range(2)]
+    peer = PrefillPeer(transport)
+    decodes = []
+    try:
+        for r, kwargs in enumerate(ranks):
+            peer.open(f"rank{r}", kwargs, PREFILL_BLOCKS, seed=10 + r)
+        refs = [reference_caches(kwargs, PREFILL_BLOCKS, 10 + r) for r, kwargs in enumerate(ranks)]
+        remote, local = [7, 3, 40, 41, 42], [60, 2, 9, 10, 11]
+        for b in (1, 4):
+            handle = merge_shard_handles([peer.publish(f"rank{r}", f"x{b}", remote, 20) for r in range(2)], SECRET)
+            for j in range(b):
+                decode = create_connector(transport, "decode", layout(4, b, j), secret=SECRET,
+                                          engine_id=f"decode{b}-{j}", timeout_s=20.0)
+                decodes.append(decode)
+                caches = decode.worker.allocate_kv_caches(DECODE_BLOCKS)
+                decode.start_pull(f"x{b}", handle, local)
+                assert wait_events(decode, [f"x{b}"]).finished == [f"x{b}"]
+                start = decode.worker.layout.shard.head_start
+                for h in range(start, start + decode.worker.layout.num_kv_heads):
+                    ref = refs[h // 2]  # prefill rank h // 2 holds global head h as its local h % 2
+                    assert heads_bytes(caches, local, h - start, h - start + 1) == \
+                        heads_bytes(ref, remote, h % 2, h % 2 + 1), f"TP={b} rank {j} head {h}"
+            for r in range(2):
+                peer.wait_for(f"rank{r}", lambda s, freed: any(f["request_id"] == f"x{b}" and f["reason"] == "released"
+                                                               for f in freed))
+        shard_bytes = len(remote) * KVLayout(**ranks[0]).block_bytes
+        for r in range(2):  # each rank sent its shard's heads once per decode (TP=1, TP=4), nothing more
+            assert peer.call("stats", f"rank{r}")["bytes_sent"] == 2 * shard_bytes
+    finally:
+        for decode in decodes:
+            decode.close()
+        peer.close()
