@@ -258,7 +258,7 @@ class PrefillConnector(KVConnector):
             raise BlockRangeError(f"blocks [{msg.first_block}, {msg.first_block + msg.num_blocks}) "
                                   f"outside the {handle.num_blocks} published for {handle.request_id!r}")
         heads = None if msg.head_end == -1 else local_heads(layout.shard, msg.head_start, msg.head_end)
-        lease_releasers(layout, msg.decode_rank, msg.decode_tp)
+        lease_releasers(layout, msg.decode_rank, msg.decode_tp)  # refuse a decode TP that cannot split the heads
         timeout_s = min(max(msg.timeout_s, 0.001), MAX_TRANSFER_TIMEOUT_S)
         lease = self.leases.pin(handle.request_id, tag, msg.transfer_id, timeout_s)
         pinned[msg.transfer_id] = handle.request_id  # unpinned by Finish, or when the connection ends
