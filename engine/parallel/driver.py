@@ -117,13 +117,12 @@ class TPDriver:
         return self.gather_replies()
 
     def gather_replies(self) -> list:
-        results = []
-        for rank, conn in enumerate(self.conns, start=1):
-            kind, payload = self._recv(rank, conn)
+        """Every worker's reply (all read, so none is left for the next call), rank 1 first."""
+        replies = [self._recv(rank, conn) for rank, conn in enumerate(self.conns, start=1)]
+        for rank, (kind, payload) in enumerate(replies, start=1):
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel worker rank {rank}: {payload}")
-            results.append(payload)
-        return results
+        return [payload for _, payload in replies]
 
     def run(self, fn, *args):
         """fn(*args) on rank 0 while the workers run their half: a collective that fails because a

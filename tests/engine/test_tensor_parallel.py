@@ -147,6 +147,9 @@ def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
     shard = (2, core.runner.num_blocks, 16, 1, 16)
     assert tuple(core.runner.kv_caches[0].shape) == worker["kv_cache_shape"] == shard
     assert worker["rank"] == 1 and worker["pid"] == core.runner.tp.procs[0].pid and worker["threads"] == 1
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1: AttributeError"):
+        core.runner.tp.call("no_such_method")
+    assert core.runner.tp.call("info") == [worker]  # a failed call leaves no reply behind
 
 
 def test_a_killed_worker_fails_the_engine(engines):
