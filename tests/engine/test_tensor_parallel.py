@@ -19,6 +19,8 @@ VARIANTS = {
     "qwen2-tied-qkv-bias": dict(arch="qwen2", tie_word_embeddings=True, vocab_size=1999),
     "qwen3-qk-norm": dict(arch="qwen3"),
     "llama-1-kv-head": dict(arch="llama", num_kv_heads=1),
+    # o_proj and down_proj biases: row-parallel, added once (by rank 0) before the all-reduce.
+    "llama-o-mlp-bias": dict(arch="llama", biases=True),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -35,7 +37,7 @@ CONFIGS = {
 CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-gqa", "preempted"),
          ("llama-gqa", "draft-model"),
          ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
-         ("qwen3-qk-norm", "chunked-preempted"), ("llama-1-kv-head", "ngram-spec")]
+         ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("llama-1-kv-head", "ngram-spec")]
 
 
 def alive(pid: int) -> bool:
@@ -52,6 +54,28 @@ def shutdown(llm: LLM) -> None:
     assert not [p for p in pids if alive(p)], "tensor-parallel workers outlived their engine"
 
 
+def with_random_biases(path: str) -> str:
+    """A copy of a tiny Llama with attention_bias and mlp_bias, every bias random (transformers
+    initialises them to zero, which would hide a bias added on every rank)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = path.rstrip("/") + "-biases"
+    if not os.path.exists(os.path.join(out, "config.json")):
+        shutil.copytree(path, out, dirs_exist_ok=True)
+        config = transformers.LlamaConfig.from_pretrained(path, attention_bias=True, mlp_bias=True)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+        model.save_pretrained(out)
+    return out
+
+
 class Engines:
     """TP=1 and TP=2 engines and transformers per variant, made on demand; another variant's
     TP=2 engines are shut down first (each holds a worker process)."""
@@ -63,7 +87,10 @@ class Engines:
         self.ref: Reference | None = None
 
     def path(self, variant: str) -> str:
-        return self.factory(max_position_embeddings=1024, **VARIANTS[variant])
+        spec = dict(VARIANTS[variant])
+        biases = spec.pop("biases", False)
+        path = self.factory(max_position_embeddings=1024, **spec)
+        return with_random_biases(path) if biases else path
 
     def get(self, variant: str, config: str) -> tuple[LLM, Reference]:
         if variant != self.variant:
