@@ -147,6 +147,21 @@ def test_seeded_sampling_repeats(engines):
     assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def test_logprobs_and_prompt_logprobs_match_tp1(engines):
+    """Prompt logprobs score every prompt position through the gathered LM head shards."""
+    llm, ref = engines.get("llama-gqa", "plain")
+    prompts = mixed_prompts(ref.model.config.vocab_size, seed=9)[2:5]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    tp2, tp1 = (llm.generate(prompts, params), engines.tp1("llama-gqa", "plain").generate(prompts, params))
+    for a, b in zip(tp2, tp1):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for got, want in ((a.prompt_logprobs, b.prompt_logprobs), (a.outputs[0].logprobs, b.outputs[0].logprobs)):
+            assert len(got) == len(want) > 0
+            for g, w in zip(got, want):
+                assert list(g) == list(w)  # the same tokens, in the same order
+                assert [g[t] for t in g] == pytest.approx([w[t] for t in w], abs=1e-4)
+
+
 @pytest.mark.parametrize("variant,config", CASES, ids=[f"{v}-{c}" for v, c in CASES])
 def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
     llm, ref = engines.get(variant, config)
