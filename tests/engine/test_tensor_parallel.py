@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.parallel import check_tensor_parallel_size
@@ -59,7 +60,6 @@ def with_random_biases(path: str) -> str:
     initialises them to zero, which would hide a bias added on every rank)."""
     import shutil
 
-    import torch
     import transformers
 
     out = path.rstrip("/") + "-biases"
@@ -233,8 +233,6 @@ def test_the_flag_reaches_the_engine_config():
 
 
 def test_forward_inputs_round_trip_through_one_packed_vector():
-    import torch
-
     from engine.models.llama import AttentionMetadata
     from engine.parallel.commands import Forward
 
@@ -251,3 +249,20 @@ def test_forward_inputs_round_trip_through_one_packed_vector():
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             want = getattr(meta, name)
             assert getattr(got, name).dtype == want.dtype and getattr(got, name).tolist() == want.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (NCCL; one GPU cannot hold two ranks)")
+def test_greedy_tp2_on_two_gpus_matches_tp1(engines):
+    """The CUDA path: NCCL, inputs broadcast on the device group, rank 1 on cuda:1."""
+    path = engines.path("qwen2-tied-qkv-bias")
+    ref = Reference(path)
+    prompts = mixed_prompts(ref.model.config.vocab_size)
+    expected = [ref.generate(p) for p in prompts]
+    kwargs = dict(device="cuda", num_blocks=512, async_scheduling=True)
+    tp2 = LLM(path, tensor_parallel_size=2, **kwargs)
+    try:
+        assert tp2.engine.runner.tp.call("info")[0]["device"] == "cuda:1"
+        assert run(tp2, prompts) == run(LLM(path, **kwargs), prompts) == expected
+    finally:
+        shutdown(tp2)
