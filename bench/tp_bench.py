@@ -15,7 +15,6 @@ machine with several, run the engines with --device cuda.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing
 import os
@@ -98,12 +97,10 @@ class Stepper:
 def _allreduce_peer(port: int, shapes: list[tuple[int, int]], iters: int) -> None:
     import torch
 
-    from engine.parallel.group import make_store
+    from engine.parallel.group import make_device_group, make_store
 
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    pg = dist.ProcessGroupGloo(make_store(1, 2, port), 1, 2, datetime.timedelta(seconds=60))
+    pg = make_device_group(1, 2, make_store(1, 2, port), torch.device("cpu"))
     for shape in shapes:
         x = torch.randn(shape)
         for _ in range(iters + 3):
@@ -113,15 +110,14 @@ def _allreduce_peer(port: int, shapes: list[tuple[int, int]], iters: int) -> Non
 def allreduce_seconds(shapes: list[tuple[int, int]], iters: int) -> dict[tuple[int, int], float]:
     """Median seconds of one all-reduce of each [rows, hidden] float32 between two processes."""
     import torch
-    import torch.distributed as dist
 
-    from engine.parallel.group import make_store
+    from engine.parallel.group import make_device_group, make_store
 
     torch.set_num_threads(1)
     store = make_store(0, 2)
     peer = multiprocessing.get_context("spawn").Process(target=_allreduce_peer, args=(store.port, shapes, iters))
     peer.start()
-    pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
+    pg = make_device_group(0, 2, store, torch.device("cpu"))
     result = {}
     for shape in shapes:
         x = torch.randn(shape)

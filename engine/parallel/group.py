@@ -29,6 +29,21 @@ def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
+def make_device_group(rank: int, size: int, store: dist.TCPStore, device: torch.device):
+    """The ranks' collectives backend (joining blocks until every rank has): NCCL on CUDA, gloo on
+    the CPU over the loopback interface (every rank is on this machine, and gloo's default device,
+    the address the hostname resolves to, may not exist inside a container)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class TPGroup:
     """The device group of one engine's ranks: nccl on CUDA, gloo on CPU. A process group of its
     own rather than torch.distributed's default one, so that one process can hold several engines
@@ -38,13 +53,7 @@ class TPGroup:
         self.layout = layout
         self.device = device
         self.store = store
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            self.pg = dist.ProcessGroupNCCL(store, layout.rank, layout.size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, layout.rank, layout.size, COLLECTIVE_TIMEOUT)
+        self.pg = make_device_group(layout.rank, layout.size, store, device)
 
     @property
     def rank(self) -> int:
