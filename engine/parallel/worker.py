@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 class TPWorker:
+    """One rank's shard, KV cache shard and device group. Per-rank work beyond the forward pass
+    (a KV connector's, say) is a method here, run on every worker by TPDriver.call(method, *args),
+    which returns each worker's result."""
+
     def __init__(self, init: WorkerInit) -> None:
         from engine.device import resolve_device
         from engine.models import load_model
