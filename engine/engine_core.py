@@ -75,14 +75,13 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, hf_config)
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
-        if kv_connector_factory is not None and config.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"a KV connector with tensor_parallel_size > 1 (here "
-                             f"{config.parallel.tensor_parallel_size}) is not supported yet: disaggregated "
-                             f"prefill/decode engines run with tensor_parallel_size=1")
         connector_scheduler, connector_worker = (kv_connector_factory() if kv_connector_factory is not None
                                                  else (None, None))
-        self.connector_worker = connector_worker
-        self.runner = ModelRunner(config, hf_config, self.max_model_len, show_progress, connector_worker)
+        self.runner = ModelRunner(config, hf_config, self.max_model_len, show_progress, connector_worker,
+                                  kv_connector_factory)
+        self.connector_worker = self.runner.connector  # under tensor parallelism, every rank's
+        if connector_scheduler is not None:
+            connector_scheduler.bind_worker(self.connector_worker)
         self.vocab_size = self.runner.model.arch.vocab_size
         # KV events go out from a thread of the publisher's own; each epoch starts all cleared.
         self.kv_event_publisher = make_publisher(config.kv_events)

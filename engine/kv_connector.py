@@ -33,6 +33,10 @@ class KVCacheSpec:
     block_size: int
     dtype: "torch.dtype"
     device: "torch.device"
+    # Tensor parallelism: this rank's shard holds num_kv_heads of the model's total_kv_heads.
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0  # 0: num_kv_heads (TP=1)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ class KVConnectorScheduler(ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker side's report, seen before the scheduler acts on it."""
 
+    def bind_worker(self, worker: "KVConnectorWorker") -> None:
+        """The worker side as the model runner drives it (under tensor parallelism, the driver's
+        wrapper that reaches every rank), for work that must be answered at once (a publish)."""
+
     def stats(self) -> dict[str, float]:
         return {}
 
@@ -126,10 +134,19 @@ class KVConnectorWorker(ABC):
     def stats(self) -> dict[str, float]:
         return {}
 
+    def on_all_ranks(self, method: str, *args) -> list:
+        """self.<method>(*args) on every rank of the engine (this one alone without tensor
+        parallelism), rank 0's result first. The method reports failures in its result."""
+        return [getattr(self, method)(*args)]
+
+    def expect_sending(self, request_id: str) -> None:
+        """The request's blocks were published on every rank: report it sent once every rank has."""
+
     def close(self) -> None:
         pass
 
 
 # Builds both halves of one connector inside the engine-core process (it must be picklable to
-# travel there: the services pass a frozen dataclass).
+# travel there: the services pass a frozen dataclass). Under tensor parallelism every worker rank
+# calls it too and keeps the worker side, whose KVCacheSpec names the rank.
 KVConnectorFactory = Callable[[], "tuple[KVConnectorScheduler, KVConnectorWorker]"]

@@ -45,7 +45,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int,
-                 show_progress: bool = False, connector: KVConnectorWorker | None = None) -> None:
+                 show_progress: bool = False, connector: KVConnectorWorker | None = None,
+                 kv_connector_factory=None) -> None:
+        """connector: this engine's KV connector worker side; under tensor parallelism each worker
+        rank builds its own with `kv_connector_factory` (the one `connector` came from)."""
         self.config = config
         self.device = resolve_device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
@@ -62,12 +65,17 @@ class ModelRunner:
             1, config.cache.kv_cache_memory_bytes // self.bytes_per_block(arch))
         self.tp = None
         if tp_size > 1:
-            self.model = self._load_tensor_parallel(config, hf_config, show_progress)
+            self.model = self._load_tensor_parallel(config, hf_config, show_progress,
+                                                    kv_connector_factory if connector is not None else None)
         else:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
                                     self.device, show_progress)
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
-                                         self.block_size, self.dtype, self.device)
+                                         self.block_size, self.dtype, self.device, tp_size, 0, arch.num_kv_heads)
+        if connector is not None and self.tp is not None:
+            from engine.parallel.kv_connector import TPConnectorWorker
+
+            connector = TPConnectorWorker(connector, self.tp)
         self.connector = connector
         if connector is not None:  # e.g. shared memory, registered with the transport
             self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
@@ -95,11 +103,12 @@ class ModelRunner:
                               for _ in range(2)] if on_cuda else []
         self._sampled_slot = 0
 
-    def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool):
+    def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool,
+                              kv_connector_factory):
         """Workers for ranks 1..N-1 (each loads its own shard meanwhile), rank 0's shard here."""
         from engine.parallel.driver import TensorParallelModel, TPDriver
 
-        self.tp = TPDriver(config, hf_config, self.tp_layout, self.device, self.num_blocks)
+        self.tp = TPDriver(config, hf_config, self.tp_layout, self.device, self.num_blocks, kv_connector_factory)
         try:
             local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
                                show_progress, tp=self.tp.group)

@@ -17,6 +17,8 @@ class WorkerInit:
     store_port: int  # the group's rendezvous (a TCPStore on 127.0.0.1, hosted by the driver)
     num_blocks: int  # the driver decides; every rank's KV shard has as many blocks
     num_threads: int | None  # torch threads of a CPU rank
+    # Builds the rank's KV connector worker side (engine.kv_connector.KVConnectorFactory), or None.
+    kv_connector_factory: Any = None
 
 
 @dataclass(frozen=True)

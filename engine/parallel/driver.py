@@ -33,7 +33,8 @@ def threads_per_rank(config) -> int | None:
 class TPDriver:
     """The workers of ranks 1..N-1 and rank 0's end of the group."""
 
-    def __init__(self, config, hf_config: dict, layout: TPLayout, device: torch.device, num_blocks: int) -> None:
+    def __init__(self, config, hf_config: dict, layout: TPLayout, device: torch.device, num_blocks: int,
+                 kv_connector_factory=None) -> None:
         assert layout.rank == 0 and layout.size > 1
         self.size = layout.size
         for rank in range(layout.size):
@@ -50,12 +51,12 @@ class TPDriver:
         # Stops the workers even if shutdown() is never called (an LLM dropped, the interpreter exiting).
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
-            self._start(config, hf_config, layout, device, num_blocks, threads, env, root)
+            self._start(config, hf_config, layout, device, num_blocks, threads, env, root, kv_connector_factory)
         except BaseException:
             self._finalizer()
             raise
 
-    def _start(self, config, hf_config, layout, device, num_blocks, threads, env, root) -> None:
+    def _start(self, config, hf_config, layout, device, num_blocks, threads, env, root, kv_connector_factory) -> None:
         store = make_store(0, layout.size)
         for rank in range(1, layout.size):
             ours, theirs = socket.socketpair()
@@ -65,7 +66,7 @@ class TPDriver:
             theirs.close()
             conn = Connection(ours.detach())
             self.conns.append(conn)
-            conn.send(WorkerInit(rank, config, hf_config, store.port, num_blocks, threads))
+            conn.send(WorkerInit(rank, config, hf_config, store.port, num_blocks, threads, kv_connector_factory))
         self._expect("hello")  # imports done: a worker that cannot start fails here, not in a rendezvous
         self.group = TPGroup(layout, store, device)
         logger.info("tensor parallelism: %d ranks (workers' pids %s), %s", self.size,

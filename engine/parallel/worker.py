@@ -25,6 +25,7 @@ class TPWorker:
 
     def __init__(self, init: WorkerInit) -> None:
         from engine.device import resolve_device
+        from engine.kv_connector import KVCacheSpec
         from engine.models import load_model
         from engine.models.llama import LlamaArch
         from engine.models.loader import resolve_dtype
@@ -45,8 +46,16 @@ class TPWorker:
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
                                 tp=self.group)
         self.num_blocks = init.num_blocks
-        shape = (2, init.num_blocks, config.cache.block_size, self.layout.local_kv_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.kv_connector = None
+        if init.kv_connector_factory is not None:  # this rank's own connector (shm needs its caches)
+            _, self.kv_connector = init.kv_connector_factory()
+            spec = KVCacheSpec(arch.num_layers, self.layout.local_kv_heads, arch.head_dim, config.cache.block_size,
+                               self.dtype, self.device, self.layout.size, init.rank, arch.num_kv_heads)
+            self.kv_caches = self.kv_connector.allocate_kv_caches(spec, init.num_blocks)
+        else:
+            shape = (2, init.num_blocks, config.cache.block_size, self.layout.local_kv_heads, arch.head_dim)
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(arch.num_layers)]
         self.hidden_size = arch.hidden_size
 
     @torch.inference_mode()
@@ -62,6 +71,17 @@ class TPWorker:
     def compute_logits(self, cmd: ComputeLogits) -> None:
         hidden = torch.empty((cmd.rows, self.hidden_size), dtype=self.dtype, device=self.device)
         self.model.compute_logits(self.group.broadcast(hidden))
+
+    def kv_connector_call(self, method: str, args: tuple):
+        """This rank's KV connector worker side: method(*args) (see TPConnectorWorker)."""
+        if self.kv_connector is None:
+            raise RuntimeError(f"rank {self.layout.rank} has no KV connector")
+        return getattr(self.kv_connector, method)(*args)
+
+    def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+        self.group.close()
 
     def info(self) -> dict:
         """What this rank holds (for the driver's checks and the tests)."""
@@ -107,7 +127,7 @@ def main() -> int:
     try:
         worker.serve(conn)
     finally:
-        worker.group.close()
+        worker.close()
     return 0
 
 

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p = add_engine_parser(sub, Role.PREFILL, HELP)
     add_kv_flags(p)
     add(p, "--kv-host", default="127.0.0.1", help="address KV pulls connect to")
-    add(p, "--kv-port", type=int, default=0, help="KV transfer port (0: any free port)")
+    add(p, "--kv-port", type=int, default=0,
+        help="KV transfer port (0: any free port); with --tensor-parallel-size N, rank r serves port + r")
     add(p, "--kv-advertise-host", default=None,
         help="address written into KV handles for decodes to connect to, when it is not --kv-host "
              "(binding 0.0.0.0, NAT, a proxy in front of the KV port; default: --kv-host)")

@@ -7,7 +7,7 @@ from collections import Counter
 from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                  KVConnectorWorker)
 from engine.request import RequestStatus
-from kvtransfer import KVTransferError
+from kvtransfer import KVHandle, KVTransferError, merge_shard_handles
 
 from services.common.kv_connector import TransportLink
 
@@ -19,6 +19,10 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
         self.link = link
         self._meta = KVConnectorMetadata()
         self.counters: Counter = Counter()
+        self.worker: KVConnectorWorker | None = None
+
+    def bind_worker(self, worker: KVConnectorWorker) -> None:
+        self.worker = worker
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         return 0  # a prefill instance computes what it does not have cached
@@ -30,14 +34,24 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
         """Publish only when the first token did not end the request: a decode will continue."""
         if request.status != RequestStatus.FINISHED_REMOTE_DECODE or not request.publish_kv:
             return False, None
+        rid = request.request_id
         num_prompt_blocks = -(-request.num_prompt_tokens // self.link.block_size)
-        try:
-            handle = self.link.connector.publish(request.request_id, block_ids[:num_prompt_blocks],
-                                                 request.num_prompt_tokens)
-        except KVTransferError as e:  # the decode recomputes the prompt: slower, not wrong
-            logger.error("publishing the KV of %s failed: %s", request.request_id, e)
+        # Every rank pins its shard of the blocks under its own lease; one handle names them all.
+        published = self.worker.on_all_ranks("publish", rid, list(block_ids[:num_prompt_blocks]),
+                                             request.num_prompt_tokens)
+        errors = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(published) if error]
+        if not errors:
+            try:
+                handle = merge_shard_handles([KVHandle.from_bytes(data) for data, _ in published],
+                                             self.link.config.secret)
+            except KVTransferError as e:
+                errors = [f"merging the ranks' handles: {e}"]
+        if errors:  # the decode recomputes the prompt: slower, not wrong
+            logger.error("publishing the KV of %s failed: %s", rid, "; ".join(errors))
+            self.worker.on_all_ranks("abort", rid)  # the ranks that pinned blocks let them go
             self.counters["kv_publish_failures"] += 1
             return False, None
+        self.worker.expect_sending(rid)
         self.counters["kv_published"] += 1
         return True, handle.to_bytes()
 
@@ -58,11 +72,21 @@ class PrefillConnectorWorker(KVConnectorWorker):
 
     def allocate_kv_caches(self, spec, num_blocks: int):
         c = self.link.config
-        connector = self.link.create(spec, host=c.host, port=c.port, advertise_host=c.advertise_host,
-                                     lease_ttl_s=c.lease_ttl_s)
+        connector = self.link.create(spec, host=c.host, port=self.link.port_of(spec),
+                                     advertise_host=c.advertise_host, lease_ttl_s=c.lease_ttl_s)
         caches = connector.worker.allocate_kv_caches(num_blocks)
         logger.info("KV connector ready: %s prefill serving pulls at %s", c.transport, connector.endpoint)
         return caches
+
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[bytes | None, str | None]:
+        """Pin this rank's shard of the blocks: (its handle's bytes, None) or (None, why not)."""
+        try:
+            return self.link.connector.publish(request_id, block_ids, num_tokens).to_bytes(), None
+        except KVTransferError as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    def abort(self, request_id: str) -> bool:
+        return self.link.connector.abort(request_id)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         for request_id in metadata.cancels:

@@ -216,15 +216,6 @@ def test_sizes_the_checkpoint_cannot_split_are_refused(tiny_llama):
     check_tensor_parallel_size(8, num_heads=16, num_kv_heads=2, intermediate_size=128)  # KV heads replicated 4x
 
 
-def test_a_kv_connector_is_refused_at_tp2(tiny_llama):
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-
-    config = EngineConfig.create(tiny_llama, device="cpu", tensor_parallel_size=2, num_blocks=64)
-    with pytest.raises(ValueError, match=r"a KV connector with tensor_parallel_size > 1 \(here 2\)"):
-        EngineCore(config, kv_connector_factory=lambda: pytest.fail("no connector may be made"))
-
-
 def test_the_flag_reaches_the_engine_config():
     from engine.cli import build_parser
 
