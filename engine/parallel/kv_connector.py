@@ -70,11 +70,14 @@ class RankTransfers:
 class TPConnectorWorker(KVConnectorWorker):
     """Rank 0's connector (`local`) plus the workers' (each TPWorker builds its own from the same
     factory): metadata goes to every rank (one call per step, only when there is some), reports
-    are gathered only while a transfer is outstanding (steps without P/D traffic pay nothing)."""
+    are gathered only while a transfer is outstanding (steps without P/D traffic pay nothing), and
+    with them the workers' counters: stats() never calls the workers (it may come from another
+    thread than the steps', and a worker's counters move only while a transfer is outstanding)."""
 
     def __init__(self, local: KVConnectorWorker, driver) -> None:
         self.local, self.driver = local, driver
         self.transfers = RankTransfers(driver.size)
+        self._worker_stats: list[dict] = []
 
     def allocate_kv_caches(self, spec, num_blocks: int):
         return self.local.allocate_kv_caches(spec, num_blocks)  # the workers allocate their own
@@ -96,7 +99,9 @@ class TPConnectorWorker(KVConnectorWorker):
     def get_finished(self) -> KVConnectorOutput:
         outputs = [self.local.get_finished()]
         if self.transfers.outstanding:
-            outputs += self._on_workers("get_finished")
+            reports = self.driver.call("kv_connector_report")
+            outputs += [output for output, _ in reports]
+            self._worker_stats = [stats for _, stats in reports]
         else:  # nothing this engine waits for: stale reports (an aborted publish's) wait there
             outputs += [KVConnectorOutput() for _ in range(self.driver.size - 1)]
         merged, to_cancel = self.transfers.merge(outputs)
@@ -107,7 +112,7 @@ class TPConnectorWorker(KVConnectorWorker):
     def stats(self) -> dict[str, float]:
         """Every rank's counters summed (bytes moved, pulls, leases)."""
         total: Counter = Counter()
-        for stats in self.on_all_ranks("stats"):
+        for stats in [self.local.stats(), *self._worker_stats]:
             total.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
         return dict(total)
 

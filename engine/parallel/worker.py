@@ -78,6 +78,10 @@ class TPWorker:
             raise RuntimeError(f"rank {self.layout.rank} has no KV connector")
         return getattr(self.kv_connector, method)(*args)
 
+    def kv_connector_report(self) -> tuple:
+        """This rank's transfers that ended since the last report, and its connector's counters."""
+        return self.kv_connector.get_finished(), self.kv_connector.stats()
+
     def close(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()

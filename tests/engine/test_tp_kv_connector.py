@@ -89,8 +89,10 @@ class FakeDriver:
         self.workers, self.size, self.calls = workers, len(workers) + 1, 0
 
     def call(self, method, *args):
-        assert method == "kv_connector_call"
         self.calls += 1
+        if method == "kv_connector_report":  # TPWorker.kv_connector_report
+            return [(w.get_finished(), w.stats()) for w in self.workers]
+        assert method == "kv_connector_call"
         name, call_args = args
         return [getattr(w, name)(*call_args) for w in self.workers]
 
@@ -112,3 +114,4 @@ def test_the_wrapper_asks_the_workers_only_while_transfers_are_outstanding():
     tp.get_finished()
     assert driver.calls == calls  # nothing outstanding again
     assert tp.stats() == {"bytes_received": 20, "pulls_finished": 2}  # summed over the ranks
+    assert driver.calls == calls  # from the last report: stats() never calls the workers

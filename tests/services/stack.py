@@ -26,6 +26,7 @@ class StackSpec:
     prefills: int = 1
     decodes: int = 1
     router: bool = True
+    prefill_args: tuple[str, ...] = ()  # e.g. ("--tensor-parallel-size", "2")
     decode_args: tuple[str, ...] = ()
     decode_secret: str = SECRET  # another one fails every handle's check: every prompt recomputed
 
@@ -78,7 +79,7 @@ class Stack:
         self.spec = spec
         kv = ("--kv-transport", spec.transport, "--num-blocks", NUM_BLOCKS)
         # Prompts past the prefill's 64-token budget are chunked there.
-        self.prefills = [Service("prefill", model, *kv, "--max-num-batched-tokens", "64")
+        self.prefills = [Service("prefill", model, *kv, "--max-num-batched-tokens", "64", *spec.prefill_args)
                          for _ in range(spec.prefills)]
         self.decodes = [Service("decode", model, *kv, *spec.decode_args, secret=spec.decode_secret)
                         for _ in range(spec.decodes)]
