@@ -66,11 +66,10 @@ def test_tp2_prefill_ranks_serve_their_ports_and_one_rank_failing_means_recomput
                 LLM(tiny_llama).generate([PROMPT[::-1]], PARAMS)[0].outputs[0].token_ids
             await transfers_settled(pcore)
             assert pcore.scheduler.num_held_blocks == 0 and dcore.stats()["kv_pulls_finished"] == 1
-            pcore.check_integrity(expect_all_free=True)
-            dcore.check_integrity(expect_all_free=True)
+            for core in (pcore, dcore):
+                core.check_integrity(expect_all_free=True)
         finally:
-            await prefill.shutdown()
-            await decode.shutdown()
+            await asyncio.gather(prefill.shutdown(), decode.shutdown())
 
     asyncio.run(main())
 
