@@ -1,16 +1,21 @@
 """Tensor-parallel prefill and decode engines joined by real KV connectors, one per rank: what a merged
-handle names, a pull that fails on one rank only, and a handle the decode's TP size cannot split."""
+handle names, a pull that fails on one rank only, a publish that fails on one rank only, and a handle
+the decode's TP size cannot split."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from types import SimpleNamespace
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
+from engine.request import Request, RequestStatus
 from kvtransfer import KVHandle, KVLayout, KVShardRef, create_connector
 from services.common.kv_connector import KVConnectorConfig
 from services.common.role import Role
+from services.prefill.kv_connector import PrefillConnectorScheduler
 from service_procs import free_port
 from test_disagg_engine import SECRET, disaggregated, transfers_settled
 
@@ -99,3 +104,40 @@ def test_a_handle_the_decode_cannot_split_is_refused_and_the_prompt_recomputed(t
             await decode.shutdown()
 
     asyncio.run(main())
+
+
+class FakeRanks(KVConnectorWorker):
+    """Two prefill ranks' worker sides as the TP driver's wrapper shows them to the scheduler side."""
+
+    def __init__(self, publish_errors: tuple) -> None:
+        self.publish_errors, self.calls, self.sending = publish_errors, [], []
+
+    def allocate_kv_caches(self, spec, num_blocks):
+        return []
+
+    def start_load_kv(self, metadata):
+        pass
+
+    def get_finished(self):
+        return KVConnectorOutput()
+
+    def on_all_ranks(self, method, *args):
+        self.calls.append((method, args))
+        if method == "publish":
+            return [(None, error) if error else (b"unused", None) for error in self.publish_errors]
+        return [True for _ in self.publish_errors]
+
+    def expect_sending(self, request_id):
+        self.sending.append(request_id)
+
+
+def test_a_publish_that_fails_on_one_rank_lets_the_others_go_and_sends_no_handle():
+    ranks = FakeRanks((None, "BlockRangeError: block ids [9] outside [0, 8)"))
+    link = SimpleNamespace(block_size=16, config=SimpleNamespace(secret=SECRET))
+    scheduler = PrefillConnectorScheduler(link)
+    scheduler.bind_worker(ranks)
+    request = Request("r", PROMPT, PARAMS, publish_kv=True)
+    request.status = RequestStatus.FINISHED_REMOTE_DECODE
+    assert scheduler.request_finished(request, [0, 1, 2, 3, 4]) == (False, None)  # blocks freed now
+    assert ranks.calls == [("publish", ("r", [0, 1, 2, 3], len(PROMPT))), ("abort", ("r",))]
+    assert ranks.sending == [] and scheduler.stats() == {"kv_publish_failures": 1}
