@@ -58,7 +58,7 @@ class ModelRunner:
         tp_size = config.parallel.tensor_parallel_size
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
-        self.num_kv_heads = self.tp_layout.local_kv_heads if tp_size > 1 else arch.num_kv_heads
+        self.num_kv_heads = self.tp_layout.local_kv_heads
         self.block_size = config.cache.block_size
         # Memory per device, as vLLM: every rank's shard has this many blocks.
         self.num_blocks = config.cache.num_blocks or max(

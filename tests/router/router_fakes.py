@@ -103,6 +103,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         self.role = role
         self.pairing = pairing  # what GetLoad reports; None: none (an engine older than the router)
         self.load_unavailable = False  # GetLoad fails (UNAVAILABLE) while set
+        self.load_requests = 0  # GetLoad calls answered or refused
         self.eos_token_id = eos_token_id
         self.name = name or role
         self.registry = registry or KVRegistry()
@@ -195,6 +196,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         return pb.AbortResponse(found=self.registry.pinned.pop(handle, None) is not None)
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
+        self.load_requests += 1
         if self.load_unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no load report yet")
         return pb.LoadReport(engine_id=self.name, role=self.role, num_running=len(self.running),

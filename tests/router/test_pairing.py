@@ -111,8 +111,10 @@ def test_an_instance_is_paired_only_once_its_descriptor_arrives(make_stack, loop
     decode.engine.load_unavailable = True
     loop_thread.run(decode.set_serving(False))
     wait_until(lambda: not inst.healthy, what="the decode to be seen down")
+    asked = decode.engine.load_requests
     loop_thread.run(decode.set_serving(True))
-    time.sleep(0.5)  # several health checks: each asks again for the report
+    # Several health checks of the serving instance, each asking again for the report, refused.
+    wait_until(lambda: decode.engine.load_requests >= asked + 2, what="the report asked for again")
     status, _, body = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 4})
     assert status == 503 and body["error"]["code"] == "no_compatible_pair", body
     assert f"decode {decode.address} cannot pair: not described yet" in body["error"]["message"]
@@ -127,7 +129,9 @@ def test_an_instance_is_paired_only_once_its_descriptor_arrives(make_stack, loop
     loop_thread.run(decode.set_serving(False))
     wait_until(lambda: not inst.healthy, what="the decode to be seen down")
     loop_thread.run(decode.set_serving(True))
-    wait_until(lambda: stack.metric("pdserve:router_incompatible_pairs") == 0, what="the pair accepted")
+    # The report is read before the instance is marked healthy again: wait for both.
+    wait_until(lambda: stack.metric("pdserve:router_incompatible_pairs") == 0 and inst.healthy,
+               what="the pair accepted")
     status, _, body = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 4})
     assert status == 200, body
     assert len(decode.engine.requests) == 1
