@@ -20,10 +20,14 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly at its own batch size
+    # Linear layers on the CPU (kernels.cpu_linear): auto | onednn (weights packed once) | torch (F.linear).
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.linear_backend not in ("auto", "onednn", "torch"):
+            raise ValueError(f"linear_backend must be auto, onednn or torch, got {self.linear_backend!r}")
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"model directory not found: {self.path!r}")
         if not os.path.isfile(os.path.join(self.path, "config.json")):

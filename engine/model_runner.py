@@ -69,7 +69,7 @@ class ModelRunner:
                                                     kv_connector_factory if connector is not None else None)
         else:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
-                                    self.device, show_progress)
+                                    self.device, show_progress, linear_backend=config.model.linear_backend)
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
                                          self.block_size, self.dtype, self.device, tp_size, 0, arch.num_kv_heads)
         if connector is not None and self.tp is not None:
@@ -111,7 +111,7 @@ class ModelRunner:
         self.tp = TPDriver(config, hf_config, self.tp_layout, self.device, self.num_blocks, kv_connector_factory)
         try:
             local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
-                               show_progress, tp=self.tp.group)
+                               show_progress, tp=self.tp.group, linear_backend=config.model.linear_backend)
             self.tp.wait_ready()
         except BaseException:
             self.tp.shutdown()

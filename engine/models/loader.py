@@ -12,6 +12,7 @@ from safetensors import safe_open
 from engine.models.llama import LlamaArch, LlamaForCausalLM
 from engine.models.rope import cos_sin_cache
 from kernels import KernelBackend
+from kernels.cpu_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
 
 
 def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
-               device: torch.device | str = "cpu", show_progress: bool = False, tp=None) -> LlamaForCausalLM:
-    """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file."""
+               device: torch.device | str = "cpu", show_progress: bool = False, tp=None,
+               linear_backend: str = "auto") -> LlamaForCausalLM:
+    """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file.
+    linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -83,6 +86,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     missing = [n for n in params if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
+    del params
+    pack_linears(model, linear_backend)
     return model.eval()
 
 

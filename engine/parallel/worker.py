@@ -44,7 +44,7 @@ class TPWorker:
         self.dtype = resolve_dtype(config.model.dtype, init.hf_config)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
-                                tp=self.group)
+                                tp=self.group, linear_backend=config.model.linear_backend)
         self.num_blocks = init.num_blocks
         self.kv_connector = None
         if init.kv_connector_factory is not None:  # this rank's own connector (shm needs its caches)

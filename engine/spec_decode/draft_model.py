@@ -51,7 +51,8 @@ class DraftModelProposer(Proposer):
                              f"less than max_model_len={max_model_len}")
         self.device = runner.device
         self.block_size = runner.block_size
-        self.model = load_model(config.model, hf_config, runner.kernels, runner.dtype, self.device)
+        self.model = load_model(config.model, hf_config, runner.kernels, runner.dtype, self.device,
+                                linear_backend=runner.config.model.linear_backend)
         self.kv_caches = [torch.zeros((2, runner.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
                                       dtype=runner.dtype, device=self.device) for _ in range(arch.num_layers)]
         self.block_ids_of = block_ids_of

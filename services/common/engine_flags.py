@@ -48,6 +48,9 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "from --device on CUDA (gloo over the cores on the CPU)")
     add(p, "--kernel-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
         help="attention kernels")
+    add(p, "--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
+        help="linear layers on the CPU: onednn packs each weight once at load (auto: where oneDNN runs "
+             "the dtype; a GPU always uses torch); torch keeps F.linear")
     add(p, "--kv-events-config", type=kv_events_config, default=None,
         help="KV cache events, as vLLM's flag: JSON with enable_kv_cache_events, publisher (zmq), endpoint "
              "(PUB bind, e.g. tcp://*:5557; port 0: any), replay_endpoint, buffer_steps, hwm, max_queue_size, "
