@@ -47,16 +47,20 @@ class Config:
             p.stop()
 
 
-def start_pdserve(name: str, model: str, logs: str, disaggregated: bool, engine_args: list[str]) -> tuple[Config, str]:
+def start_pdserve(name: str, model: str, logs: str, disaggregated: bool, engine_args: list[str],
+                  wide: bool = False) -> tuple[Config, str]:
+    """1P+1D or 2C, a core and a thread per instance; wide: one colocated instance, two threads on both."""
     cfg = Config(name, model, logs)
     env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
-    common = ["--model", model, "--num-threads", "1", "--max-model-len", "4096", *engine_args]
-    roles = [("prefill", 0), ("decode", 1)] if disaggregated else [("colocated", 0), ("colocated", 1)]
+    threads = "2" if wide else "1"
+    common = ["--model", model, "--num-threads", threads, "--max-model-len", "4096", *engine_args]
+    roles = ([("colocated", {0, 1})] if wide else [("prefill", {0}), ("decode", {1})] if disaggregated
+             else [("colocated", {0}), ("colocated", {1})])
     addrs = {}
-    for i, (role, core) in enumerate(roles):
+    for i, (role, cores) in enumerate(roles):
         port = free_port()
         extra = ["--kv-transport", "tcp"] if role != "colocated" else []
-        cfg.spawn(f"{role}{i}", pdserve_cmd(role, *common, "--port", str(port), *extra), {core}, env)
+        cfg.spawn(f"{role}{i}", pdserve_cmd(role, *common, "--port", str(port), *extra), cores, env)
         addrs.setdefault(role, []).append(f"127.0.0.1:{port}")
     wait_until(lambda: all(grpc_serving(a) for v in addrs.values() for a in v), cfg.procs, f"{name} engines")
     http = free_port()

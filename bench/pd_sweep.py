@@ -1,14 +1,16 @@
-"""bench-pd as a sweep: per ISL:OSL shape and SLO, the planner's choice (1P+1D or 2C) against the other and vLLM CPU.
+"""bench-pd as a sweep: per ISL:OSL shape and SLO, the planner's choice (1P+1D, 2C or 1Cx2) against the others and vLLM CPU.
 
-Two cores: the fleets are one prefill + one decode (a core each) or two colocated instances (a
-core each), as bench-pd runs them; vLLM's CPU build gets both cores. Steps:
+Two cores: the fleets are one prefill + one decode (a core each), two colocated instances (a
+core each), as bench-pd runs them, or one colocated instance two threads wide on both cores
+(1Cx2); vLLM's CPU build gets both cores. Steps:
 
-1. A profile of this machine (`pdserve profile`, bench-pd's model, one thread on core 0), or
-   `--profile FILE`.
+1. Profiles of this machine (`pdserve profile`, bench-pd's model): one thread on core 0 and two
+   threads on both cores, or `--profile FILE` (repeatable: one per width).
 2. Per cell (ISL:OSL 1:1, 10:1, 1:10 at 2-core sizes; loose SLO: bench-pd's TTFT 4 s, TPOT 100 ms;
-   tight: TPOT 1.5 x the profile's unloaded decode step): `pdserve plan --instances 2` on the
-   cell's requests gives each fleet's simulated capacity and the choice; the cell's arrival rate
-   is `--load` (0.8) x the higher capacity, unless `--rate` is given.
+   tight: TPOT 1.5 x the one-thread profile's unloaded decode step): `pdserve plan --instances 2`
+   with both profiles on the cell's requests gives each fleet's simulated capacity and the
+   choice; the cell's arrival rate is `--load` (0.8) x the highest capacity, unless `--rate` is
+   given.
 3. Each configuration serves every cell (fresh prompts per cell: no prefix-cache hits between
    runs); per-request SLO attainment, goodput, TTFT p90, ITL p99 and the longest stall.
 
@@ -16,7 +18,7 @@ Prints per cell whether the plan's choice was the measured winner (or within noi
 in SLO over the run, or 10%), and `planned_vs_vllm_goodput_min_ratio` over the cells (vLLM not
 runnable here: reported as not run, the ratio nan).
 
-    python -m bench.pd_sweep [--quick] [--profile FILE] [--configs disaggregated,colocated,vllm]
+    python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noq
 from bench.serve import run_benchmark  # noqa: E402
 from bench.sim_validate import ARRIVAL_SEED, fresh_profile, sim_requests  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
-from services.planner.plan import choose, plan, resolve_slo  # noqa: E402
+from services.planner.plan import choose, plan_widths, resolve_slo  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
 from services.planner.workload import Workload  # noqa: E402
 
@@ -45,7 +47,8 @@ SHAPES = {"1:1": ("uniform:192:320", "uniform:192:320"), "10:1": ("uniform:1024:
           "1:10": ("uniform:24:40", "uniform:240:400")}
 QUICK_SHAPE = ("uniform:48:80", "uniform:16:24")  # --quick's one cell: short prompts, short outputs
 SLOS = {"loose": "ttft:4000,tpot:100", "tight": "ttft:4000,tpot:x1.5"}
-FLEET_OF = {"1P+1D": "disaggregated", "2C": "colocated"}
+FLEET_OF = {"1P+1D": "disaggregated", "2C": "colocated", "1Cx2": "colocated-wide"}
+PDSERVE = ("disaggregated", "colocated", "colocated-wide")
 NOISE_REL = 0.1  # goodput within 10% (or one request in SLO over the run) is a tie
 
 
@@ -56,25 +59,26 @@ class Cell:
     requests: list
     slos: dict  # seconds
     rate: float
-    planned: str  # "disaggregated" | "colocated"
+    planned: str  # "disaggregated" | "colocated" | "colocated-wide"
     predicted: dict  # config -> simulated capacity (req/s)
 
 
-def plan_cell(profile: Profile, shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
+def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
               rate: float | None, load: float) -> Cell:
     reqs = synthetic(num, *lengths, vocab_size=4000, seed=seed)
     # The cell's own requests at 1 req/s; plan() scales their arrivals to find each fleet's capacity.
     wl = Workload(tuple(sim_requests(reqs, 1.0)), f"{shape} ({num} requests)")
-    slos = resolve_slo(SLOS[slo], profile, wl)
-    transport = "tcp" if "tcp" in profile.transfers else next(iter(profile.transfers))
-    results, _ = plan(profile, wl, slos, [2], transport)  # capacities do not depend on wl's own rate
-    capacity = {FLEET_OF[r.fleet.name]: r.capacity_rps for r in results}
+    slos = resolve_slo(SLOS[slo], profiles[0], wl)
+    transport = "tcp" if "tcp" in profiles[0].transfers else next(iter(profiles[0].transfers))
+    # Capacities do not depend on wl's own rate.
+    results, _ = plan_widths(profiles, wl, slos, [2], transport)
+    capacity = {FLEET_OF[r.name]: r.capacity_rps for r in results if r.name in FLEET_OF}
     cell_rate = rate or load * max(capacity.values())
     if cell_rate <= 0:
         raise ValueError(f"cell {shape} {slo}: no fleet meets the SLOs at any rate in the simulation; "
                          "give --rate")
     best = choose(results, cell_rate)  # what `pdserve plan` picks at the cell's rate
-    return Cell(shape, slo, reqs, slos, cell_rate, FLEET_OF[best.fleet.name], capacity)
+    return Cell(shape, slo, reqs, slos, cell_rate, FLEET_OF[best.name], capacity)
 
 
 def measure(url: str, cell: Cell) -> dict:
@@ -105,7 +109,7 @@ def report(cells: list[Cell], results: dict[str, dict], not_run: dict[str, str])
     for i, c in enumerate(cells):
         tpot = 1000 * c.slos["tpot"]
         print(f"-- {c.shape} {c.slo} (TTFT {1000 * c.slos['ttft']:.0f} ms, TPOT {tpot:.1f} ms); plan: {c.planned}")
-        for name in ("disaggregated", "colocated", "vllm"):
+        for name in (*PDSERVE, "vllm"):
             s = results.get(name, {}).get(i)
             if s is None:
                 continue
@@ -114,8 +118,8 @@ def report(cells: list[Cell], results: dict[str, dict], not_run: dict[str, str])
             print(f"{'':<13}{c.rate:>6.3f} {mark}{name:<13}{100 * s['slo_attainment']:>6.0f}%{s['request_goodput']:>9.3f}"
                   f"{s['p90_ttft_ms']:>10.0f}{s['median_tpot_ms']:>10.1f}{s['p99_itl_ms']:>9.1f}"
                   f"{s['max_stall_ms']:>10.0f}  {pred}")
-        mine = {n: results[n][i] for n in ("disaggregated", "colocated") if i in results.get(n, {})}
-        if len(mine) == 2:
+        mine = {n: results[n][i] for n in PDSERVE if i in results.get(n, {})}
+        if len(mine) > 1 and c.planned in mine:
             best = max(mine.values(), key=lambda s: s["request_goodput"])
             won = mine[c.planned] is best or within_noise(mine[c.planned], best)
             wins.append(won)
@@ -136,14 +140,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke test: a quick profile, one small cell (1:1 "
                                                          "loose, 4 short requests), pdserve only")
-    ap.add_argument("--profile", default=None, help="plan from this profile instead of measuring one first")
+    ap.add_argument("--profile", default=None, action="append",
+                    help="plan from this profile instead of measuring them first (repeat for the one- and "
+                         "two-thread profiles; the first sets the tight TPOT)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--slos", default=",".join(SLOS))
     ap.add_argument("--num-prompts", type=int, default=12, help="requests per cell")
     ap.add_argument("--rate", type=float, default=None, help="arrival rate of every cell (default: --load x "
                                                               "the higher simulated capacity)")
     ap.add_argument("--load", type=float, default=0.8)
-    ap.add_argument("--configs", default="disaggregated,colocated,vllm")
+    ap.add_argument("--configs", default="disaggregated,colocated,colocated-wide,vllm")
     ap.add_argument("--out", default=os.path.join(BUILD, "sweep"))
     args = ap.parse_args(argv)
     shapes, slos = args.shapes.split(","), args.slos.split(",")
@@ -153,17 +159,23 @@ def main(argv=None) -> int:
     not_run = {}
     if args.quick:
         shapes, slos, args.num_prompts = ["1:1"], ["loose"], 4
-        if "vllm" in configs:
-            configs.remove("vllm")
-            not_run["vllm"] = "--quick"
+        for name in ("vllm", "colocated-wide"):
+            if name in configs:
+                configs.remove(name)
+                not_run[name] = "--quick"
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     model = ensure_model()
-    profile = Profile.load(args.profile) if args.profile else fresh_profile(
-        model, args.quick, os.path.join(args.out, "profile.json"))
-    print(f"profile: {args.profile or 'measured now'} ({profile.source}); unloaded decode step "
-          f"{1000 * profile.step.decode_seconds(1, 512):.1f} ms at 512 tokens", flush=True)
+    if args.profile:
+        profiles = [Profile.load(p) for p in args.profile]
+    else:
+        widths = [1] if args.quick or "colocated-wide" not in configs else [1, 2]
+        profiles = [fresh_profile(model, args.quick, os.path.join(args.out, f"profile-{w}thread.json"), w)
+                    for w in widths]
+    for prof in profiles:
+        print(f"profile: {prof.width} thread(s), {prof.source}; unloaded decode step "
+              f"{1000 * prof.step.decode_seconds(1, 512):.1f} ms at 512 tokens", flush=True)
     lengths = {sh: QUICK_SHAPE if args.quick else SHAPES[sh] for sh in shapes}
-    cells = [plan_cell(profile, shape, lengths[shape], slo, args.num_prompts, 100 + i, args.rate, args.load)
+    cells = [plan_cell(profiles, shape, lengths[shape], slo, args.num_prompts, 100 + i, args.rate, args.load)
              for i, (shape, slo) in enumerate((sh, sl) for sh in shapes for sl in slos)]
     for c in cells:
         print(f"cell {c.shape} {c.slo}: rate {c.rate:.3f} req/s; simulated capacity "
@@ -174,7 +186,8 @@ def main(argv=None) -> int:
     for name in configs:
         try:
             cfg, url = (start_vllm(model, logs) if name == "vllm"
-                        else start_pdserve(name, model, logs, name == "disaggregated", []))
+                        else start_pdserve(name, model, logs, name == "disaggregated", [],
+                                           wide=name == "colocated-wide"))
         except Exception as e:  # vLLM not installable or not runnable here: the rest still counts
             not_run[name] = f"{type(e).__name__}: {e}"
             print(f"{name}: not run ({not_run[name]})", flush=True)

@@ -33,14 +33,15 @@ KEYS = [("TTFT p50", "p50_ttft_ms"), ("TTFT p90", "p90_ttft_ms"), ("TPOT p50", "
 ARRIVAL_SEED = 1  # bench-pd's run_benchmark(..., seed=1)
 
 
-def fresh_profile(model: str, quick: bool, out: str) -> Profile:
+def fresh_profile(model: str, quick: bool, out: str, threads: int = 1) -> Profile:
+    """Measured on the first `threads` cores with that many torch threads (bench-pd's services: 1)."""
     from services.planner.profile import run_profile
 
-    if hasattr(os, "sched_setaffinity"):  # one core, as each bench-pd service gets
+    if hasattr(os, "sched_setaffinity"):  # as many cores as threads, as each bench-pd service gets
         before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {min(before)})
+        os.sched_setaffinity(0, set(sorted(before)[:threads]))
     try:
-        prof = run_profile(model, "cpu", 1, transports=["tcp"], quick=quick, max_model_len=4096)
+        prof = run_profile(model, "cpu", threads, transports=["tcp"], quick=quick, max_model_len=4096)
     finally:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, before)

@@ -2,8 +2,11 @@
 
 A fleet's capacity is the highest arrival rate (the workload's requests, arriving faster or slower)
 at which the simulator still sees `attainment` of the requests meet both SLOs, as DistServe
-defines per-GPU goodput; the winner has the most capacity per instance. The table also shows
-each fleet at the workload's own rate.
+defines per-GPU goodput; the winner has the most capacity per unit (a GPU, or a core of a CPU
+profile). The table also shows each fleet at the workload's own rate.
+
+Several profiles of one model at different instance widths (CPU threads; as Dynamo's profiler
+sweeps tensor-parallel sizes) are planned together: N units make N / width instances of each.
 """
 from __future__ import annotations
 
@@ -29,10 +32,20 @@ class FleetResult:
     fleet: Fleet
     at_rate: dict  # the summary at the workload's own rate
     capacity_rps: float  # highest rate meeting the attainment target (0: not even at rate / limit)
+    width: int = 1  # units (cores of a CPU profile, GPUs) one instance occupies
+
+    @property
+    def units(self) -> int:
+        return self.fleet.num_instances * self.width
 
     @property
     def capacity_per_instance(self) -> float:
-        return self.capacity_rps / self.fleet.num_instances
+        """Per unit: a 2-core instance counts twice."""
+        return self.capacity_rps / self.units
+
+    @property
+    def name(self) -> str:
+        return self.fleet.name if self.width == 1 else f"{self.fleet.name}x{self.width}"
 
 
 def fleets_of(n: int, transport: str = "tcp") -> list[Fleet]:
@@ -83,17 +96,17 @@ def evaluate(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str,
 def choose(results: list[FleetResult], rate: float) -> FleetResult:
     """Most capacity per instance among the fleets that carry `rate`; if none does, among all."""
     enough = [r for r in results if r.capacity_rps >= rate] or results
-    return max(enough, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"], -r.fleet.num_instances))
+    return max(enough, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"], -r.units))
 
 
 def table(results: list[FleetResult], rate: float) -> str:
-    head = (f"{'fleet':<9}{'capacity':>10}{'per inst':>10}{'goodput':>9}{'in SLO':>8}{'TTFT p90':>10}"
+    head = (f"{'fleet':<9}{'capacity':>10}{'per unit':>10}{'goodput':>9}{'in SLO':>8}{'TTFT p90':>10}"
             f"{'TPOT p90':>10}{'ITL p99':>9}{'max stall':>11}")
     lines = [f"{'':<9}{'req/s':>10}{'req/s':>10}{'@' + format(rate, '.3g'):>9}{'':>8}{'ms':>10}{'ms':>10}"
              f"{'ms':>9}{'ms':>11}", head]
     for r in results:
         s = r.at_rate
-        lines.append(f"{r.fleet.name:<9}{r.capacity_rps:>10.3f}{r.capacity_per_instance:>10.3f}"
+        lines.append(f"{r.name:<9}{r.capacity_rps:>10.3f}{r.capacity_per_instance:>10.3f}"
                      f"{s['request_goodput']:>9.3f}{100 * s['slo_attainment']:>7.0f}%{s['p90_ttft_ms']:>10.0f}"
                      f"{s['p90_tpot_ms']:>10.1f}{s['p99_itl_ms']:>9.1f}{s['max_itl_ms']:>11.0f}")
     return "\n".join(lines)
@@ -139,6 +152,24 @@ def plan(profile: Profile, workload: Workload, slos: dict[str, float], instances
         else:
             results += best_splits(profile, n, workload, slos, target, transport)
             results.append(evaluate(profile, Fleet(num_colocated=n), workload, slos, target))
+    return results, choose(results, workload.rate)
+
+
+def plan_widths(profiles: list[Profile], workload: Workload, slos: dict[str, float], units: list[int],
+                transport: str, target: float = 0.9, exhaustive_up_to: int = EXHAUSTIVE_UP_TO
+                ) -> tuple[list[FleetResult], FleetResult]:
+    """plan() for each profile's instance width: N units are N // width instances of it (sizes a
+    width does not divide, or fewer units than one instance, are skipped for that width)."""
+    results = []
+    for prof in profiles:
+        w = prof.width
+        sizes = [n // w for n in units if n % w == 0 and n >= w]
+        if sizes:
+            found, _ = plan(prof, workload, slos, sizes, transport, target, exhaustive_up_to)
+            results += [FleetResult(r.fleet, r.at_rate, r.capacity_rps, w) for r in found]
+    if not results:
+        raise ValueError(f"no profile's instance width ({', '.join(str(p.width) for p in profiles)}) fits "
+                         f"{', '.join(map(str, units))} units")
     return results, choose(results, workload.rate)
 
 
@@ -222,11 +253,14 @@ def run_simulate(args) -> int:
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="simulate P:D splits and colocated fleets on a workload; print the "
                                            "alternatives and the best", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", required=True, help="a profile file from `pdserve profile`")
+    p.add_argument("--profile", required=True, action="append",
+                   help="a profile file from `pdserve profile`; repeat it for profiles of one model at other "
+                        "instance widths (e.g. --num-threads 1 and 2): the first sets tpot:xF's step")
     p.add_argument("--workload", required=True, help="a workload file (JSON; see docs/planning.md)")
     p.add_argument("--slo", required=True, help="ttft:MS,tpot:MS; tpot:xF = F x the unloaded decode step "
                                                 "(e.g. tpot:x1.5, a tight SLO)")
-    p.add_argument("--instances", default="2", help="fleet sizes to try: N, N,M or LO-HI (default 2)")
+    p.add_argument("--instances", default="2", help="fleet sizes to try, in units (GPUs; cores of CPU profiles: a "
+                                                    "2-thread instance is 2): N, N,M or LO-HI (default 2)")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="fraction of requests that must meet the SLOs for a rate to count (default 0.9)")
     p.add_argument("--exhaustive-up-to", type=int, default=EXHAUSTIVE_UP_TO,
@@ -241,18 +275,19 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def run_cli(args) -> int:
     if not 0 < args.attainment <= 1:
         raise ValueError("--attainment must be in (0, 1]")
-    profile = Profile.load(args.profile)
+    profiles = [Profile.load(p) for p in args.profile]
+    profile = profiles[0]
     wl = workloads.load(args.workload)
     slos = resolve_slo(args.slo, profile, wl)
     transport = args.transport or ("tcp" if "tcp" in profile.transfers else next(iter(profile.transfers), "tcp"))
-    results, best = plan(profile, wl, slos, _instances(args.instances), transport, args.attainment,
-                         args.exhaustive_up_to)
+    results, best = plan_widths(profiles, wl, slos, _instances(args.instances), transport, args.attainment,
+                                args.exhaustive_up_to)
     print(f"workload: {wl.description} (mean rate {wl.rate:.3g} req/s, ISL {wl.mean_isl:.0f}, OSL {wl.mean_osl:.0f})")
     slo_ms = ",".join(f"{k}:{v * 1000:.4g}" for k, v in slos.items())
     print(f"profile: {profile.source} on {profile.machine.get('device', '?')}; SLOs {slo_ms} (ms); capacity = "
           f"highest rate with >= {100 * args.attainment:.0f}% of requests in SLO")
     print(table(results, wl.rate))
     carries = "carries" if best.capacity_rps >= wl.rate else "does NOT carry (no fleet tried does)"
-    print(f"best: {best.fleet.name} ({best.capacity_per_instance:.3f} req/s per instance; {carries} "
+    print(f"best: {best.name} ({best.capacity_per_instance:.3f} req/s per unit; {carries} "
           f"{wl.rate:.3g} req/s)")
     return 0

@@ -65,6 +65,13 @@ class Profile:
     source: str = "measured"
     raw: dict = field(default_factory=dict)  # the measured points and fit quality, kept as written
 
+    @property
+    def width(self) -> int:
+        """Units one instance of this profile occupies: a CPU profile's torch threads (cores), else 1 GPU."""
+        if str(self.machine.get("device", "")).startswith("cpu"):
+            return max(1, int(self.machine.get("threads", 1)))
+        return 1
+
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes a pull moves for a prompt: whole blocks."""
         blocks = math.ceil(num_tokens / self.block_size)

@@ -6,10 +6,11 @@ import json
 import pytest
 
 from services.cli import main as pdserve
-from services.planner.plan import MIN_REQUESTS, attainment, capacity, fleets_of, plan
+from services.planner.plan import MIN_REQUESTS, attainment, capacity, fleets_of, plan, plan_widths
 from services.planner.sim_metrics import parse_slo
 from services.planner.simulator import Fleet
 from services.planner.workload import poisson
+from services.planner.costmodel import StepCost
 from sim_profiles import CPU_LIKE, profile
 
 # bench-pd's shape: 1-2k-token prompts, 64-128-token outputs, 0.3 req/s.
@@ -114,3 +115,51 @@ def test_pdserve_simulate_one_fleet(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert s["fleet"] == "2C" and s["completed"] == 2
     assert pdserve(args[:-1] + ["1P+1D+1D"]) == 2
+
+
+# The same machine two threads wide: prompts nearly twice as fast, decode steps a little faster
+# (memory-bound), as bench-pd's model measured one and two threads here.
+CPU_WIDE = StepCost(base=0.010, per_token=2.2e-4, per_attn=1.1e-7, per_kv_token=1.2e-6, per_seq=4e-4)
+
+
+def cpu(step: StepCost, threads: int):
+    return profile(step, machine={"device": "cpu", "threads": threads})
+
+
+def test_profile_width_is_its_threads_on_a_cpu():
+    assert cpu(CPU_LIKE, 2).width == 2 and cpu(CPU_LIKE, 1).width == 1
+    assert profile(CPU_LIKE).width == 1  # no machine recorded (a GPU roofline): one unit an instance
+    assert profile(CPU_LIKE, machine={"device": "cuda:0", "threads": 16}).width == 1
+
+
+def test_plan_widths_counts_units_and_picks_per_unit():
+    narrow, wide = cpu(CPU_LIKE, 1), cpu(CPU_WIDE, 2)
+    slos = parse_slo("ttft:4000,tpot:30")
+    results, best = plan_widths([narrow, wide], BENCH_PD, slos, [2], "tcp")
+    assert [r.name for r in results] == ["1P+1D", "2C", "1Cx2"]
+    by_name = {r.name: r for r in results}
+    wide_one = by_name["1Cx2"]
+    assert wide_one.units == 2 and wide_one.capacity_per_instance == pytest.approx(wide_one.capacity_rps / 2)
+    # The same numbers as planning the wide profile alone at one instance.
+    alone, _ = plan(wide, BENCH_PD, slos, [1], "tcp")
+    assert wide_one.capacity_rps == pytest.approx(alone[0].capacity_rps)
+    assert best is max(results, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"]))
+    # 3 units: no 2-wide fleet fits exactly; 1 unit: only the narrow instance.
+    assert {r.width for r in plan_widths([narrow, wide], BENCH_PD, slos, [3], "tcp")[0]} == {1}
+    with pytest.raises(ValueError, match="no profile's instance width"):
+        plan_widths([wide], BENCH_PD, slos, [1], "tcp")
+
+
+def test_pdserve_plan_takes_profiles_of_several_widths(tmp_path, capsys):
+    paths = [tmp_path / "p1.json", tmp_path / "p2.json", tmp_path / "workload.json"]
+    cpu(CPU_LIKE, 1).save(str(paths[0]))
+    cpu(CPU_WIDE, 2).save(str(paths[1]))
+    paths[2].write_text(json.dumps({"rate": 0.3, "num_requests": 80, "isl": "uniform:1024:2048",
+                                    "osl": "uniform:64:128", "seed": 1}))
+    rc = pdserve(["plan", "--profile", str(paths[0]), "--profile", str(paths[1]), "--workload", str(paths[2]),
+                  "--slo", "ttft:4000,tpot:30", "--instances", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in ("1P+1D", "2C", "1Cx2")]
+    assert rows == ["1P+1D", "2C", "1Cx2"]
+    assert "per unit" in out and out.strip().splitlines()[-1].startswith("best: ")
