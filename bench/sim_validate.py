@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve  # noqa: E402
+from bench.procs import pdserve_cmd  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import poisson_arrivals, synthetic  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
@@ -34,19 +35,17 @@ ARRIVAL_SEED = 1  # bench-pd's run_benchmark(..., seed=1)
 
 
 def fresh_profile(model: str, quick: bool, out: str, threads: int = 1) -> Profile:
-    """Measured on the first `threads` cores with that many torch threads (bench-pd's services: 1)."""
-    from services.planner.profile import run_profile
+    """`pdserve profile` in a process of its own on the first `threads` cores with that many torch
+    threads (bench-pd's services: one). Not in this process: threads made while it was pinned
+    to one core would stay there, and a second, wider profile would measure them crowded."""
+    import subprocess
 
-    if hasattr(os, "sched_setaffinity"):  # as many cores as threads, as each bench-pd service gets
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, set(sorted(before)[:threads]))
-    try:
-        prof = run_profile(model, "cpu", threads, transports=["tcp"], quick=quick, max_model_len=4096)
-    finally:
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, before)
-    prof.save(out)
-    return prof
+    cores = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
+    preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    cmd = pdserve_cmd("profile", "--model", model, "--num-threads", str(threads), "--transports", "tcp",
+                      "--max-model-len", "4096", "--out", out, *(["--quick"] if quick else []))
+    subprocess.run(cmd, check=True, preexec_fn=preexec, stdout=subprocess.DEVNULL)
+    return Profile.load(out)
 
 
 def sim_requests(reqs, rate: float) -> list[SimRequest]:
