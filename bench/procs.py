@@ -94,12 +94,6 @@ def http_ok(url: str) -> bool:
 
 
 def grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from services.common.grpc_server import health_serving
 
-    with grpc.insecure_channel(address) as ch:
-        try:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-    return r.status == health_pb2.HealthCheckResponse.SERVING
+    return health_serving(address)

@@ -151,3 +151,13 @@ class GrpcService:
         servers = [self.server, *([self.health_server] if self.health_server is not None else [])]
         grace = self.drain_timeout_s if grace_s is None else grace_s
         await asyncio.gather(*(s.stop(grace) for s in servers))
+
+
+def health_serving(address: str, timeout: float = 2.0) -> bool:
+    """Whether the plaintext gRPC server at address answers its health check with SERVING."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING

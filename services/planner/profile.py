@@ -152,7 +152,9 @@ def default_model() -> str:
 
 def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_batched_tokens: int = 2048,
                 max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str = "float32",
-                transports: list[str] | None = None, quick: bool = False, progress: bool = True) -> Profile:
+                transports: list[str] | None = None, quick: bool = False, progress: bool = True,
+                serve_overhead: bool = True) -> Profile:
+    """serve_overhead: also time a live colocated service on these cores (profile_serve.py)."""
     import torch
     from tqdm import tqdm
 
@@ -166,11 +168,18 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
-    total = _num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
+    from services.planner.profile_serve import LENGTHS, measure_token_overhead
+
+    total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
+             + (len(LENGTHS) if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
         timer.core.shutdown()
         step = fit_step_cost(points)
+        token_overhead, serve_points = 0.0, []
+        if serve_overhead:
+            token_overhead, serve_points = measure_token_overhead(
+                model, step, num_threads, dtype, timer.max_model_len, timer.vocab, tick=lambda: bar.update(1))
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -193,10 +202,10 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                           for k in sorted(set(kinds))}
     raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
-           "transfer": raw_transfers}
+           "transfer": raw_transfers, "serve": {"points": serve_points}}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                   machine=machine, source="measured", raw=raw)
+                   token_overhead_s=token_overhead, machine=machine, source="measured", raw=raw)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
@@ -213,6 +222,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transports", default=None, help="comma-separated (default: every one usable here)")
     p.add_argument("--out", default="profile.json")
     p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests")
+    p.add_argument("--no-serve-overhead", action="store_true",
+                   help="do not time a live colocated service for the serving path's cost per token")
     p.add_argument("--roofline", default=None, choices=sorted(GPUS),
                    help="measure nothing: write the datasheet roofline of this GPU for --model's shape "
                         "(default shape: Llama-3-8B), for planning a GPU fleet from here")
@@ -243,7 +254,8 @@ def run_cli(args) -> int:
     model = args.model or default_model()
     transports = args.transports.split(",") if args.transports else None
     prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
-                       args.max_model_len, args.dtype, transports, args.quick)
+                       args.max_model_len, args.dtype, transports, args.quick,
+                       serve_overhead=not args.no_serve_overhead)
     prof.save(args.out)
     q = prof.raw["step"]["quality"]
     s = prof.step
@@ -254,6 +266,9 @@ def run_cli(args) -> int:
     for kind, kq in q["by_kind"].items():
         print(f"  {kind:<8} {kq['num_points']:>3} steps: median error {100 * kq['median_rel_error']:.1f}%, "
               f"worst {100 * kq['max_rel_error']:.1f}%")
+    if not args.no_serve_overhead:
+        print(f"serving path: {prof.token_overhead_s * 1e3:.2f} ms per sequence per step (a live colocated "
+              f"service's TPOT over the step model's)")
     for t, c in prof.transfers.items():
         print(f"KV pull over {t}: {c.latency_s * 1e3:.2f} ms + {c.bytes_per_s / 1e9:.2f} GB/s")
     for t, d in prof.raw["transfer"].items():

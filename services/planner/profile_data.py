@@ -61,6 +61,9 @@ class Profile:
     # prefill's answer to the decode's stream (P/D only).
     request_overhead_s: float = 0.0
     pd_hop_s: float = 0.0
+    # The serving path's CPU time per sequence per step on the instance's own cores (the engine
+    # core's outputs, the engine host, its gRPC stream), measured through a live service.
+    token_overhead_s: float = 0.0
     machine: dict = field(default_factory=dict)
     source: str = "measured"
     raw: dict = field(default_factory=dict)  # the measured points and fit quality, kept as written
@@ -88,7 +91,9 @@ class Profile:
                 "model": asdict(self.model), "block_size": self.block_size,
                 "engine": {"max_num_batched_tokens": self.max_num_batched_tokens,
                            "max_num_seqs": self.max_num_seqs},
-                "overhead": {"request_s": self.request_overhead_s, "pd_hop_s": self.pd_hop_s},
+                "overhead": {"request_s": self.request_overhead_s, "pd_hop_s": self.pd_hop_s,
+                             "token_s": self.token_overhead_s,
+                             "token_points": self.raw.get("serve", {}).get("points", [])},
                 "step": {"fit": asdict(self.step), **self.raw.get("step", {})},
                 "transfer": {t: {"fit": asdict(c), **self.raw.get("transfer", {}).get(t, {})}
                              for t, c in self.transfers.items()}}
@@ -100,7 +105,8 @@ class Profile:
         try:
             step = data["step"]
             transfers = data.get("transfer", {})
-            raw = {"step": {k: v for k, v in step.items() if k != "fit"},
+            raw = {"serve": {"points": data.get("overhead", {}).get("token_points", [])},
+                   "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}
             return cls(step=StepCost(**step["fit"]),
                        transfers={t: TransferCost(**d["fit"]) for t, d in transfers.items()},
@@ -109,6 +115,7 @@ class Profile:
                        max_num_seqs=data["engine"]["max_num_seqs"],
                        request_overhead_s=data.get("overhead", {}).get("request_s", 0.0),
                        pd_hop_s=data.get("overhead", {}).get("pd_hop_s", 0.0),
+                       token_overhead_s=data.get("overhead", {}).get("token_s", 0.0),
                        machine=data.get("machine", {}), source=data.get("source", "measured"), raw=raw)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a pdserve profile: {type(e).__name__}: {e}") from None

@@ -160,12 +160,14 @@ class _Instance:
         if not batch:
             self.busy = False
             return
-        tokens = attn = kv = 0
+        tokens = attn = kv = sampled = 0
         for seq, n in batch:
             tokens += n
             attn += attn_units(n, seq.computed)
             kv += seq.computed + n
-        seconds = sim.profile.step.seconds(tokens, attn, kv, len(batch))
+            sampled += seq.computed + n >= seq.known
+        # The engine's step, then the serving path's per-token work on the same cores.
+        seconds = sim.profile.step.seconds(tokens, attn, kv, len(batch)) + sampled * sim.profile.token_overhead_s
         self.busy = True
         self.num_steps += 1
         self.busy_s += seconds

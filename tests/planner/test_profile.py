@@ -98,3 +98,9 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
         assert [b for b, _ in prof.raw["transfer"][transport]["points"]] == [
             n * 16 * prof.model.kv_bytes_per_token for n in (1, 8, 32)]
     assert prof.transfer("shm").bytes_per_s > 1e6
+    # The serving path: requests streamed one at a time from a live colocated service on these cores.
+    serve = prof.raw["serve"]["points"]
+    assert sorted({p["prompt"] for p in serve}) == [128, 1024] and len(serve) == 6
+    assert all(p["tpot_s"] > 0 and p["step_s"] > 0 for p in serve)
+    gaps = sorted(p["tpot_s"] - p["step_s"] for p in serve)
+    assert prof.token_overhead_s == pytest.approx(max(0.0, (gaps[2] + gaps[3]) / 2))

@@ -26,6 +26,16 @@ def test_one_colocated_request_exact_times():
     assert len(t.token_times) == 5
 
 
+def test_serving_overhead_is_charged_per_sampled_sequence_per_step():
+    # The first request's prompt is computed alone (one token sampled); every later step samples
+    # a token of each (the second's prompt beside the first's decode, then two decodes).
+    reqs = [SimRequest(0.0, 100, 4), SimRequest(0.0, 100, 4)]
+    plain = simulate(profile(FLAT, budget=256), Fleet(num_colocated=1), reqs)
+    served = simulate(profile(FLAT, budget=256, token_overhead_s=0.003), Fleet(num_colocated=1), reqs)
+    assert served[0].ttft == pytest.approx(plain[0].ttft + 0.003)
+    assert served[0].itls == pytest.approx([itl + 2 * 0.003 for itl in plain[0].itls])
+
+
 def test_chunked_prefill_and_context_cost_exact():
     step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_kv_token=1e-5, per_seq=0.002)
     [t] = simulate(profile(step, budget=128), Fleet(num_colocated=1), [SimRequest(0.0, 300, 3)])
