@@ -9,6 +9,14 @@ except ImportError:  # tokenizers < 0.21
     DecodeStream = None
 
 
+# A UTF-8 character is at most 4 bytes, so a partial one completes within 4 tokens or never: a
+# stream held back longer (e.g. a lone lead byte between special tokens, which a random or
+# misbehaving model emits) gives up on it and shows what decoding every id gives (U+FFFD).
+MAX_HELD_TOKENS = 4
+# Ids of context the window keeps before the text it emits (spacing decodes as in context).
+_PRIME_IDS = 8
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; finds stop strings.
 
@@ -35,6 +43,7 @@ class IncrementalDetokenizer:
         self._rust = rust if DecodeStream is not None and rust is not None and hasattr(rust, "decoder") else None
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self._rust else None
         self._held_back = False  # the stream's last step produced no text (maybe a partial character)
+        self._held = 0  # tokens in a row that produced no text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -45,13 +54,29 @@ class IncrementalDetokenizer:
             self._held_back = piece is None
             if piece:
                 self.text += piece
+            self._held = self._held + 1 if piece is None else 0
+            if self._held > MAX_HELD_TOKENS:
+                self._give_up_held()
             return
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        stuck = len(self.token_ids) - self.read_offset > MAX_HELD_TOKENS
+        if len(full_text) > len(prefix_text) and (stuck or not full_text.endswith("\ufffd")):
             self.text += full_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
+
+    def _give_up_held(self) -> None:
+        """The stream has held text back too long: take what decoding every id gives, and go on
+        from there with the id window (which a stuck character cannot hold up)."""
+        full = self._decode(self.token_ids)
+        if len(full) > len(self.text) and full.startswith(self.text):
+            self.text = full
+        self._stream = None
+        self.prefix_offset = max(0, len(self.token_ids) - _PRIME_IDS)
+        self.read_offset = len(self.token_ids)
+        self._held_back = False
+        self._held = 0
 
     def _flush(self) -> None:
         """The stream ends: bytes held back as an incomplete character come out as they decode."""

@@ -112,3 +112,27 @@ def test_incremental_text_equals_decoding_all_ids(llm, path):
         deltas = [detok.add_tokens([t]) for t in ids[:cut - 1]] + [detok.add_tokens(ids[cut - 1:cut], finished=True)]
         assert "".join(deltas) == detok.text == llm.tokenizer.decode(ids[:cut], skip_special_tokens=True)
     assert (detok._stream is not None) == (path == "stream")
+
+
+@pytest.mark.parametrize("path", ["stream", "window"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_partial_character_that_never_completes_is_not_held_to_the_end(llm, path, skip_special_tokens):
+    """A lone UTF-8 lead byte between special tokens (what a random model streamed for seconds
+    with no text) comes out as U+FFFD within a few tokens, not when the request finishes."""
+    from engine.detokenizer import MAX_HELD_TOKENS
+
+    tok = llm.tokenizer if path == "stream" else _SlowTokenizer(llm.tokenizer)
+    lead = llm.tokenizer.convert_tokens_to_ids("æ")  # byte 0xE6 alone: a 3-byte character's start
+    special = llm.tokenizer.all_special_ids[-1]
+    head = llm.tokenizer.encode("ok then", add_special_tokens=False)
+    tail = llm.tokenizer.encode(" done", add_special_tokens=False)
+    ids = head + [lead, special] * 8 + tail
+    detok = IncrementalDetokenizer(tok, SamplingParams(max_tokens=64, skip_special_tokens=skip_special_tokens))
+    deltas = [detok.add_tokens([t]) for t in ids[:-1]] + [detok.add_tokens(ids[-1:], finished=True)]
+    assert "".join(deltas) == llm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert "\ufffd" in "".join(deltas[:len(head) + 8])  # shown while the pattern still runs
+    quiet = longest = 0
+    for d in deltas:
+        quiet = 0 if d else quiet + 1
+        longest = max(longest, quiet)
+    assert longest <= MAX_HELD_TOKENS
