@@ -28,11 +28,13 @@ def onednn_supports(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    if probe is None:
+        return False
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):  # an older torch without the probe: F.linear
+        return False
 
 
 class PackedLinear(nn.Module):
