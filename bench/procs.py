@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+from services.launcher import free_port  # noqa: F401 (the benchmarks' import point)
 
 
 def ensure_tiny_model(path: str, **shape) -> str:
@@ -17,12 +18,6 @@ def ensure_tiny_model(path: str, **shape) -> str:
 
         make_tiny_model(path, **shape)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

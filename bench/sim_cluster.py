@@ -68,16 +68,16 @@ def run_cell(cell: Cell) -> dict:
     slos = resolve_slo(SLOS[cell.slo], profile, wl)
     results, _ = plan(profile, wl, slos, [cell.instances], cell.transport, cell.attainment, cell.exhaustive_up_to)
     splits = [r for r in results if r.fleet.disaggregated]
-    pd = max(splits, key=lambda r: (r.capacity_per_instance, -r.fleet.num_prefill))
+    pd = max(splits, key=lambda r: (r.capacity_per_unit, -r.fleet.num_prefill))
     colo = next(r for r in results if not r.fleet.disaggregated)
-    ratio = pd.capacity_per_instance / colo.capacity_per_instance if colo.capacity_rps > 0 else float("inf")
+    ratio = pd.capacity_per_unit / colo.capacity_per_unit if colo.capacity_rps > 0 else float("inf")
     # A capacity at the search's limit is a burst the fleet absorbed, not a steady state: too few
     # requests for its seats (simulate more per GPU); the table marks it.
     at_limit = [r.fleet.name for r in (pd, colo) if r.capacity_rps >= wl.rate * FACTOR_LIMIT]
     return {**asdict(cell), "slos_ms": {k: v * 1000 for k, v in slos.items()}, "at_search_limit": at_limit,
-            "pd_fleet": pd.fleet.name, "pd_per_gpu": pd.capacity_per_instance,
-            "colocated_per_gpu": colo.capacity_per_instance, "ratio": ratio,
-            "splits": {r.fleet.name: r.capacity_per_instance for r in splits},
+            "pd_fleet": pd.fleet.name, "pd_per_gpu": pd.capacity_per_unit,
+            "colocated_per_gpu": colo.capacity_per_unit, "ratio": ratio,
+            "splits": {r.fleet.name: r.capacity_per_unit for r in splits},
             "seconds": time.perf_counter() - t0}
 
 

@@ -14,6 +14,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.grpc_server import health_serving
+
 logger = logging.getLogger("pdserve.up")
 
 
@@ -31,15 +33,7 @@ class Child:
 
 
 def _grpc_serving(port: int, timeout: float = 1.0) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return health_serving(f"127.0.0.1:{port}", timeout)
 
 
 def _http_ok(url: str) -> bool:

@@ -39,8 +39,8 @@ class FleetResult:
         return self.fleet.num_instances * self.width
 
     @property
-    def capacity_per_instance(self) -> float:
-        """Per unit: a 2-core instance counts twice."""
+    def capacity_per_unit(self) -> float:
+        """Per unit (a GPU, a core): a 2-core instance counts twice."""
         return self.capacity_rps / self.units
 
     @property
@@ -96,7 +96,7 @@ def evaluate(profile: Profile, fleet: Fleet, workload: Workload, slos: dict[str,
 def choose(results: list[FleetResult], rate: float) -> FleetResult:
     """Most capacity per instance among the fleets that carry `rate`; if none does, among all."""
     enough = [r for r in results if r.capacity_rps >= rate] or results
-    return max(enough, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"], -r.units))
+    return max(enough, key=lambda r: (r.capacity_per_unit, r.at_rate["slo_attainment"], -r.units))
 
 
 def table(results: list[FleetResult], rate: float) -> str:
@@ -106,7 +106,7 @@ def table(results: list[FleetResult], rate: float) -> str:
              f"{'ms':>9}{'ms':>11}", head]
     for r in results:
         s = r.at_rate
-        lines.append(f"{r.name:<9}{r.capacity_rps:>10.3f}{r.capacity_per_instance:>10.3f}"
+        lines.append(f"{r.name:<9}{r.capacity_rps:>10.3f}{r.capacity_per_unit:>10.3f}"
                      f"{s['request_goodput']:>9.3f}{100 * s['slo_attainment']:>7.0f}%{s['p90_ttft_ms']:>10.0f}"
                      f"{s['p90_tpot_ms']:>10.1f}{s['p99_itl_ms']:>9.1f}{s['max_itl_ms']:>11.0f}")
     return "\n".join(lines)
@@ -288,6 +288,6 @@ def run_cli(args) -> int:
           f"highest rate with >= {100 * args.attainment:.0f}% of requests in SLO")
     print(table(results, wl.rate))
     carries = "carries" if best.capacity_rps >= wl.rate else "does NOT carry (no fleet tried does)"
-    print(f"best: {best.name} ({best.capacity_per_instance:.3f} req/s per unit; {carries} "
+    print(f"best: {best.name} ({best.capacity_per_unit:.3f} req/s per unit; {carries} "
           f"{wl.rate:.3g} req/s)")
     return 0

@@ -21,14 +21,6 @@ LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
 REPEATS = 3
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tpot(stub, pb, prompt: list[int], max_tokens: int, rid: str) -> float:
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     times = []
@@ -47,9 +39,10 @@ def measure_token_overhead(model: str, step: StepCost, num_threads: int, dtype: 
 
     from services.api.pdserve.v1 import pdserve_pb2 as pb
     from services.common.grpc_server import health_serving
+    from services.launcher import free_port
     from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(num_threads),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port), "--host", "127.0.0.1",
            "--metrics-port", "0"]

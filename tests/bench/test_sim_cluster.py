@@ -72,4 +72,4 @@ def test_the_10_to_1_tight_cell_matches_pdserve_plan_run_independently(quick_run
     assert 1000 * slos["tpot"] == pytest.approx(r["slos_ms"]["tpot"])
     for name, per_gpu in ((r["pd_fleet"], r["pd_per_gpu"]), (f"{r['instances']}C", r["colocated_per_gpu"])):
         ref = evaluate(profile, parse_fleet(name, r["transport"]), wl, slos, r["attainment"])
-        assert ref.capacity_per_instance == pytest.approx(per_gpu)
+        assert ref.capacity_per_unit == pytest.approx(per_gpu)

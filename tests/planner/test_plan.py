@@ -139,11 +139,11 @@ def test_plan_widths_counts_units_and_picks_per_unit():
     assert [r.name for r in results] == ["1P+1D", "2C", "1Cx2"]
     by_name = {r.name: r for r in results}
     wide_one = by_name["1Cx2"]
-    assert wide_one.units == 2 and wide_one.capacity_per_instance == pytest.approx(wide_one.capacity_rps / 2)
+    assert wide_one.units == 2 and wide_one.capacity_per_unit == pytest.approx(wide_one.capacity_rps / 2)
     # The same numbers as planning the wide profile alone at one instance.
     alone, _ = plan(wide, BENCH_PD, slos, [1], "tcp")
     assert wide_one.capacity_rps == pytest.approx(alone[0].capacity_rps)
-    assert best is max(results, key=lambda r: (r.capacity_per_instance, r.at_rate["slo_attainment"]))
+    assert best is max(results, key=lambda r: (r.capacity_per_unit, r.at_rate["slo_attainment"]))
     # 3 units: no 2-wide fleet fits exactly; 1 unit: only the narrow instance.
     assert {r.width for r in plan_widths([narrow, wide], BENCH_PD, slos, [3], "tcp")[0]} == {1}
     with pytest.raises(ValueError, match="no profile's instance width"):
