@@ -6,9 +6,8 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
-from services.launcher import free_port  # noqa: F401 (the benchmarks' import point)
+from services.launcher import free_port, http_ok  # noqa: F401 (the benchmarks' import point)
 
 
 def ensure_tiny_model(path: str, **shape) -> str:
@@ -78,14 +77,6 @@ def wait_until(ready, procs: list[Proc], what: str, timeout: float = 900) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.5)
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def grpc_serving(address: str) -> bool:

@@ -36,9 +36,10 @@ def _grpc_serving(port: int, timeout: float = 1.0) -> bool:
     return health_serving(f"127.0.0.1:{port}", timeout)
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """A 200 from `url` (a health endpoint) within `timeout` seconds."""
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False
@@ -92,7 +93,7 @@ class Stack:
         router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
         self.spawn("router", router, env)
         url = f"http://127.0.0.1:{http_port}"
-        return url if self._wait(lambda: _http_ok(f"{url}/health"), "the router") else None
+        return url if self._wait(lambda: http_ok(f"{url}/health", 1.0), "the router") else None
 
     def _wait(self, ready, what: str) -> bool:
         deadline = time.monotonic() + self.args.startup_timeout

@@ -154,7 +154,8 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                 max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str = "float32",
                 transports: list[str] | None = None, quick: bool = False, progress: bool = True,
                 serve_overhead: bool = True) -> Profile:
-    """serve_overhead: also time a live colocated service on these cores (profile_serve.py)."""
+    """serve_overhead: also time a live instance behind a router, alone and beside a busy
+    neighbour instance (profile_serve.py)."""
     import torch
     from tqdm import tqdm
 
@@ -168,18 +169,18 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
-    from services.planner.profile_serve import LENGTHS, measure_token_overhead
+    from services.planner.profile_serve import ServeCost, measure_serve_cost
 
     total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
-             + (len(LENGTHS) if serve_overhead else 0))
+             + (2 if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
         timer.core.shutdown()
         step = fit_step_cost(points)
-        token_overhead, serve_points = 0.0, []
+        serve = ServeCost(neighbour_note="not measured (--no-serve-overhead)")
         if serve_overhead:
-            token_overhead, serve_points = measure_token_overhead(
-                model, step, num_threads, dtype, timer.max_model_len, timer.vocab, tick=lambda: bar.update(1))
+            serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
+                                       tick=lambda: bar.update(1))
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -202,10 +203,12 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                           for k in sorted(set(kinds))}
     raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
-           "transfer": raw_transfers, "serve": {"points": serve_points}}
+           "transfer": raw_transfers, "serve": {"points": serve.points, "neighbour_points": serve.neighbour_points,
+                                                "neighbour_note": serve.neighbour_note}}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                   token_overhead_s=token_overhead, machine=machine, source="measured", raw=raw)
+                   token_overhead_s=serve.token_overhead_s, neighbour_prefill=serve.neighbour_prefill,
+                   neighbour_decode=serve.neighbour_decode, machine=machine, source="measured", raw=raw)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
@@ -267,8 +270,11 @@ def run_cli(args) -> int:
         print(f"  {kind:<8} {kq['num_points']:>3} steps: median error {100 * kq['median_rel_error']:.1f}%, "
               f"worst {100 * kq['max_rel_error']:.1f}%")
     if not args.no_serve_overhead:
-        print(f"serving path: {prof.token_overhead_s * 1e3:.2f} ms per sequence per step (a live colocated "
-              f"service's TPOT over the step model's)")
+        print(f"serving path: {prof.token_overhead_s * 1e3:.2f} ms per sampled token (a live instance's TPOT "
+              f"through a router over the step model's)")
+        note = prof.raw["serve"].get("neighbour_note")
+        print("busy neighbour on this host: " + (note if note else
+              f"prefill x{prof.neighbour_prefill:.2f}, decode x{prof.neighbour_decode:.2f}"))
     for t, c in prof.transfers.items():
         print(f"KV pull over {t}: {c.latency_s * 1e3:.2f} ms + {c.bytes_per_s / 1e9:.2f} GB/s")
     for t, d in prof.raw["transfer"].items():

@@ -64,15 +64,32 @@ class Profile:
     # The serving path's CPU time per sequence per step on the instance's own cores (the engine
     # core's outputs, the engine host, its gRPC stream), measured through a live service.
     token_overhead_s: float = 0.0
+    # Step time while another instance on the same host is busy, over alone: for a step with a
+    # prefill chunk and for a decode-only step (a measured CPU profile; 1.0 = nothing shared).
+    neighbour_prefill: float = 1.0
+    neighbour_decode: float = 1.0
     machine: dict = field(default_factory=dict)
     source: str = "measured"
     raw: dict = field(default_factory=dict)  # the measured points and fit quality, kept as written
+
+    def __post_init__(self) -> None:
+        if not (self.neighbour_prefill > 0 and self.neighbour_decode > 0):
+            raise ValueError(f"neighbour slowdown factors must be > 0, got prefill {self.neighbour_prefill}, "
+                             f"decode {self.neighbour_decode}")
 
     @property
     def width(self) -> int:
         """Units one instance of this profile occupies: a CPU profile's torch threads (cores), else 1 GPU."""
         if str(self.machine.get("device", "")).startswith("cpu"):
             return max(1, int(self.machine.get("threads", 1)))
+        return 1
+
+    @property
+    def instances_per_host(self) -> int:
+        """Instances that share one machine as the profiled one (and slow each other by the
+        neighbour factors): its cores over a CPU instance's width; 1 elsewhere."""
+        if str(self.machine.get("device", "")).startswith("cpu"):
+            return max(1, int(self.machine.get("cpu_count") or self.width) // self.width)
         return 1
 
     def kv_bytes(self, num_tokens: int) -> int:
@@ -93,7 +110,10 @@ class Profile:
                            "max_num_seqs": self.max_num_seqs},
                 "overhead": {"request_s": self.request_overhead_s, "pd_hop_s": self.pd_hop_s,
                              "token_s": self.token_overhead_s,
-                             "token_points": self.raw.get("serve", {}).get("points", [])},
+                             "token_points": self.raw.get("serve", {}).get("points", []),
+                             "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
+                                           "points": self.raw.get("serve", {}).get("neighbour_points", []),
+                                           "note": self.raw.get("serve", {}).get("neighbour_note", "")}},
                 "step": {"fit": asdict(self.step), **self.raw.get("step", {})},
                 "transfer": {t: {"fit": asdict(c), **self.raw.get("transfer", {}).get(t, {})}
                              for t, c in self.transfers.items()}}
@@ -105,7 +125,10 @@ class Profile:
         try:
             step = data["step"]
             transfers = data.get("transfer", {})
-            raw = {"serve": {"points": data.get("overhead", {}).get("token_points", [])},
+            overhead = data.get("overhead", {})
+            neighbour = overhead.get("neighbour", {})
+            raw = {"serve": {"points": overhead.get("token_points", []),
+                             "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}
             return cls(step=StepCost(**step["fit"]),
@@ -115,7 +138,8 @@ class Profile:
                        max_num_seqs=data["engine"]["max_num_seqs"],
                        request_overhead_s=data.get("overhead", {}).get("request_s", 0.0),
                        pd_hop_s=data.get("overhead", {}).get("pd_hop_s", 0.0),
-                       token_overhead_s=data.get("overhead", {}).get("token_s", 0.0),
+                       token_overhead_s=overhead.get("token_s", 0.0),
+                       neighbour_prefill=neighbour.get("prefill", 1.0), neighbour_decode=neighbour.get("decode", 1.0),
                        machine=data.get("machine", {}), source=data.get("source", "measured"), raw=raw)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a pdserve profile: {type(e).__name__}: {e}") from None

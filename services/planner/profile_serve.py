@@ -1,82 +1,221 @@
-"""The serving path's cost per generated token, measured through a live engine service.
+"""The served path's cost, measured through a live instance behind a router: per token, and beside a busy neighbour.
 
-The step model times steps inside one process. A served token also leaves the engine core
-(outputs to the engine host over ZMQ) and the host's gRPC stream, and on an instance's own cores
-that CPU time lengthens every step. Here one `pdserve colocated` runs on this process's cores
-with the profile's threads; a few requests, one at a time, are streamed straight from its gRPC
-Decode API; the overhead is the median of (client TPOT - the step model's decode step at the
-request's mean context), charged by the simulator per sequence per step.
+The step model times steps inside one process. A served token also leaves the engine core (to
+the engine host over ZMQ, its gRPC stream), crosses the router (detokenized, an SSE event) and
+reaches a client; on a shared machine that CPU time lands on cores an instance computes on. And
+instances packed on one host share its memory bandwidth and caches: a decode step is slower while
+the instance next door prefills.
+
+Here one `pdserve colocated` runs on the first `threads` cores this process may use, a router in
+front of it on any core, and requests go one at a time through the router's OpenAI endpoint, as
+bench-pd's client sends them. Then a second instance of the same width on the next cores is kept
+busy (long prompts back to back) and the same requests are sent again.
+
+- token overhead: the median of (client TPOT alone - the step model's decode step at the
+  request's mean context), charged by the simulator per sampled token per step;
+- neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
+  charged to a step that starts while another instance on its host is busy. 1.0 where the
+  machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
+  on separate devices).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 from services.planner.costmodel import StepCost
 
 LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
 REPEATS = 3
+NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
 
 
-def _tpot(stub, pb, prompt: list[int], max_tokens: int, rid: str) -> float:
-    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    times = []
-    for r in stub.Decode(pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling), timeout=600):
-        now = time.perf_counter()
-        times.extend([now] * len(r.token_ids))
-    if len(times) < 2:
-        raise RuntimeError(f"the service streamed {len(times)} tokens for a {max_tokens}-token request")
-    return (times[-1] - times[0]) / (len(times) - 1)
+@dataclass
+class ServeCost:
+    token_overhead_s: float = 0.0
+    neighbour_decode: float = 1.0
+    neighbour_prefill: float = 1.0
+    points: list[dict] = field(default_factory=list)
+    neighbour_points: list[dict] = field(default_factory=list)
+    neighbour_note: str = ""  # why the neighbour was not measured, if it was not
 
 
-def measure_token_overhead(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
-                           vocab_size: int, tick=lambda: None) -> tuple[float, list[dict]]:
-    """(seconds per sequence per step, the points). The service runs on this process's cores."""
-    import grpc
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_AUTH", "PDSERVE_SSL"))}
 
-    from services.api.pdserve.v1 import pdserve_pb2 as pb
-    from services.common.grpc_server import health_serving
-    from services.launcher import free_port
-    from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(num_threads),
-           "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port), "--host", "127.0.0.1",
-           "--metrics-port", "0"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_AUTH", "PDSERVE_SSL"))}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    address = f"127.0.0.1:{port}"
-    points = []
-    try:
-        deadline = time.monotonic() + 600
-        while not health_serving(address):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the colocated service exited during start-up: "
-                                   f"{proc.stderr.read().decode(errors='replace')[-500:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the colocated service did not start within 600 s")
-            time.sleep(0.5)
-        with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.DecodeStub(ch)
-            _tpot(stub, pb, [11, 12, 13, 14], 8, "warm-up")
-            for i, (prompt_len, out_len) in enumerate(LENGTHS):
-                prompt_len = min(prompt_len, max_model_len - out_len - 1)
-                for k in range(REPEATS):
-                    prompt = [(i * 7919 + k * 104729 + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)]
-                    tpot = _tpot(stub, pb, prompt, out_len, f"overhead-{i}-{k}")
-                    context = prompt_len + out_len / 2
-                    predicted = step.decode_seconds(1, round(context))
-                    points.append({"prompt": prompt_len, "output": out_len, "tpot_s": tpot, "step_s": predicted})
-                tick()
-    finally:
+def _all_cpus() -> set[int]:
+    return set(range(os.cpu_count() or 1))
+
+
+def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack) -> subprocess.Popen:
+    preexec = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), preexec_fn=preexec)
+
+    def stop() -> None:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    overhead = max(0.0, statistics.median(p["tpot_s"] - p["step_s"] for p in points))
-    return overhead, points
+    stack.callback(stop)
+    return proc
+
+
+def _wait(proc: subprocess.Popen, ready, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while not ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {what} exited during start-up: "
+                               f"{proc.stderr.read().decode(errors='replace')[-500:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {what} did not start within 600 s")
+        time.sleep(0.5)
+
+
+def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: set[int] | None,
+               stack: ExitStack) -> str:
+    from services.common.grpc_server import health_serving
+    from services.launcher import free_port
+
+    port = free_port()
+    proc = _start([sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(threads),
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
+                   "--host", "127.0.0.1", "--metrics-port", "0"], cores, stack)
+    address = f"127.0.0.1:{port}"
+    _wait(proc, lambda: health_serving(address), "colocated service")
+    return address
+
+
+def _router(model: str, decode: str, stack: ExitStack) -> str:
+    from services.launcher import free_port, http_ok
+
+    port = free_port()
+    proc = _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
+                   "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
+                  _all_cpus(), stack)
+    url = f"http://127.0.0.1:{port}"
+    _wait(proc, lambda: http_ok(f"{url}/health"), "router")
+    return url
+
+
+async def _served(url: str, requests: list) -> list:
+    """Each request alone, in turn, through the router's completions endpoint (bench-pd's client)."""
+    import aiohttp
+
+    from bench.serve import send_one
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with session.get(f"{url}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        results = []
+        for req in requests:
+            res = await send_one(session, f"{url}/v1/completions", model, req, {}, True)
+            if not res.success or res.tpot is None:
+                raise RuntimeError(f"a {req.prompt_len}-token request through the router failed: {res.error}")
+            results.append(res)
+        return results
+
+
+class _Neighbour:
+    """Keeps an instance busy from a thread: prompts back to back until stopped."""
+
+    def __init__(self, address: str, vocab_size: int, max_model_len: int) -> None:
+        self.address, self.vocab, self.max_len = address, vocab_size, max_model_len
+        self.stop, self.sent, self.error = threading.Event(), 0, None
+        self.thread = threading.Thread(target=self._run, name="profile-neighbour", daemon=True)
+
+    def _run(self) -> None:
+        import grpc
+
+        from services.api.pdserve.v1 import pdserve_pb2 as pb
+        from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+        prompt_len, out = NEIGHBOUR_REQUEST
+        prompt_len = min(prompt_len, self.max_len - out - 1)
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                stub = pb_grpc.DecodeStub(ch)
+                while not self.stop.is_set():
+                    prompt = [(self.sent * 7907 + j * 37) % (self.vocab - 10) + 10 for j in range(prompt_len)]
+                    sampling = pb.SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
+                    for _ in stub.Decode(pb.DecodeRequest(request_id=f"neighbour-{self.sent}",
+                                                          prompt_token_ids=prompt, sampling=sampling), timeout=600):
+                        pass
+                    self.sent += 1
+        except Exception as e:  # noqa: BLE001 - reported by stop_and_check
+            self.error = e
+
+    def __enter__(self) -> "_Neighbour":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(600)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the neighbour instance failed: {type(self.error).__name__}: {self.error}")
+        if self.sent == 0 and not self.thread.is_alive():
+            raise RuntimeError("the neighbour instance served nothing")
+
+
+def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
+                       vocab_size: int, device: str = "cpu", tick=lambda: None) -> ServeCost:
+    """The served path's costs (module docstring). On CPU the instance takes the first
+    `num_threads` cores this process may use and the neighbour the next as many, if there are."""
+    from bench.workloads import BenchRequest
+
+    requests = []
+    for i, (prompt_len, out_len) in enumerate(LENGTHS):
+        prompt_len = min(prompt_len, max_model_len - out_len - 1)
+        for k in range(REPEATS):
+            prompt = [(i * 7919 + k * 104729 + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)]
+            requests.append(BenchRequest(prompt, prompt_len, out_len))
+    cost = ServeCost()
+    on_cpu = device.startswith("cpu")
+    own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = set(own[:num_threads]) if on_cpu and own else None
+    spare = sorted(_all_cpus() - cores) if cores else []
+    with ExitStack() as stack:
+        address = _colocated(model, num_threads, dtype, max_model_len, cores, stack)
+        url = _router(model, address, stack)
+        asyncio.run(_served(url, [BenchRequest([11, 12, 13, 14], 4, 8)]))  # warm-up
+        alone = asyncio.run(_served(url, requests))
+        tick()
+        for req, res in zip(requests, alone):
+            context = req.prompt_len + req.output_len / 2
+            cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "tpot_s": res.tpot,
+                                "ttft_s": res.ttft, "step_s": step.decode_seconds(1, round(context))})
+        if not on_cpu:
+            cost.neighbour_note = f"not measured on {device}: instances there do not share a device"
+        elif len(spare) < num_threads:
+            cost.neighbour_note = (f"not measured: {len(spare)} core(s) beside the instance's {num_threads}, "
+                                   f"no room for a neighbour as wide")
+        else:
+            neighbour = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack)
+            with _Neighbour(neighbour, vocab_size, max_model_len) as n:
+                time.sleep(1.0)  # its first prompt under way
+                busy = asyncio.run(_served(url, requests))
+            n.check()
+            for req, a, b in zip(requests, alone, busy):
+                cost.neighbour_points.append({"prompt": req.prompt_len, "output": req.output_len,
+                                              "tpot_alone_s": a.tpot, "tpot_busy_s": b.tpot,
+                                              "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})
+            cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"]
+                                                      for p in cost.neighbour_points)
+            long_prompt = max(p["prompt"] for p in cost.neighbour_points)
+            cost.neighbour_prefill = statistics.median(p["ttft_busy_s"] / p["ttft_alone_s"]
+                                                       for p in cost.neighbour_points if p["prompt"] == long_prompt)
+        tick()
+    cost.token_overhead_s = max(0.0, statistics.median(p["tpot_s"] - p["step_s"] for p in cost.points))
+    return cost

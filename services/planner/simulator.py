@@ -8,7 +8,9 @@ budget, pulls it (the transfer), and runs it from the next step after the pull c
 costs what the profile's StepCost says for exactly the batch it scheduled. The router sends each
 request to the instance with the fewest outstanding tokens (ties in turn), as least_load does;
 in P/D the first token comes from the prefill and the request then goes to the least-loaded
-decode, which pulls its KV. Not modelled: the KV cache's size (no preemption), prefix-cache hits,
+decode, which pulls its KV. Instances share hosts as on the profiled machine (a CPU profile: its
+cores over an instance's width, filled in order, prefills first): a step that starts while another
+instance on its host is busy costs the profile's neighbour factor more. Not modelled: the KV cache's size (no preemption), prefix-cache hits,
 the router's stale load reports, retries and migration.
 """
 from __future__ import annotations
@@ -117,6 +119,7 @@ class _Instance:
         self.loading = 0  # requests admitted whose KV is being pulled (they hold seats)
         self.link_free_at = 0.0  # pulls into this instance share its link, first come first served
         self.busy = False
+        self.neighbours: list[_Instance] = []  # the other instances on this one's host
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -161,13 +164,18 @@ class _Instance:
             self.busy = False
             return
         tokens = attn = kv = sampled = 0
+        chunked = False
         for seq, n in batch:
+            chunked |= n > 1
             tokens += n
             attn += attn_units(n, seq.computed)
             kv += seq.computed + n
             sampled += seq.computed + n >= seq.known
         # The engine's step, then the serving path's per-token work on the same cores.
-        seconds = sim.profile.step.seconds(tokens, attn, kv, len(batch)) + sampled * sim.profile.token_overhead_s
+        prof = sim.profile
+        seconds = prof.step.seconds(tokens, attn, kv, len(batch)) + sampled * prof.token_overhead_s
+        if any(o.busy for o in self.neighbours):
+            seconds *= prof.neighbour_prefill if chunked else prof.neighbour_decode
         self.busy = True
         self.num_steps += 1
         self.busy_s += seconds
@@ -219,6 +227,11 @@ class Simulation:
         else:
             self.prefills = []
             self.decodes = [_Instance(self, f"colocated{i}", "colocated") for i in range(fleet.num_colocated)]
+        per_host = profile.instances_per_host
+        instances = self.instances
+        for i, inst in enumerate(instances):
+            host = i // per_host
+            inst.neighbours = [o for o in instances[host * per_host:(host + 1) * per_host] if o is not inst]
 
     @property
     def instances(self) -> list[_Instance]:

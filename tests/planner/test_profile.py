@@ -1,7 +1,9 @@
 """`pdserve profile --quick` on a tiny model, and the cost-model fits against known coefficients."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 
@@ -36,6 +38,11 @@ def test_profile_file_round_trip_and_version(tmp_path):
     prof.save(str(path))
     again = Profile.load(str(path))
     assert again.step == prof.step and again.transfers == prof.transfers and again.model == prof.model
+    assert (again.neighbour_prefill, again.neighbour_decode) == (1.0, 1.0)  # GPUs do not share a device
+    measured = dataclasses.replace(prof, neighbour_prefill=1.1, neighbour_decode=1.3, token_overhead_s=0.002)
+    measured.save(str(path))
+    again = Profile.load(str(path))
+    assert (again.neighbour_prefill, again.neighbour_decode, again.token_overhead_s) == (1.1, 1.3, 0.002)
     data = json.loads(path.read_text())
     data["version"] = 99
     path.write_text(json.dumps(data))
@@ -104,3 +111,15 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     assert all(p["tpot_s"] > 0 and p["step_s"] > 0 for p in serve)
     gaps = sorted(p["tpot_s"] - p["step_s"] for p in serve)
     assert prof.token_overhead_s == pytest.approx(max(0.0, (gaps[2] + gaps[3]) / 2))
+    # Beside a busy neighbour instance on the next core, the same requests again.
+    neighbour = prof.raw["serve"]["neighbour_points"]
+    if (os.cpu_count() or 1) >= 2:
+        assert len(neighbour) == 6 and not prof.raw["serve"]["neighbour_note"]
+        assert all(p["tpot_busy_s"] > 0 and p["ttft_busy_s"] > 0 for p in neighbour)
+        ratios = sorted(p["tpot_busy_s"] / p["tpot_alone_s"] for p in neighbour)
+        assert prof.neighbour_decode == pytest.approx((ratios[2] + ratios[3]) / 2)
+        long = sorted(p["ttft_busy_s"] / p["ttft_alone_s"] for p in neighbour if p["prompt"] == 1024)
+        assert prof.neighbour_prefill == pytest.approx(long[1])
+    else:  # one core: no room for a neighbour, and the file says so
+        assert neighbour == [] and "not measured" in prof.raw["serve"]["neighbour_note"]
+        assert (prof.neighbour_prefill, prof.neighbour_decode) == (1.0, 1.0)

@@ -36,6 +36,35 @@ def test_serving_overhead_is_charged_per_sampled_sequence_per_step():
     assert served[0].itls == pytest.approx([itl + 2 * 0.003 for itl in plain[0].itls])
 
 
+def test_a_busy_neighbour_on_the_host_slows_a_step_by_the_profiles_factor():
+    # Two one-core instances of a 2-core profile share a host: a step that starts while the other
+    # is busy costs the prefill factor (a prompt chunk) or the decode factor (decodes only).
+    reqs = [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3)]
+    shared = profile(FLAT, neighbour_prefill=1.2, neighbour_decode=1.5,
+                     machine={"device": "cpu", "threads": 1, "cpu_count": 2})
+    assert shared.instances_per_host == 2
+    a, b = simulate(shared, Fleet(num_colocated=2), reqs)
+    assert (a.decode_instance, b.decode_instance) == ("colocated0", "colocated1")
+    # a's prompt starts alone (0.2 s); b's starts beside it (x1.2); then every decode step starts
+    # while the other instance is mid-step (x1.5).
+    assert a.token_times == pytest.approx([0.2, 0.2 + 0.1515, 0.2 + 2 * 0.1515])
+    assert b.token_times == pytest.approx([0.24, 0.24 + 0.1515, 0.24 + 2 * 0.1515])
+    # The same instances two cores wide fill the machine alone: nothing is shared.
+    wide = profile(FLAT, neighbour_prefill=1.2, neighbour_decode=1.5,
+                   machine={"device": "cpu", "threads": 2, "cpu_count": 2})
+    assert wide.instances_per_host == 1
+    for t in simulate(wide, Fleet(num_colocated=2), reqs):
+        assert t.token_times == pytest.approx([0.2, 0.301, 0.402])
+    # On four cores, 1P+1D share the first host; a lone request never overlaps itself.
+    four = profile(FLAT, neighbour_prefill=1.2, neighbour_decode=1.5,
+                   machine={"device": "cpu", "threads": 1, "cpu_count": 4})
+    [t] = simulate(four, Fleet(num_prefill=1, num_decode=1), [SimRequest(0.0, 100, 3)])
+    assert t.ttft == pytest.approx(0.2)
+    assert t.itls[1:] == pytest.approx([0.101])
+    with pytest.raises(ValueError, match="neighbour slowdown factors must be > 0"):
+        profile(FLAT, neighbour_decode=0.0)
+
+
 def test_chunked_prefill_and_context_cost_exact():
     step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_kv_token=1e-5, per_seq=0.002)
     [t] = simulate(profile(step, budget=128), Fleet(num_colocated=1), [SimRequest(0.0, 300, 3)])
