@@ -9,7 +9,8 @@ the instance next door prefills.
 Here one `pdserve colocated` runs on the first `threads` cores this process may use, a router in
 front of it on any core, and requests go one at a time through the router's OpenAI endpoint, as
 bench-pd's client sends them. Then a second instance of the same width on the next cores is kept
-busy (long prompts back to back) and the same requests are sent again.
+busy (long prompts back to back) and requests of the same lengths (fresh prompts: a repeat
+would hit the prefix cache) are sent again.
 
 - token overhead: the median of (client TPOT alone - the step model's decode step at the
   request's mean context), charged by the simulator per sampled token per step;
@@ -175,12 +176,17 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
     `num_threads` cores this process may use and the neighbour the next as many, if there are."""
     from bench.workloads import BenchRequest
 
-    requests = []
-    for i, (prompt_len, out_len) in enumerate(LENGTHS):
-        prompt_len = min(prompt_len, max_model_len - out_len - 1)
-        for k in range(REPEATS):
-            prompt = [(i * 7919 + k * 104729 + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)]
-            requests.append(BenchRequest(prompt, prompt_len, out_len))
+    def requests(salt: int) -> list:
+        """Prompts of each length no earlier pass sent (a repeat would hit the prefix cache)."""
+        out = []
+        for i, (prompt_len, out_len) in enumerate(LENGTHS):
+            prompt_len = min(prompt_len, max_model_len - out_len - 1)
+            for k in range(REPEATS):
+                seed = i * 7919 + k * 104729 + salt * 15485863
+                out.append(BenchRequest([(seed + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)],
+                                        prompt_len, out_len))
+        return out
+
     cost = ServeCost()
     on_cpu = device.startswith("cpu")
     own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -190,9 +196,9 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
         address = _colocated(model, num_threads, dtype, max_model_len, cores, stack)
         url = _router(model, address, stack)
         asyncio.run(_served(url, [BenchRequest([11, 12, 13, 14], 4, 8)]))  # warm-up
-        alone = asyncio.run(_served(url, requests))
+        alone = asyncio.run(_served(url, requests(0)))
         tick()
-        for req, res in zip(requests, alone):
+        for req, res in zip(requests(0), alone):
             context = req.prompt_len + req.output_len / 2
             cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "tpot_s": res.tpot,
                                 "ttft_s": res.ttft, "step_s": step.decode_seconds(1, round(context))})
@@ -205,9 +211,9 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
             neighbour = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack)
             with _Neighbour(neighbour, vocab_size, max_model_len) as n:
                 time.sleep(1.0)  # its first prompt under way
-                busy = asyncio.run(_served(url, requests))
+                busy = asyncio.run(_served(url, requests(1)))
             n.check()
-            for req, a, b in zip(requests, alone, busy):
+            for req, a, b in zip(requests(1), alone, busy):
                 cost.neighbour_points.append({"prompt": req.prompt_len, "output": req.output_len,
                                               "tpot_alone_s": a.tpot, "tpot_busy_s": b.tpot,
                                               "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})

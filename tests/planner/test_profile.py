@@ -120,6 +120,8 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
         assert prof.neighbour_decode == pytest.approx((ratios[2] + ratios[3]) / 2)
         long = sorted(p["ttft_busy_s"] / p["ttft_alone_s"] for p in neighbour if p["prompt"] == 1024)
         assert prof.neighbour_prefill == pytest.approx(long[1])
+        # Fresh prompts beside the neighbour: computed again, not prefix-cache hits.
+        assert prof.neighbour_prefill > 0.5
     else:  # one core: no room for a neighbour, and the file says so
         assert neighbour == [] and "not measured" in prof.raw["serve"]["neighbour_note"]
         assert (prof.neighbour_prefill, prof.neighbour_decode) == (1.0, 1.0)
