@@ -33,6 +33,22 @@ def test_decode_matches_reference(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_single_sequences_and_small_batches_match_reference(threads):
+    """Fewer sequences than threads split heads across threads; as many or more take whole
+    sequences per thread: both against the reference, at 1 and 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for ctx in ([700], [3, 1500], [16, 129, 411]):
+            q, kv, qsl, lens, tables = make_case([1] * len(ctx), ctx, 8, 2, head_dim=64)
+            expected = reference.paged_decode_attention(q, kv, lens, tables, 0.1)
+            out = torch_attention.paged_decode_attention(q, kv, lens, tables, 0.1)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
 def test_decode_half_precision(dtype, tol):
     q, kv, qsl, lens, tables = make_case([1] * 4, [3, 16, 40, 200], 8, 2, dtype=dtype)
@@ -113,7 +129,7 @@ def test_store_kv_writes_exactly_the_reference_slots(dtype):
 
 @pytest.mark.parametrize("head_dim", [32, 128, 48])
 def test_decode_large_batch_matches_reference(head_dim):
-    """Batches of many sequences take the one-item-per-sequence kernel (small ones go per head)."""
+    """Batches of many sequences: one item per sequence."""
     ctx = [1 + (i * 37) % 300 for i in range(40)]
     q, kv, qsl, lens, tables = make_case([1] * len(ctx), ctx, 8, 2, head_dim)
     expected = reference.paged_decode_attention(q, kv, lens, tables, 0.1)

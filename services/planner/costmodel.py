@@ -112,9 +112,10 @@ class StepPoint:
     seconds: float
 
     @classmethod
-    def of(cls, chunks: Sequence[tuple[int, int]], seconds: float) -> "StepPoint":
+    def of(cls, chunks: Sequence[tuple[int, int]], seconds: float, kv: int | None = None) -> "StepPoint":
+        """kv: KV tokens read, where requests share blocks (default: every context in full)."""
         return cls(sum(n for n, _ in chunks), sum(attn_units(n, c) for n, c in chunks),
-                   sum(c + n for n, c in chunks), len(chunks), seconds)
+                   sum(c + n for n, c in chunks) if kv is None else kv, len(chunks), seconds)
 
 
 KNEES = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

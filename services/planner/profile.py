@@ -57,12 +57,27 @@ class StepTimer:
         sched, runner = self.core.scheduler, self.core.runner
         start = time.perf_counter()
         so = sched.schedule()
+        # What the step computes and reads, counted off the clock and before update_from_output
+        # frees a finished request's blocks.
+        paused = time.perf_counter()
         chunks = [(n, r.num_computed_tokens) for r, n in zip(so.scheduled, so.num_scheduled_tokens)]
+        kv_read = self._kv_read(so.scheduled, chunks) if kind is not None else 0
+        start += time.perf_counter() - paused
         sched.update_from_output(so, runner.collect(runner.launch(so)))
         seconds = time.perf_counter() - start
         if kind is not None and chunks:
-            self.points.append({"kind": kind, "chunks": chunks, "seconds": seconds})
+            self.points.append({"kind": kind, "chunks": chunks, "seconds": seconds, "kv_read": kv_read})
         return seconds
+
+    def _kv_read(self, requests, chunks) -> int:
+        """KV tokens the step reads from memory: blocks shared through the prefix cache (a decode
+        batch of one cached prompt) count once, as the cost model's KV term means; the pairs each
+        sequence computes against them stay in the attention term."""
+        kv, block_size = self.core.scheduler.kv, self.config.cache.block_size
+        blocks: set[int] = set()
+        for r, (n, context) in zip(requests, chunks):
+            blocks.update(kv.get_block_ids(r.request_id)[:-(-(context + n) // block_size)])
+        return min(sum(c + n for n, c in chunks), len(blocks) * block_size)
 
     def drain(self) -> None:
         """Abort whatever is left: the next measurement starts from an idle engine."""
@@ -93,7 +108,8 @@ class StepTimer:
         computes a new prompt of that many tokens (a colocated instance's mixed step)."""
         budget = self.config.scheduler.max_num_batched_tokens
         # One prompt computed once, then the batch shares its cached blocks: a 64 x 2k-token batch
-        # costs one 2k prefill to set up. Each sequence still reads its whole context every step.
+        # costs one 2k prefill to set up. Each sequence still computes against its whole context
+        # every step (the attention term); the shared blocks come from memory once (the KV term).
         seed, max_tokens = next(self._ids), steps + batch + 64
         self.add(context, max_tokens, seed)
         self._compute_prompts()
@@ -135,7 +151,7 @@ def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     for batch, context, prefill_len in g["mixed"]:
         timer.decode(batch, context, g["steps"], prefill_len)
         bar.update(1)
-    return [StepPoint.of(p["chunks"], p["seconds"]) for p in timer.points]
+    return [StepPoint.of(p["chunks"], p["seconds"], kv=p["kv_read"]) for p in timer.points]
 
 
 def _num_tasks(quick: bool, budget: int, max_len: int) -> int:
