@@ -33,10 +33,11 @@ def test_decode_matches_reference(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 def test_decode_single_sequences_and_small_batches_match_reference(threads):
-    """Fewer sequences than threads split heads across threads; as many or more take whole
-    sequences per thread: both against the reference, at 1 and 2 threads."""
+    """As many sequences as threads or more: whole sequences per thread. Fewer: each sequence's
+    blocks cut into slices merged at the end (uneven last slices; at 4 threads, [3, 1500] gives
+    the 3-token sequence an empty slice)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -45,6 +46,9 @@ def test_decode_single_sequences_and_small_batches_match_reference(threads):
             expected = reference.paged_decode_attention(q, kv, lens, tables, 0.1)
             out = torch_attention.paged_decode_attention(q, kv, lens, tables, 0.1)
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+            half = torch_attention.paged_decode_attention(q.bfloat16(), kv.bfloat16(), lens, tables, 0.1)
+            torch.testing.assert_close(half.float(), reference.paged_decode_attention(
+                q.bfloat16(), kv.bfloat16(), lens, tables, 0.1).float(), atol=1.6e-2, rtol=1.6e-2)
     finally:
         torch.set_num_threads(before)
 

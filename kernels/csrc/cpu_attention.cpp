@@ -3,7 +3,8 @@
 // sequence's K rows, one softmax per head, then P @ V; each block's rows are read from memory
 // once and reused from L1 by every query head that shares them (GQA). head_dim is a
 // compile-time constant for the common sizes, so the inner loops are plain unrolled FMAs; exp
-// is a polynomial the compiler vectorises (libm's expf is not, under these flags). Also here:
+// is a polynomial the compiler vectorises (libm's expf is not, under these flags). A thread takes
+// whole sequences; fewer sequences than threads are cut into slices of blocks. Also here:
 // rotary embedding and store_kv, the model's other per-layer ops on CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -42,19 +43,22 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
-// One softmax row, unnormalised: row <- exp(row - max(row)); returns 1 / sum (0 if empty).
-inline float exp_shifted(float* __restrict__ row, int64_t len) {
-  float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, row[t]);
+// One softmax row, unnormalised: row <- exp(row - max(row)); sets mx to the max (-inf if empty)
+// and returns the sum of the exponentials (0 if empty).
+inline float exp_shifted(float* __restrict__ row, int64_t len, float& mx) {
+  mx = -std::numeric_limits<float>::infinity();
+  float m = mx;
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    const float e = exp_nonpos(row[t] - mx);
+    const float e = exp_nonpos(row[t] - m);
     row[t] = e;
     sum += e;
   }
-  return sum > 0.f ? 1.f / sum : 0.f;
+  mx = m;
+  return sum;
 }
 
 // One decode call: pointers into the contiguous tensors, and the sizes derived from them.
@@ -73,101 +77,27 @@ struct DecodeArgs {
   int64_t max_len;  // the longest sequence: per-thread score buffers are sized by it
 };
 
-// One work item per (sequence, KV head): for batches of fewer sequences than threads.
+// One work item per (sequence, slice of its blocks), all heads: each block's K (then V) rows are
+// read once, front to back (kv_heads x D contiguous per token), which streams about twice as fast
+// as one head's strided slice of them. A batch of fewer sequences than threads cuts each sequence's
+// blocks into `splits` slices (flash-decoding): a slice keeps its max, sum and unnormalised output
+// per head, and the slices are merged at the end.
 template <typename scalar_t, int64_t kD>
-void decode_by_head(const DecodeArgs<scalar_t>& a) {
+void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
   const int64_t D = kD > 0 ? kD : a.D;  // kD > 0: known at compile time, inner loops unrolled
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  at::parallel_for(0, a.B * a.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(a.G * D), acc(a.G * D), scores(a.G * std::max<int64_t>(a.max_len, 1)), inv(a.G);
-    std::vector<float> buf(kFloat ? 0 : a.BS * D);  // one block of K or V rows, as float
-    // Rows t of a block: in place for float caches, else converted into buf (stride D).
-    auto rows = [&](const scalar_t* p, int64_t n, int64_t& stride) -> const float* {
-      if constexpr (kFloat) {
-        stride = a.row;
-        return p;
-      } else {
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t d = 0; d < D; ++d) buf[t * D + d] = to_f(p[t * a.row + d]);
-        stride = D;
-        return buf.data();
-      }
-    };
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / a.KVH, h = idx % a.KVH;
-      const int64_t len = a.seq_lens[b];
-      const int32_t* table = a.tables + b * a.max_blocks;
-      for (int64_t g = 0; g < a.G; ++g) {
-        const scalar_t* qs = a.q + (b * a.H + h * a.G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qv[g * D + d] = to_f(qs[d]) * a.scale;
-      }
-      // Pass 1: scores[g][t] = q_g . k_t
-      for (int64_t start = 0; start < len; start += a.BS) {
-        const int64_t n = std::min(a.BS, len - start);
-        int64_t stride;
-        const float* kp = rows(a.kc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row + h * D, n, stride);
-        for (int64_t g = 0; g < a.G; ++g) {
-          const float* __restrict__ qg = qv.data() + g * D;
-          float* __restrict__ sg = scores.data() + g * len + start;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* __restrict__ kt = kp + t * stride;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
-            sg[t] = s;
-          }
-        }
-      }
-      // Softmax of each head's row.
-      for (int64_t g = 0; g < a.G; ++g) inv[g] = exp_shifted(scores.data() + g * len, len);
-      // Pass 2: acc_g = sum_t p_g[t] v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += a.BS) {
-        const int64_t n = std::min(a.BS, len - start);
-        int64_t stride;
-        const float* vp = rows(a.vc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row + h * D, n, stride);
-        for (int64_t g = 0; g < a.G; ++g) {
-          const float* __restrict__ pg = scores.data() + g * len + start;
-          float* __restrict__ ag = acc.data() + g * D;
-          if constexpr (kD > 0) {
-            float a[kD];
-#pragma omp simd
-            for (int64_t d = 0; d < kD; ++d) a[d] = ag[d];
-            for (int64_t t = 0; t < n; ++t) {
-              const float p = pg[t];
-              const float* __restrict__ vt = vp + t * stride;
-#pragma omp simd
-              for (int64_t d = 0; d < kD; ++d) a[d] += p * vt[d];
-            }
-#pragma omp simd
-            for (int64_t d = 0; d < kD; ++d) ag[d] = a[d];
-          } else {
-            for (int64_t t = 0; t < n; ++t) {
-              const float p = pg[t];
-              const float* __restrict__ vt = vp + t * stride;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
-            }
-          }
-        }
-      }
-      for (int64_t g = 0; g < a.G; ++g) {
-        scalar_t* o = a.out + (b * a.H + h * a.G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
-      }
-    }
-  });
-}
-
-// One work item per sequence, all heads: each block's K (then V) rows are read once, front to
-// back (kv_heads x D contiguous per token), which streams better than a head's strided slice.
-template <typename scalar_t, int64_t kD>
-void decode_by_sequence(const DecodeArgs<scalar_t>& a) {
-  const int64_t D = kD > 0 ? kD : a.D;
-  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  at::parallel_for(0, a.B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(a.H * D), acc(a.H * D), scores(a.H * std::max<int64_t>(a.max_len, 1)), inv(a.H);
+  const int64_t slice_cap = (((a.max_len + a.BS - 1) / a.BS + splits - 1) / splits) * a.BS;
+  std::vector<float> part_max, part_sum, part_acc;  // [B, splits, H] and [B, splits, H, D]
+  if (splits > 1) {
+    part_max.resize(a.B * splits * a.H);
+    part_sum.resize(a.B * splits * a.H);
+    part_acc.resize(a.B * splits * a.H * D);
+  }
+  at::parallel_for(0, a.B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(a.H * D), acc(a.H * D), scores(a.H * std::max<int64_t>(slice_cap, 1));
+    std::vector<float> mx(a.H), sum(a.H);
     std::vector<float> buf(kFloat ? 0 : a.BS * a.row);
+    // A block's rows: in place for float caches, else converted into buf.
     auto block = [&](const scalar_t* p, int64_t n) -> const float* {
       if constexpr (kFloat) {
         return p;
@@ -176,33 +106,39 @@ void decode_by_sequence(const DecodeArgs<scalar_t>& a) {
         return buf.data();
       }
     };
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / splits, s = idx % splits;
       const int64_t len = a.seq_lens[b];
+      const int64_t per = ((len + a.BS - 1) / a.BS + splits - 1) / splits;  // blocks per slice
+      const int64_t first = std::min(len, s * per * a.BS), last = std::min(len, (s + 1) * per * a.BS);
+      const int64_t n_tok = last - first;
       const int32_t* table = a.tables + b * a.max_blocks;
       const scalar_t* qs = a.q + b * a.H * D;
       for (int64_t i = 0; i < a.H * D; ++i) qv[i] = to_f(qs[i]) * a.scale;
-      for (int64_t start = 0; start < len; start += a.BS) {
-        const int64_t n = std::min(a.BS, len - start);
+      // Pass 1: scores[hq][t] = q_hq . k_t over the slice.
+      for (int64_t start = first; start < last; start += a.BS) {
+        const int64_t n = std::min(a.BS, last - start);
         const float* kp = block(a.kc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
           for (int64_t hq = 0; hq < a.H; ++hq) {
             const float* __restrict__ kt = kp + t * a.row + (hq / a.G) * D;
             const float* __restrict__ qg = qv.data() + hq * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
-            scores[hq * len + start + t] = s;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+            scores[hq * n_tok + start - first + t] = dot;
           }
         }
       }
-      for (int64_t hq = 0; hq < a.H; ++hq) inv[hq] = exp_shifted(scores.data() + hq * len, len);
+      for (int64_t hq = 0; hq < a.H; ++hq) sum[hq] = exp_shifted(scores.data() + hq * n_tok, n_tok, mx[hq]);
+      // Pass 2: acc_hq = sum_t p_hq[t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += a.BS) {
-        const int64_t n = std::min(a.BS, len - start);
+      for (int64_t start = first; start < last; start += a.BS) {
+        const int64_t n = std::min(a.BS, last - start);
         const float* vp = block(a.vc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
           for (int64_t hq = 0; hq < a.H; ++hq) {
-            const float p = scores[hq * len + start + t];
+            const float p = scores[hq * n_tok + start - first + t];
             const float* __restrict__ vt = vp + t * a.row + (hq / a.G) * D;
             float* __restrict__ ag = acc.data() + hq * D;
 #pragma omp simd
@@ -210,9 +146,44 @@ void decode_by_sequence(const DecodeArgs<scalar_t>& a) {
           }
         }
       }
-      scalar_t* o = a.out + b * a.H * D;
-      for (int64_t hq = 0; hq < a.H; ++hq)
-        for (int64_t d = 0; d < D; ++d) o[hq * D + d] = static_cast<scalar_t>(acc[hq * D + d] * inv[hq]);
+      if (splits == 1) {
+        scalar_t* o = a.out + b * a.H * D;
+        for (int64_t hq = 0; hq < a.H; ++hq) {
+          const float inv = sum[hq] > 0.f ? 1.f / sum[hq] : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[hq * D + d] = static_cast<scalar_t>(acc[hq * D + d] * inv);
+        }
+      } else {
+        const int64_t at = (b * splits + s) * a.H;
+        std::copy(mx.begin(), mx.end(), part_max.begin() + at);
+        std::copy(sum.begin(), sum.end(), part_sum.begin() + at);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + at * D);
+      }
+    }
+  });
+  if (splits == 1) return;
+  // Merge the slices: rescale each to the largest max, then normalise once.
+  at::parallel_for(0, a.B * a.H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / a.H, hq = idx % a.H;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t at = (b * splits + s) * a.H + hq;
+        if (part_sum[at] > 0.f) m = std::max(m, part_max[at]);
+      }
+      float total = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t at = (b * splits + s) * a.H + hq;
+        if (!(part_sum[at] > 0.f)) continue;  // an empty slice
+        const float w = std::exp(part_max[at] - m);
+        total += w * part_sum[at];
+        const float* __restrict__ pa = part_acc.data() + at * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * pa[d];
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      scalar_t* out = a.out + (b * a.H + hq) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(o[d] * inv);
     }
   });
 }
@@ -238,30 +209,23 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
                                     tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
                                     B, H, KVH, D, BS, tables.size(1), static_cast<float>(scale),
                                     H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
-    auto run = [&](auto kernel) { kernel(args); };
-    auto by_dim = [&](auto tag) {  // the head sizes of common models get fully unrolled inner loops
-      constexpr bool kSeq = decltype(tag)::value;
-      auto pick = [&](auto d) {
-        constexpr int64_t kD = decltype(d)::value;
-        if constexpr (kSeq) run(decode_by_sequence<scalar_t, kD>);
-        else run(decode_by_head<scalar_t, kD>);
-      };
-      switch (D) {
-        case 32: pick(std::integral_constant<int64_t, 32>{}); break;
-        case 64: pick(std::integral_constant<int64_t, 64>{}); break;
-        case 80: pick(std::integral_constant<int64_t, 80>{}); break;
-        case 96: pick(std::integral_constant<int64_t, 96>{}); break;
-        case 128: pick(std::integral_constant<int64_t, 128>{}); break;
-        case 256: pick(std::integral_constant<int64_t, 256>{}); break;
-        default: pick(std::integral_constant<int64_t, 0>{}); break;
-      }
-    };
-    // Whole sequences whenever every thread gets one: a sequence's K and V rows streamed front to
-    // back run about twice as fast as a head's strided slices (one thread, 2k context: 2.9 against
-    // 5.3 ms a step of 8 layers), so a thread with one sequence more than another still finishes
-    // sooner than with a share of heads. Heads only split sequences too few to go round.
-    if (B >= at::get_num_threads()) by_dim(std::true_type{});
-    else by_dim(std::false_type{});
+    // Whole sequences per thread when there are enough to go round; else each sequence's blocks
+    // are cut into slices, as many as keep the threads busy, of at least 8 blocks each (shorter
+    // ones cost more to merge than they save).
+    const int64_t threads = at::get_num_threads();
+    const int64_t blocks = (args.max_len + BS - 1) / BS;
+    const int64_t splits = B >= threads ? 1 : std::max<int64_t>(1, std::min(threads / std::max<int64_t>(B, 1),
+                                                                            blocks / 8));
+    auto pick = [&](auto d) { decode_sequences<scalar_t, decltype(d)::value>(args, splits); };
+    switch (D) {  // the head sizes of common models get fully unrolled inner loops
+      case 32: pick(std::integral_constant<int64_t, 32>{}); break;
+      case 64: pick(std::integral_constant<int64_t, 64>{}); break;
+      case 80: pick(std::integral_constant<int64_t, 80>{}); break;
+      case 96: pick(std::integral_constant<int64_t, 96>{}); break;
+      case 128: pick(std::integral_constant<int64_t, 128>{}); break;
+      case 256: pick(std::integral_constant<int64_t, 256>{}); break;
+      default: pick(std::integral_constant<int64_t, 0>{}); break;
+    }
   });
 }
 
