@@ -185,10 +185,10 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
-    from services.planner.profile_serve import ServeCost, measure_serve_cost
+    from services.planner.profile_serve import ROUNDS, ServeCost, measure_serve_cost
 
     total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
-             + (2 if serve_overhead else 0))
+             + (ROUNDS if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
         timer.core.shutdown()

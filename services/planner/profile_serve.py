@@ -7,10 +7,10 @@ instances packed on one host share its memory bandwidth and caches: a decode ste
 the instance next door prefills.
 
 Here one `pdserve colocated` runs on the first `threads` cores this process may use, a router in
-front of it on any core, and requests go one at a time through the router's OpenAI endpoint, as
-bench-pd's client sends them. Then a second instance of the same width on the next cores is kept
-busy (long prompts back to back) and requests of the same lengths (fresh prompts: a repeat
-would hit the prefix cache) are sent again.
+front of it and the client on any core, and requests go one at a time through the router's OpenAI endpoint, as
+bench-pd's client sends them; where the machine has room, each round of them is followed by a
+round of the same lengths (fresh prompts: a repeat would hit the prefix cache) while a second
+instance as wide on the next cores is kept busy (long prompts back to back).
 
 - token overhead: the median of (client TPOT alone - the step model's decode step at the
   request's mean context), charged by the simulator per sampled token per step;
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from services.planner.costmodel import StepCost
 
 LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
-REPEATS = 3
+ROUNDS = 4  # of one request per length alone, then the same lengths beside the busy neighbour
 NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
 
 
@@ -108,6 +108,27 @@ def _router(model: str, decode: str, stack: ExitStack) -> str:
     return url
 
 
+def _client(url: str, requests: list) -> list:
+    """_served on a thread of its own that may run on any core, as bench-pd's client does (this
+    process may be pinned to the instance's cores: its client work would all land there)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            if hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, _all_cpus())  # this thread only
+            out["results"] = asyncio.run(_served(url, requests))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="profile-client")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["results"]
+
+
 async def _served(url: str, requests: list) -> list:
     """Each request alone, in turn, through the router's completions endpoint (bench-pd's client)."""
     import aiohttp
@@ -127,11 +148,15 @@ async def _served(url: str, requests: list) -> list:
 
 
 class _Neighbour:
-    """Keeps an instance busy from a thread: prompts back to back until stopped."""
+    """Keeps an instance busy from a thread, prompts back to back, between resume() and pause()."""
 
     def __init__(self, address: str, vocab_size: int, max_model_len: int) -> None:
         self.address, self.vocab, self.max_len = address, vocab_size, max_model_len
-        self.stop, self.sent, self.error = threading.Event(), 0, None
+        self.sent, self.error = 0, None
+        self.stop, self.active, self.started = threading.Event(), threading.Event(), threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.lock = threading.Lock()  # a request starts only while active, and pause() sees it
         self.thread = threading.Thread(target=self._run, name="profile-neighbour", daemon=True)
 
     def _run(self) -> None:
@@ -146,14 +171,41 @@ class _Neighbour:
             with grpc.insecure_channel(self.address) as ch:
                 stub = pb_grpc.DecodeStub(ch)
                 while not self.stop.is_set():
-                    prompt = [(self.sent * 7907 + j * 37) % (self.vocab - 10) + 10 for j in range(prompt_len)]
-                    sampling = pb.SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
-                    for _ in stub.Decode(pb.DecodeRequest(request_id=f"neighbour-{self.sent}",
-                                                          prompt_token_ids=prompt, sampling=sampling), timeout=600):
-                        pass
-                    self.sent += 1
-        except Exception as e:  # noqa: BLE001 - reported by stop_and_check
+                    with self.lock:
+                        go = self.active.is_set()
+                        if go:
+                            self.idle.clear()
+                            self.started.set()
+                    if not go:
+                        self.active.wait(0.1)
+                        continue
+                    try:
+                        prompt = [(self.sent * 7907 + j * 37) % (self.vocab - 10) + 10 for j in range(prompt_len)]
+                        sampling = pb.SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
+                        for _ in stub.Decode(pb.DecodeRequest(request_id=f"neighbour-{self.sent}",
+                                                              prompt_token_ids=prompt, sampling=sampling), timeout=600):
+                            pass
+                        self.sent += 1
+                    finally:
+                        self.idle.set()
+        except Exception as e:  # noqa: BLE001 - raised in the measuring thread by check()
             self.error = e
+            self.started.set()
+
+    def resume(self) -> None:
+        """Busy from now: returns once its first request is under way."""
+        self.started.clear()
+        with self.lock:
+            self.active.set()
+        self.started.wait(600)
+        self.check()
+
+    def pause(self) -> None:
+        """Idle from now: returns once its request in flight has finished."""
+        with self.lock:
+            self.active.clear()
+        self.idle.wait(600)
+        self.check()
 
     def __enter__(self) -> "_Neighbour":
         self.thread.start()
@@ -166,25 +218,24 @@ class _Neighbour:
     def check(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the neighbour instance failed: {type(self.error).__name__}: {self.error}")
-        if self.sent == 0 and not self.thread.is_alive():
-            raise RuntimeError("the neighbour instance served nothing")
 
 
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
                        vocab_size: int, device: str = "cpu", tick=lambda: None) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
-    `num_threads` cores this process may use and the neighbour the next as many, if there are."""
+    `num_threads` cores this process may use and the neighbour the next as many, if there are.
+    Rounds alternate: requests alone, then beside the busy neighbour, so that the machine's drift
+    over the measurement touches both sides alike."""
     from bench.workloads import BenchRequest
 
-    def requests(salt: int) -> list:
-        """Prompts of each length no earlier pass sent (a repeat would hit the prefix cache)."""
+    def fresh(salt: int) -> list:
+        """One request of each length, prompts no earlier one sent (a repeat would hit the prefix cache)."""
         out = []
         for i, (prompt_len, out_len) in enumerate(LENGTHS):
             prompt_len = min(prompt_len, max_model_len - out_len - 1)
-            for k in range(REPEATS):
-                seed = i * 7919 + k * 104729 + salt * 15485863
-                out.append(BenchRequest([(seed + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)],
-                                        prompt_len, out_len))
+            seed = i * 7919 + salt * 104729
+            out.append(BenchRequest([(seed + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)],
+                                    prompt_len, out_len))
         return out
 
     cost = ServeCost()
@@ -195,33 +246,37 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
     with ExitStack() as stack:
         address = _colocated(model, num_threads, dtype, max_model_len, cores, stack)
         url = _router(model, address, stack)
-        asyncio.run(_served(url, [BenchRequest([11, 12, 13, 14], 4, 8)]))  # warm-up
-        alone = asyncio.run(_served(url, requests(0)))
-        tick()
-        for req, res in zip(requests(0), alone):
-            context = req.prompt_len + req.output_len / 2
-            cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "tpot_s": res.tpot,
-                                "ttft_s": res.ttft, "step_s": step.decode_seconds(1, round(context))})
+        _client(url, [BenchRequest([11, 12, 13, 14], 4, 8)])  # warm-up
+        neighbour = None
         if not on_cpu:
             cost.neighbour_note = f"not measured on {device}: instances there do not share a device"
         elif len(spare) < num_threads:
             cost.neighbour_note = (f"not measured: {len(spare)} core(s) beside the instance's {num_threads}, "
                                    f"no room for a neighbour as wide")
         else:
-            neighbour = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack)
-            with _Neighbour(neighbour, vocab_size, max_model_len) as n:
-                time.sleep(1.0)  # its first prompt under way
-                busy = asyncio.run(_served(url, requests(1)))
-            n.check()
-            for req, a, b in zip(requests(1), alone, busy):
-                cost.neighbour_points.append({"prompt": req.prompt_len, "output": req.output_len,
-                                              "tpot_alone_s": a.tpot, "tpot_busy_s": b.tpot,
-                                              "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})
-            cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"]
-                                                      for p in cost.neighbour_points)
-            long_prompt = max(p["prompt"] for p in cost.neighbour_points)
-            cost.neighbour_prefill = statistics.median(p["ttft_busy_s"] / p["ttft_alone_s"]
-                                                       for p in cost.neighbour_points if p["prompt"] == long_prompt)
-        tick()
+            address_n = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack)
+            neighbour = stack.enter_context(_Neighbour(address_n, vocab_size, max_model_len))
+        for r in range(ROUNDS):
+            reqs = fresh(2 * r)
+            alone = _client(url, reqs)
+            for req, res in zip(reqs, alone):
+                context = req.prompt_len + req.output_len / 2
+                cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "tpot_s": res.tpot,
+                                    "ttft_s": res.ttft, "step_s": step.decode_seconds(1, round(context))})
+            if neighbour is not None:
+                reqs = fresh(2 * r + 1)
+                neighbour.resume()
+                busy = _client(url, reqs)
+                neighbour.pause()
+                for req, a, b in zip(reqs, alone, busy):
+                    cost.neighbour_points.append({"prompt": req.prompt_len, "output": req.output_len,
+                                                  "tpot_alone_s": a.tpot, "tpot_busy_s": b.tpot,
+                                                  "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})
+            tick()
     cost.token_overhead_s = max(0.0, statistics.median(p["tpot_s"] - p["step_s"] for p in cost.points))
+    if cost.neighbour_points:
+        cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"] for p in cost.neighbour_points)
+        long_prompt = max(p["prompt"] for p in cost.neighbour_points)
+        cost.neighbour_prefill = statistics.median(p["ttft_busy_s"] / p["ttft_alone_s"]
+                                                   for p in cost.neighbour_points if p["prompt"] == long_prompt)
     return cost

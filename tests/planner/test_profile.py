@@ -110,21 +110,23 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
         assert [b for b, _ in prof.raw["transfer"][transport]["points"]] == [
             n * 16 * prof.model.kv_bytes_per_token for n in (1, 8, 32)]
     assert prof.transfer("shm").bytes_per_s > 1e6
-    # The serving path: requests streamed one at a time from a live colocated service on these cores.
+    # The served path: requests one at a time through a router in front of a live instance on
+    # these cores, four rounds of one per length.
     serve = prof.raw["serve"]["points"]
-    assert sorted({p["prompt"] for p in serve}) == [128, 1024] and len(serve) == 6
+    assert [p["prompt"] for p in serve] == [128, 1024] * 4
     assert all(p["tpot_s"] > 0 and p["step_s"] > 0 for p in serve)
     gaps = sorted(p["tpot_s"] - p["step_s"] for p in serve)
-    assert prof.token_overhead_s == pytest.approx(max(0.0, (gaps[2] + gaps[3]) / 2))
-    # Beside a busy neighbour instance on the next core, the same requests again.
+    assert prof.token_overhead_s == pytest.approx(max(0.0, (gaps[3] + gaps[4]) / 2))
+    # Each round again, fresh prompts, beside a busy neighbour instance on the next core.
     neighbour = prof.raw["serve"]["neighbour_points"]
     if (os.cpu_count() or 1) >= 2:
-        assert len(neighbour) == 6 and not prof.raw["serve"]["neighbour_note"]
+        assert len(neighbour) == 8 and not prof.raw["serve"]["neighbour_note"]
         assert all(p["tpot_busy_s"] > 0 and p["ttft_busy_s"] > 0 for p in neighbour)
+        assert [p["tpot_alone_s"] for p in neighbour] == [p["tpot_s"] for p in serve]
         ratios = sorted(p["tpot_busy_s"] / p["tpot_alone_s"] for p in neighbour)
-        assert prof.neighbour_decode == pytest.approx((ratios[2] + ratios[3]) / 2)
+        assert prof.neighbour_decode == pytest.approx((ratios[3] + ratios[4]) / 2)
         long = sorted(p["ttft_busy_s"] / p["ttft_alone_s"] for p in neighbour if p["prompt"] == 1024)
-        assert prof.neighbour_prefill == pytest.approx(long[1])
+        assert prof.neighbour_prefill == pytest.approx((long[1] + long[2]) / 2)
         # Fresh prompts beside the neighbour: computed again, not prefix-cache hits.
         assert prof.neighbour_prefill > 0.5
     else:  # one core: no room for a neighbour, and the file says so
