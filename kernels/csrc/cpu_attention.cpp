@@ -46,8 +46,7 @@ inline float exp_nonpos(float x) {
 // One softmax row, unnormalised: row <- exp(row - max(row)); sets mx to the max (-inf if empty)
 // and returns the sum of the exponentials (0 if empty).
 inline float exp_shifted(float* __restrict__ row, int64_t len, float& mx) {
-  mx = -std::numeric_limits<float>::infinity();
-  float m = mx;
+  float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
   float sum = 0.f;
@@ -70,7 +69,7 @@ struct DecodeArgs {
   const int32_t* __restrict__ seq_lens;
   const int32_t* __restrict__ tables;  // [B, max_blocks]
   scalar_t* __restrict__ out;          // [B, H, D]
-  int64_t B, H, KVH, D, BS, max_blocks;
+  int64_t B, H, D, BS, max_blocks;
   float scale;
   int64_t G;        // query heads per KV head
   int64_t row;      // elements between consecutive tokens of one block (KVH * D)
@@ -207,7 +206,7 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
     const int32_t* lp = lens.data_ptr<int32_t>();
     const DecodeArgs<scalar_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lp,
                                     tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                                    B, H, KVH, D, BS, tables.size(1), static_cast<float>(scale),
+                                    B, H, D, BS, tables.size(1), static_cast<float>(scale),
                                     H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
     // Whole sequences per thread when there are enough to go round; else each sequence's blocks
     // are cut into slices, as many as keep the threads busy, of at least 8 blocks each (shorter

@@ -30,7 +30,8 @@ class StepCost:
     tokens: scheduled tokens (prefill chunks and decodes together); attn: sum of attn_units over
     the scheduled requests (attention compute, what a long prefill chunk pays); kv: KV tokens the
     step reads from memory, each scheduled request's whole context once, blocks shared between
-    requests once (what a decode batch pays: attention there is bound by reading the cache); seqs: scheduled requests. `knee_tokens` is the roofline's flat part:
+    requests once (what a decode batch pays: attention there is bound by reading the cache);
+    seqs: scheduled requests. `knee_tokens` is the roofline's flat part:
     on a GPU a step costs about the same up to a few hundred tokens (reading the weights
     dominates); on a CPU it is 0."""
     base: float

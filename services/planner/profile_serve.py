@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -58,7 +59,10 @@ def _all_cpus() -> set[int]:
 
 def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack) -> subprocess.Popen:
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), preexec_fn=preexec)
+    # Its log goes to a file, not a pipe nobody drains while it serves (a full pipe would stall it).
+    log = stack.enter_context(tempfile.TemporaryFile())
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=_env(), preexec_fn=preexec)
+    proc.log = log  # read back by _wait if it dies during start-up
 
     def stop() -> None:
         proc.terminate()
@@ -75,8 +79,9 @@ def _wait(proc: subprocess.Popen, ready, what: str) -> None:
     deadline = time.monotonic() + 600
     while not ready():
         if proc.poll() is not None:
+            proc.log.seek(0)
             raise RuntimeError(f"the {what} exited during start-up: "
-                               f"{proc.stderr.read().decode(errors='replace')[-500:]}")
+                               f"{proc.log.read().decode(errors='replace')[-500:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {what} did not start within 600 s")
         time.sleep(0.5)
@@ -170,14 +175,16 @@ class _Neighbour:
         try:
             with grpc.insecure_channel(self.address) as ch:
                 stub = pb_grpc.DecodeStub(ch)
-                while not self.stop.is_set():
+                while True:
                     with self.lock:
+                        if self.stop.is_set():
+                            return
                         go = self.active.is_set()
                         if go:
                             self.idle.clear()
                             self.started.set()
                     if not go:
-                        self.active.wait(0.1)
+                        self.active.wait()  # resume() or __exit__ sets it
                         continue
                     try:
                         prompt = [(self.sent * 7907 + j * 37) % (self.vocab - 10) + 10 for j in range(prompt_len)]
@@ -213,6 +220,7 @@ class _Neighbour:
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
+        self.active.set()  # wakes a paused thread to see stop
         self.thread.join(600)
 
     def check(self) -> None:
