@@ -72,7 +72,7 @@ class StepTimer:
     def _kv_read(self, requests, chunks) -> int:
         """KV tokens the step reads from memory: blocks shared through the prefix cache (a decode
         batch of one cached prompt) count once, as the cost model's KV term means; the pairs each
-        sequence computes against them stay in the attention term."""
+        sequence computes against them stay in the (decode) attention term."""
         kv, block_size = self.core.scheduler.kv, self.config.cache.block_size
         blocks: set[int] = set()
         for r, (n, context) in zip(requests, chunks):
@@ -109,7 +109,7 @@ class StepTimer:
         budget = self.config.scheduler.max_num_batched_tokens
         # One prompt computed once, then the batch shares its cached blocks: a 64 x 2k-token batch
         # costs one 2k prefill to set up. Each sequence still computes against its whole context
-        # every step (the attention term); the shared blocks come from memory once (the KV term).
+        # every step (the decode-pair term); the shared blocks come from memory once (the KV term).
         seed, max_tokens = next(self._ids), steps + batch + 64
         self.add(context, max_tokens, seed)
         self._compute_prompts()
@@ -278,7 +278,8 @@ def run_cli(args) -> int:
     prof.save(args.out)
     q = prof.raw["step"]["quality"]
     s = prof.step
-    print(f"step = {s.base * 1e3:.2f} ms + {s.per_token * 1e6:.1f} us/token + {s.per_attn * 1e9:.2f} ns/attn pair "
+    print(f"step = {s.base * 1e3:.2f} ms + {s.per_token * 1e6:.1f} us/token + {s.per_attn * 1e9:.2f} ns/prefill pair "
+          f"+ {s.per_decode_attn * 1e9:.2f} ns/decode pair "
           f"+ {s.per_kv_token * 1e9:.1f} ns/KV token read + {s.per_seq * 1e6:.1f} us/seq "
           f"({q['num_points']} steps, median error {100 * q['median_rel_error']:.1f}%, "
           f"worst {100 * q['max_rel_error']:.1f}%)")

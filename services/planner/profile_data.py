@@ -175,8 +175,9 @@ def roofline_profile(gpu: str, model: ModelShape, max_num_batched_tokens: int = 
     flops, bw = g["flops"] * MFU, g["hbm_bytes_per_s"] * MBU
     weight_s = model.num_params * model.dtype_bytes / bw
     per_token = 2 * model.num_params / flops
+    per_pair = 4 * model.num_layers * model.num_heads * model.head_dim / flops
     step = StepCost(base=STEP_OVERHEAD_S + weight_s, per_token=per_token,
-                    per_attn=4 * model.num_layers * model.num_heads * model.head_dim / flops,
+                    per_attn=per_pair, per_decode_attn=per_pair,  # the same FLOPs; a decode's read is per_kv_token
                     per_kv_token=model.kv_bytes_per_token / bw, per_seq=20e-6,
                     knee_tokens=int(weight_s / per_token))
     link = TransferCost(latency_s=1e-3, bytes_per_s=g["nvlink_bytes_per_s"] * LINK_EFFICIENCY)

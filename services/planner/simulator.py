@@ -163,17 +163,20 @@ class _Instance:
         if not batch:
             self.busy = False
             return
-        tokens = attn = kv = sampled = 0
+        tokens = attn = decode_attn = kv = sampled = 0
         chunked = False
         for seq, n in batch:
             chunked |= n > 1
             tokens += n
-            attn += attn_units(n, seq.computed)
+            if n > 1:
+                attn += attn_units(n, seq.computed)
+            else:
+                decode_attn += attn_units(1, seq.computed)
             kv += seq.computed + n
             sampled += seq.computed + n >= seq.known
         # The engine's step, then the serving path's per-token work on the same cores.
         prof = sim.profile
-        seconds = prof.step.seconds(tokens, attn, kv, len(batch)) + sampled * prof.token_overhead_s
+        seconds = prof.step.seconds(tokens, attn, kv, len(batch), decode_attn) + sampled * prof.token_overhead_s
         if any(o.busy for o in self.neighbours):
             seconds *= prof.neighbour_prefill if chunked else prof.neighbour_decode
         self.busy = True

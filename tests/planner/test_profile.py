@@ -13,14 +13,36 @@ from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofli
 
 
 def test_step_fit_recovers_known_coefficients_and_knee():
-    truth = StepCost(base=0.02, per_token=3e-4, per_attn=2e-8, per_kv_token=1e-6, per_seq=4e-4, knee_tokens=32)
+    # Decode pairs at another price than prefill pairs (a CPU's decode kernel: ~2x).
+    truth = StepCost(base=0.02, per_token=3e-4, per_attn=2e-8, per_decode_attn=5e-8, per_kv_token=1e-6,
+                     per_seq=4e-4, knee_tokens=32)
     batches = ([[(n, 0)] for n in (8, 16, 64, 256, 1024, 2048)] + [[(n, 2048)] for n in (128, 1024)]
                + [[(1, c)] * b for b in (1, 4, 16, 64) for c in (128, 2048)] + [[(1, 128)] * 8 + [(512, 0)]])
-    points = [StepPoint.of(b, truth.batch_seconds(b)) for b in batches]
+    # Half the decode batches share one prompt's blocks (read once: kv smaller than the pairs say).
+    points = [StepPoint.of(b, truth.batch_seconds(b) - (truth.per_kv_token * (len(b) - 1) * b[0][1]
+                                                        if i % 2 and len(b) > 1 and b[0][0] == 1 else 0),
+                           kv=b[0][1] + len(b) if i % 2 and len(b) > 1 and b[0][0] == 1 else None)
+              for i, b in enumerate(batches)]
     fit = fit_step_cost(points)
     assert fit.knee_tokens == 32
-    for name in ("base", "per_token", "per_attn", "per_kv_token", "per_seq"):
+    for name in ("base", "per_token", "per_attn", "per_decode_attn", "per_kv_token", "per_seq"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_pair_prices_split_by_rows_and_older_profiles_keep_one_price():
+    step = StepCost(base=0.01, per_token=1e-4, per_attn=1e-7, per_decode_attn=3e-7, per_kv_token=0.0, per_seq=0.0)
+    # A 64-token prefill chunk after 100 (pairs 64 x 132.5) beside two decodes at 300 and 500.
+    chunks = [(64, 100), (1, 300), (1, 500)]
+    point = StepPoint.of(chunks, 0.1)
+    assert (point.attn, point.decode_attn) == (64 * 132.5, 301 + 501)
+    assert step.batch_seconds(chunks) == pytest.approx(0.01 + 1e-4 * 66 + 1e-7 * 64 * 132.5 + 3e-7 * 802)
+    assert step.decode_seconds(4, 1000) == pytest.approx(0.01 + 1e-4 * 4 + 3e-7 * 4 * 1001)
+    # A profile written before the decode-pair price: every pair at per_attn, as it was fitted.
+    old = {k: v for k, v in dataclasses.asdict(step).items() if k != "per_decode_attn"}
+    assert StepCost(**old).per_decode_attn == 1e-7
+    assert StepCost(**old).batch_seconds(chunks) == pytest.approx(0.01 + 1e-4 * 66 + 1e-7 * (64 * 132.5 + 802))
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCost(base=0.01, per_token=0.0, per_attn=0.0, per_decode_attn=-1e-9, per_kv_token=0.0, per_seq=0.0)
 
 
 def test_transfer_fit_and_refusals():
@@ -28,7 +50,7 @@ def test_transfer_fit_and_refusals():
     assert fit.latency_s == pytest.approx(0.001) and fit.bytes_per_s == pytest.approx(2e9)
     with pytest.raises(ValueError, match="two different sizes"):
         fit_transfer_cost([1, 1], [0.1, 0.2])
-    with pytest.raises(ValueError, match="at least 5"):
+    with pytest.raises(ValueError, match="at least 6"):
         fit_step_cost([StepPoint(1, 1.0, 1, 1, 0.1)])
 
 

@@ -66,12 +66,14 @@ def test_a_busy_neighbour_on_the_host_slows_a_step_by_the_profiles_factor():
 
 
 def test_chunked_prefill_and_context_cost_exact():
-    step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_kv_token=1e-5, per_seq=0.002)
+    step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_decode_attn=3e-6, per_kv_token=1e-5,
+                    per_seq=0.002)
     [t] = simulate(profile(step, budget=128), Fleet(num_colocated=1), [SimRequest(0.0, 300, 3)])
     # Chunks of 128, 128, 44 tokens after 0, 128 and 256 computed ones.
     expected = sum(step.batch_seconds([(n, c)]) for n, c in ((128, 0), (128, 128), (44, 256)))
     assert t.ttft == pytest.approx(expected)
     assert t.itls == pytest.approx([step.batch_seconds([(1, 300)]), step.batch_seconds([(1, 301)])])
+    assert t.itls[0] == pytest.approx(0.05 + 0.001 + 3e-6 * 301 + 1e-5 * 301 + 0.002)  # a decode pair's price
     assert step.batch_seconds([(44, 256)]) == pytest.approx(0.05 + 0.044 + 1e-6 * attn_units(44, 256)
                                                             + 1e-5 * 300 + 0.002)
 
