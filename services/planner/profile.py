@@ -70,9 +70,9 @@ class StepTimer:
         return seconds
 
     def _kv_read(self, requests, chunks) -> int:
-        """KV tokens the step reads from memory: blocks shared through the prefix cache (a decode
-        batch of one cached prompt) count once, as the cost model's KV term means; the pairs each
-        sequence computes against them stay in the (decode) attention term."""
+        """KV tokens the step reads from memory, blocks shared through the prefix cache once, as
+        the cost model's KV term means (the profile's batches share none; the pairs each
+        sequence computes stay in the attention terms)."""
         kv, block_size = self.core.scheduler.kv, self.config.cache.block_size
         blocks: set[int] = set()
         for r, (n, context) in zip(requests, chunks):
@@ -103,18 +103,20 @@ class StepTimer:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.core.scheduler.requests.values()):
             self.step(None)
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.core.scheduler.kv.block_pool.num_blocks * self.config.cache.block_size
+
     def decode(self, batch: int, context: int, steps: int, prefill_len: int = 0) -> None:
         """`steps` decode steps of `batch` sequences at `context`; with prefill_len, each also
         computes a new prompt of that many tokens (a colocated instance's mixed step)."""
         budget = self.config.scheduler.max_num_batched_tokens
-        # One prompt computed once, then the batch shares its cached blocks: a 64 x 2k-token batch
-        # costs one 2k prefill to set up. Each sequence still computes against its whole context
-        # every step (the decode-pair term); the shared blocks come from memory once (the KV term).
-        seed, max_tokens = next(self._ids), steps + batch + 64
-        self.add(context, max_tokens, seed)
-        self._compute_prompts()
-        for _ in range(batch - 1):
-            self.add(context, max_tokens, seed)
+        # Every sequence its own prompt, as requests are: a batch sharing one cached prompt reads
+        # hot blocks (one thread, 4 x 2k tokens shared cost what 1 x 2k did) and would teach the
+        # fit a price per pair that distinct contexts do not pay.
+        max_tokens = steps + 64
+        for _ in range(batch):
+            self.add(context, max_tokens)
         self._compute_prompts()
         for _ in range(steps):
             if prefill_len:
@@ -123,20 +125,23 @@ class StepTimer:
         self.drain()
 
 
-def _grid(quick: bool, budget: int, max_len: int) -> dict:
+def _grid(quick: bool, budget: int, max_len: int, kv_tokens: int) -> dict:
     if quick:
         return {"prefill": [[16], [64], [budget], [budget // 4] * 2], "chunk": [(32, budget)],
                 "decode": [(1, 64), (4, 128), (8, 32)], "mixed": [(2, 64, 64)], "steps": 3}
     lengths = [n for n in (16, 64, 256, 512, 1024, 1536, 2048) if n <= budget]
+    # Decode batches of distinct contexts up to half the KV cache (a 64 x 2k batch would need
+    # 131k tokens of cache and two minutes of prompts on one CPU thread).
     return {"prefill": [[n] for n in lengths] + [[256] * 4, [64] * 8, [512] * 3],
             "chunk": [(n, c) for n in (256, 1024) for c in (budget, 2 * budget) if c + n < max_len],
-            "decode": [(b, c) for b in (1, 4, 16, 64) for c in (128, 1024, 2048) if c + 128 < max_len],
+            "decode": [(b, c) for b in (1, 4, 16, 32, 64) for c in (128, 1024, 2048)
+                       if c + 128 < max_len and b * (c + 128) <= kv_tokens // 2],
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
 
 
 def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     budget = timer.config.scheduler.max_num_batched_tokens
-    g = _grid(quick, budget, timer.max_model_len)
+    g = _grid(quick, budget, timer.max_model_len, timer.kv_capacity_tokens)
     timer.warm_up()
     for lengths in g["prefill"]:
         for _ in range(2):
@@ -154,8 +159,8 @@ def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     return [StepPoint.of(p["chunks"], p["seconds"], kv=p["kv_read"]) for p in timer.points]
 
 
-def _num_tasks(quick: bool, budget: int, max_len: int) -> int:
-    g = _grid(quick, budget, max_len)
+def _num_tasks(quick: bool, budget: int, max_len: int, kv_tokens: int) -> int:
+    g = _grid(quick, budget, max_len, kv_tokens)
     return sum(len(g[k]) for k in ("prefill", "chunk", "decode", "mixed"))
 
 
@@ -187,7 +192,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
     from services.planner.profile_serve import ROUNDS, ServeCost, measure_serve_cost
 
-    total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
+    total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len, timer.kv_capacity_tokens) + len(transports) * len(block_counts)
              + (ROUNDS if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
