@@ -9,6 +9,7 @@ cost model is fitted to all of them (services/planner/costmodel.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import platform
@@ -25,13 +26,19 @@ class StepTimer:
     """An engine core driven step by step; each step's batch (new tokens, context) and seconds."""
 
     def __init__(self, model: str, device: str, num_threads: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int | None, dtype: str) -> None:
+                 max_num_seqs: int, max_model_len: int | None, dtype: str, kv_tokens: int | None = None) -> None:
+        """kv_tokens: a KV cache of that many tokens (the largest decode batch the grid runs),
+        instead of the engine's default size."""
         from engine.config import EngineConfig
         from engine.engine_core import EngineCore
 
-        self.config = EngineConfig.create(model, device=device, num_threads=num_threads, dtype=dtype,
-                                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                          max_model_len=max_model_len)
+        config = EngineConfig.create(model, device=device, num_threads=num_threads, dtype=dtype,
+                                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len)
+        if kv_tokens is not None:
+            blocks = -(-kv_tokens // config.cache.block_size)
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=blocks))
+        self.config = config
         self.core = EngineCore(self.config)
         self.vocab = self.core.vocab_size
         self._ids = itertools.count()
@@ -103,10 +110,6 @@ class StepTimer:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.core.scheduler.requests.values()):
             self.step(None)
 
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.core.scheduler.kv.block_pool.num_blocks * self.config.cache.block_size
-
     def decode(self, batch: int, context: int, steps: int, prefill_len: int = 0) -> None:
         """`steps` decode steps of `batch` sequences at `context`; with prefill_len, each also
         computes a new prompt of that many tokens (a colocated instance's mixed step)."""
@@ -125,23 +128,33 @@ class StepTimer:
         self.drain()
 
 
-def _grid(quick: bool, budget: int, max_len: int, kv_tokens: int) -> dict:
+def _grid(quick: bool, budget: int, max_len: int) -> dict:
     if quick:
         return {"prefill": [[16], [64], [budget], [budget // 4] * 2], "chunk": [(32, budget)],
                 "decode": [(1, 64), (4, 128), (8, 32)], "mixed": [(2, 64, 64)], "steps": 3}
     lengths = [n for n in (16, 64, 256, 512, 1024, 1536, 2048) if n <= budget]
-    # Decode batches of distinct contexts up to half the KV cache (a 64 x 2k batch would need
-    # 131k tokens of cache and two minutes of prompts on one CPU thread).
+    # Decode batches of distinct contexts, up to 64 x 1k and 16 x 2k (64 x 2k would take two
+    # minutes of prompts on one CPU thread); the KV cache is sized to hold the largest.
     return {"prefill": [[n] for n in lengths] + [[256] * 4, [64] * 8, [512] * 3],
             "chunk": [(n, c) for n in (256, 1024) for c in (budget, 2 * budget) if c + n < max_len],
             "decode": [(b, c) for b in (1, 4, 16, 32, 64) for c in (128, 1024, 2048)
-                       if c + 128 < max_len and b * (c + 128) <= kv_tokens // 2],
+                       if c + 128 < max_len and (c <= 1024 or b <= 16)],
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
+
+
+def _grid_kv_tokens(grid: dict) -> int:
+    """KV tokens the grid's largest step holds (decodes run `steps` past their context; a mixed
+    step adds its prompt), with room for the scheduler's last partial blocks."""
+    need = [b * (c + grid["steps"] + 16) for b, c in grid["decode"]]
+    need += [b * (c + grid["steps"] + 16) + grid["steps"] * (p + 16) for b, c, p in grid["mixed"]]
+    need += [sum(lengths) + 16 * len(lengths) for lengths in grid["prefill"]]
+    need += [n + c + 16 for n, c in grid["chunk"]]
+    return max(need)
 
 
 def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     budget = timer.config.scheduler.max_num_batched_tokens
-    g = _grid(quick, budget, timer.max_model_len, timer.kv_capacity_tokens)
+    g = _grid(quick, budget, timer.max_model_len)
     timer.warm_up()
     for lengths in g["prefill"]:
         for _ in range(2):
@@ -159,8 +172,8 @@ def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     return [StepPoint.of(p["chunks"], p["seconds"], kv=p["kv_read"]) for p in timer.points]
 
 
-def _num_tasks(quick: bool, budget: int, max_len: int, kv_tokens: int) -> int:
-    g = _grid(quick, budget, max_len, kv_tokens)
+def _num_tasks(quick: bool, budget: int, max_len: int) -> int:
+    g = _grid(quick, budget, max_len)
     return sum(len(g[k]) for k in ("prefill", "chunk", "decode", "mixed"))
 
 
@@ -183,7 +196,10 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     from kvtransfer import KVLayout
     from services.planner.profile_kv import available_transports, measure_transport
 
-    timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype)
+    # The KV cache holds the grid's largest batch (as if every context length were allowed).
+    kv_tokens = _grid_kv_tokens(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
+    timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype,
+                      kv_tokens=kv_tokens)
     hf = timer.config.model.hf_config
     shape = ModelShape.from_hf_config(hf, _DTYPE_BYTES.get(dtype, 4))
     block_size = timer.config.cache.block_size
@@ -192,7 +208,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
     from services.planner.profile_serve import ROUNDS, ServeCost, measure_serve_cost
 
-    total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len, timer.kv_capacity_tokens) + len(transports) * len(block_counts)
+    total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
              + (ROUNDS if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
