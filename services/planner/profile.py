@@ -26,17 +26,18 @@ class StepTimer:
     """An engine core driven step by step; each step's batch (new tokens, context) and seconds."""
 
     def __init__(self, model: str, device: str, num_threads: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int | None, dtype: str, kv_tokens: int | None = None) -> None:
-        """kv_tokens: a KV cache of that many tokens (the largest decode batch the grid runs),
-        instead of the engine's default size."""
+                 max_num_seqs: int, max_model_len: int | None, dtype: str,
+                 kv_steps: list[list[int]] | None = None) -> None:
+        """kv_steps: the token lengths of each step's sequences (_grid_steps); the KV cache holds
+        the largest step whole, in this engine's blocks, instead of the engine's default size."""
         from engine.config import EngineConfig
         from engine.engine_core import EngineCore
 
         config = EngineConfig.create(model, device=device, num_threads=num_threads, dtype=dtype,
                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len)
-        if kv_tokens is not None:
-            blocks = -(-kv_tokens // config.cache.block_size)
+        if kv_steps:
+            blocks = _kv_blocks(kv_steps, config.cache.block_size)
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=blocks))
         self.config = config
         self.core = EngineCore(self.config)
@@ -142,14 +143,22 @@ def _grid(quick: bool, budget: int, max_len: int) -> dict:
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
 
 
-def _grid_kv_tokens(grid: dict) -> int:
-    """KV tokens the grid's largest step holds (decodes run `steps` past their context; a mixed
-    step adds its prompt), with room for the scheduler's last partial blocks."""
-    need = [b * (c + grid["steps"] + 16) for b, c in grid["decode"]]
-    need += [b * (c + grid["steps"] + 16) + grid["steps"] * (p + 16) for b, c, p in grid["mixed"]]
-    need += [sum(lengths) + 16 * len(lengths) for lengths in grid["prefill"]]
-    need += [n + c + 16 for n, c in grid["chunk"]]
-    return max(need)
+def _grid_steps(grid: dict) -> list[list[int]]:
+    """The token lengths of the sequences alive in each measured step of the grid, at their
+    longest: decodes run `steps` past their context (and hold the next token's slot); a mixed
+    step adds up to `steps` prompts; a chunk sits after its context."""
+    steps = grid["steps"]
+    out = [[c + steps + 1] * b for b, c in grid["decode"]]
+    out += [[c + steps + 1] * b + [p + 1] * steps for b, c, p in grid["mixed"]]
+    out += [[n + 1 for n in lengths] for lengths in grid["prefill"]]
+    out += [[n + c + 1] for n, c in grid["chunk"]]
+    return out
+
+
+def _kv_blocks(steps: list[list[int]], block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold the largest of `steps` (each sequence's last block
+    partly filled)."""
+    return max(sum(-(-n // block_size) for n in seqs) for seqs in steps)
 
 
 def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
@@ -197,9 +206,9 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     from services.planner.profile_kv import available_transports, measure_transport
 
     # The KV cache holds the grid's largest batch (as if every context length were allowed).
-    kv_tokens = _grid_kv_tokens(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
+    kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
     timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype,
-                      kv_tokens=kv_tokens)
+                      kv_steps=kv_steps)
     hf = timer.config.model.hf_config
     shape = ModelShape.from_hf_config(hf, _DTYPE_BYTES.get(dtype, 4))
     block_size = timer.config.cache.block_size

@@ -57,12 +57,13 @@ def _all_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack) -> subprocess.Popen:
+def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what: str) -> None:
+    """Start `cmd` (stopped when `stack` closes) and wait until `ready()`; its log in the error
+    if it exits first."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
     # Its log goes to a file, not a pipe nobody drains while it serves (a full pipe would stall it).
     log = stack.enter_context(tempfile.TemporaryFile())
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=_env(), preexec_fn=preexec)
-    proc.log = log  # read back by _wait if it dies during start-up
 
     def stop() -> None:
         proc.terminate()
@@ -72,16 +73,11 @@ def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack) -> subproce
             proc.kill()
             proc.wait()
     stack.callback(stop)
-    return proc
-
-
-def _wait(proc: subprocess.Popen, ready, what: str) -> None:
     deadline = time.monotonic() + 600
     while not ready():
         if proc.poll() is not None:
-            proc.log.seek(0)
-            raise RuntimeError(f"the {what} exited during start-up: "
-                               f"{proc.log.read().decode(errors='replace')[-500:]}")
+            log.seek(0)
+            raise RuntimeError(f"the {what} exited during start-up: {log.read().decode(errors='replace')[-500:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {what} did not start within 600 s")
         time.sleep(0.5)
@@ -93,11 +89,11 @@ def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: 
     from services.launcher import free_port
 
     port = free_port()
-    proc = _start([sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(threads),
-                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
-                   "--host", "127.0.0.1", "--metrics-port", "0"], cores, stack)
     address = f"127.0.0.1:{port}"
-    _wait(proc, lambda: health_serving(address), "colocated service")
+    _start([sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(threads),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
+            "--host", "127.0.0.1", "--metrics-port", "0"], cores, stack,
+           lambda: health_serving(address), "colocated service")
     return address
 
 
@@ -105,11 +101,10 @@ def _router(model: str, decode: str, stack: ExitStack) -> str:
     from services.launcher import free_port, http_ok
 
     port = free_port()
-    proc = _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
-                  _all_cpus(), stack)
     url = f"http://127.0.0.1:{port}"
-    _wait(proc, lambda: http_ok(f"{url}/health"), "router")
+    _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
+           _all_cpus(), stack, lambda: http_ok(f"{url}/health"), "router")
     return url
 
 

@@ -20,7 +20,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.planner.costmodel import attn_units
+from services.planner.costmodel import split_attn
 from services.planner.profile_data import Profile
 
 
@@ -163,17 +163,14 @@ class _Instance:
         if not batch:
             self.busy = False
             return
-        tokens = attn = decode_attn = kv = sampled = 0
-        chunked = False
+        chunks = [(n, seq.computed) for seq, n in batch]
+        attn, decode_attn = split_attn(chunks)
+        tokens = kv = sampled = 0
         for seq, n in batch:
-            chunked |= n > 1
             tokens += n
-            if n > 1:
-                attn += attn_units(n, seq.computed)
-            else:
-                decode_attn += attn_units(1, seq.computed)
             kv += seq.computed + n
             sampled += seq.computed + n >= seq.known
+        chunked = attn > 0
         # The engine's step, then the serving path's per-token work on the same cores.
         prof = sim.profile
         seconds = prof.step.seconds(tokens, attn, kv, len(batch), decode_attn) + sampled * prof.token_overhead_s

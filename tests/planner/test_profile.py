@@ -160,12 +160,13 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
 
 
 def test_profile_grid_batches_fit_the_kv_cache_it_sizes():
-    from services.planner.profile import _grid, _grid_kv_tokens
+    from services.planner.profile import _grid, _grid_steps, _kv_blocks
 
     grid = _grid(False, 2048, 4096)
     # Distinct-prompt decode batches up to 64 x 1k and 16 x 2k, every one within the cache.
     assert (64, 1024) in grid["decode"] and (16, 2048) in grid["decode"] and (64, 2048) not in grid["decode"]
-    kv = _grid_kv_tokens(grid)
-    assert all(b * (c + grid["steps"] + 1) <= kv for b, c in grid["decode"])
-    assert kv < 80_000  # not the engine's whole memory: ~1 GB for bench-pd's model
+    for block_size in (16, 32, 128):  # whatever the engine's block size, each batch fits whole
+        blocks = _kv_blocks(_grid_steps(grid), block_size)
+        assert all(b * -(-(c + grid["steps"] + 1) // block_size) <= blocks for b, c in grid["decode"])
+        assert blocks * block_size < 80_000 + 64 * block_size  # not the engine's whole memory
     assert all(c + 128 < 1024 for _, c in _grid(False, 2048, 1024)["decode"])
