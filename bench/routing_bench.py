@@ -1,7 +1,9 @@
 """`make bench-routing`: KV-aware routing and conditional disaggregation, through the HTTP gateway.
 
 One prefill and two decode instances (every one publishing KV events), a router restarted per
-configuration; fresh prompts per configuration (no run profits from another's cache).
+configuration. Every configuration of a part runs the same workload (lengths, order, arrival
+times) over its own token ids (bench.workloads.relabel): no run profits from another's cache,
+and none draws lighter work.
 (a) multi-tenant shared prefixes: 12 tenants x 20 requests, 1,024-token tenant prefixes + 64-token
     questions, tenants in random order, Poisson arrivals at 5 req/s; least_load against kv_aware (both with
     --pd-policy conditional: only kv_aware knows where a prefix is cached). TTFT p50/p90, prefix
@@ -28,12 +30,13 @@ sys.path.insert(0, ROOT)
 from bench.metrics import parse_slos  # noqa: E402
 from bench.procs import Proc, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
-from bench.workloads import BenchRequest, shared_prefix, synthetic  # noqa: E402
+from bench.workloads import BenchRequest, relabel, shared_prefix, synthetic  # noqa: E402
 
 BUILD = os.path.join(ROOT, "build", "bench-routing")
 # Small enough for a 2-core box, large enough that a 1k-token prefill (~0.2 s) dwarfs routing.
 MODEL_SHAPE = dict(arch="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
                    num_heads=4, num_kv_heads=2, max_position_embeddings=4096, initializer_range=0.02)
+VOCAB = 4000  # prompt token ids below this (the model's vocabulary is 4096)
 KV_EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
@@ -82,14 +85,14 @@ class Fleet:
 def tenants_workload(num_tenants: int, per_tenant: int, prefix_len: int, question_len: int, output_len: int,
                      seed: int) -> list[BenchRequest]:
     reqs = shared_prefix(num_tenants, per_tenant, prefix_len, f"fixed:{question_len}", f"fixed:{output_len}",
-                         vocab_size=4000, seed=seed)
+                         vocab_size=VOCAB, seed=seed)
     random.Random(seed).shuffle(reqs)  # tenants arrive in random order, not in turn
     return reqs
 
 
 def mixed_workload(num: int, seed: int) -> list[BenchRequest]:
-    short = synthetic(num // 2, "uniform:8:64", "fixed:32", vocab_size=4000, seed=seed)
-    long = synthetic(num - num // 2, "uniform:1024:2048", "fixed:32", vocab_size=4000, seed=seed + 1000)
+    short = synthetic(num // 2, "uniform:8:64", "fixed:32", vocab_size=VOCAB, seed=seed)
+    long = synthetic(num - num // 2, "uniform:1024:2048", "fixed:32", vocab_size=VOCAB, seed=seed + 1000)
     reqs = short + long
     random.Random(seed).shuffle(reqs)
     return reqs
@@ -158,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=600,
                     help="KV blocks of 16 tokens per engine: ~8 of the 12 tenant prefixes fit in one")
     ap.add_argument("--max-local-prefill-length", type=int, default=256)
+    ap.add_argument("--max-prefill-queue-tokens", type=int, default=None,
+                    help="conditional: the router's --max-prefill-queue-tokens (default: the router's)")
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--out", default=os.path.join(BUILD, "results"))
     args = ap.parse_args(argv)
@@ -167,27 +172,29 @@ def main(argv=None) -> int:
     model = ensure_model()
     slos = parse_slos(args.goodput)
     local = ["--max-local-prefill-length", str(args.max_local_prefill_length)]
+    if args.max_prefill_queue_tokens is not None:
+        local += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
     print(f"model: random Llama {MODEL_SHAPE}, float32; 1 prefill + 2 decode engines (1 thread each, "
           f"{args.num_blocks} KV blocks of 16 tokens), every one publishing KV events", flush=True)
     fleet = Fleet(model, logs, args.num_blocks)
     results: dict[str, dict] = {}
     try:
         asyncio.run(run_benchmark(fleet.start_router("warmup", "round_robin", "always", []), None,
-                                  synthetic(3, "fixed:64", "fixed:4", vocab_size=4000, seed=99), progress=False))
+                                  synthetic(3, "fixed:64", "fixed:4", vocab_size=VOCAB, seed=99), progress=False))
         fleet.stop_router()
         if "a" in args.parts:
             print(f"(a) {args.tenants} tenants x {args.per_tenant} requests, {args.prefix_len}-token prefixes + "
                   f"{args.question_len}-token questions, 16 output tokens, {args.rate_a:g} req/s", flush=True)
+            reqs = tenants_workload(args.tenants, args.per_tenant, args.prefix_len, args.question_len, 16, seed=10)
             for i, policy in enumerate(("least_load", "kv_aware")):
-                reqs = tenants_workload(args.tenants, args.per_tenant, args.prefix_len, args.question_len, 16,
-                                        seed=10 + i)
-                results[policy] = run(fleet, policy, policy, "conditional", reqs, args.rate_a, slos, local)
+                results[policy] = run(fleet, policy, policy, "conditional", relabel(reqs, 10 + i, VOCAB), args.rate_a,
+                                      slos, local)
         if "b" in args.parts:
             print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
                   f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms)", flush=True)
+            reqs = mixed_workload(args.mixed_prompts, seed=20)
             for i, pd in enumerate(("always", "never", "conditional")):
-                reqs = mixed_workload(args.mixed_prompts, seed=20 + i)
-                results[pd] = run(fleet, pd, "kv_aware", pd, reqs, args.rate_b, slos, local)
+                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos, local)
     finally:
         fleet.stop()
     for name, s in results.items():

@@ -60,6 +60,19 @@ def shared_prefix(num_groups: int, requests_per_group: int, prefix_len: int, suf
     return out
 
 
+def relabel(requests: list[BenchRequest], seed: int, vocab_size: int = 1000,
+            first_token_id: int = 10) -> list[BenchRequest]:
+    """The same workload over other token ids: every id in [first_token_id, vocab_size) mapped
+    through one seeded permutation. Lengths, order and shared prefixes stay as they were; no
+    prefix of one relabelling is cached for another (configurations compared on one fleet see
+    the same work, not another draw of it)."""
+    ids = list(range(first_token_id, vocab_size))
+    shuffled = ids[:]
+    random.Random(seed).shuffle(shuffled)
+    perm = dict(zip(ids, shuffled))
+    return [BenchRequest([perm.get(t, t) for t in r.prompt], r.prompt_len, r.output_len) for r in requests]
+
+
 def sharegpt(path: str, num_requests: int, tokenizer, seed: int = 0, max_len: int = 4096) -> list[BenchRequest]:
     """First human turn as the prompt, the reply's token count as the output length."""
     with open(path) as f:

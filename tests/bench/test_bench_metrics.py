@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench.metrics import RequestResult, parse_slos, summarize
-from bench.workloads import parse_dist, poisson_arrivals, shared_prefix, synthetic
+from bench.workloads import parse_dist, poisson_arrivals, relabel, shared_prefix, synthetic
 
 
 def test_ttft_tpot_itl_and_percentiles():
@@ -55,6 +55,13 @@ def test_workloads_are_seeded_and_follow_their_distributions():
     assert len(groups) == 12 and len({tuple(r.prompt[:100]) for r in groups}) == 3
     with pytest.raises(ValueError):
         parse_dist("gaussian:1")
+    # Relabelled: the same lengths, order and prefix groups, no prompt (or prefix block) in common.
+    other = relabel(groups, seed=7)
+    assert [(r.prompt_len, r.output_len) for r in other] == [(r.prompt_len, r.output_len) for r in groups]
+    same = lambda reqs: [[a.prompt[:100] == b.prompt[:100] for b in reqs] for a in reqs]  # noqa: E731
+    assert same(other) == same(groups)
+    assert all(x.prompt[:16] != y.prompt[:16] for x in other for y in groups)
+    assert relabel(groups, seed=7) == other and relabel(groups, seed=8) != other
     offsets = poisson_arrivals(2000, rate=10.0, seed=0)
     assert offsets == poisson_arrivals(2000, rate=10.0, seed=0)
     assert offsets[-1] / len(offsets) == pytest.approx(0.1, rel=0.1)
