@@ -47,7 +47,9 @@ class RouterConfig:
     kv_low_confidence_weight: float = 0.5  # KV index entries older than an unreplayed gap count this much
     pd_policy: str = "auto"  # auto | always | never | conditional (disaggregated mode only)
     max_local_prefill_length: int = 512  # conditional: uncached prompt tokens a decode computes itself
-    max_prefill_queue_tokens: int = 8192  # conditional: prefill queue beyond which a decode with room computes
+    # conditional: prefill queue beyond which a decode with room computes; None: the prompt's own
+    # uncached tokens (it would wait at the prefill longer than its compute takes)
+    max_prefill_queue_tokens: int | None = None
     api_key: str | None = None
     max_model_len: int | None = None  # None: what the instances report, else config.json
     request_timeout_s: float = 600.0
@@ -86,7 +88,7 @@ class RouterConfig:
             raise ValueError("--kv-overlap-score-weight and --router-temperature must be >= 0")
         if not 0 <= self.kv_low_confidence_weight <= 1:
             raise ValueError("--kv-low-confidence-weight must be in [0, 1]")
-        if self.max_local_prefill_length < 0 or self.max_prefill_queue_tokens < 0:
+        if self.max_local_prefill_length < 0 or (self.max_prefill_queue_tokens or 0) < 0:
             raise ValueError("--max-local-prefill-length and --max-prefill-queue-tokens must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")

@@ -11,8 +11,11 @@
       it) are at most `max_local_prefill_tokens` (a short or mostly cached prompt: a transfer and a
       second hop cost more than the compute), or
     * the prefill pool is queueing: its least loaded instance has more than
-      `max_prefill_queue_tokens` outstanding, while that decode has room (no request waiting and
-      KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs with it;
+      `max_prefill_queue_tokens` outstanding (by default, more than the prompt's own uncached
+      tokens: the prompt would wait there longer than computing it takes, the decode's compute
+      being the same model on the same kind of device), while that decode has room (no request
+      waiting and KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs
+      with it;
   else the prompt goes to a prefill instance.
 Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
 """
@@ -35,7 +38,7 @@ class PdDecision:
 
 class PdPolicy:
     def __init__(self, mode: str, routing: RoutingPolicy, pool: InstancePool, metrics, *,
-                 max_local_prefill_tokens: int = 512, max_prefill_queue_tokens: int = 8192,
+                 max_local_prefill_tokens: int = 512, max_prefill_queue_tokens: int | None = None,
                  decode_room_usage: float = 0.9) -> None:
         if mode not in PD_POLICIES:
             raise ValueError(f"unknown pd policy {mode!r}; choose one of {', '.join(PD_POLICIES)}")
@@ -80,7 +83,8 @@ class PdPolicy:
         if not prefills:  # none healthy, or none this decode can pull from
             return PdDecision(False, "no_prefill", local)
         queue = min(i.load_score for i in prefills)
-        if queue > self.max_prefill_queue_tokens and self._has_room(decode):
+        bound = uncached if self.max_prefill_queue_tokens is None else self.max_prefill_queue_tokens
+        if queue > bound and self._has_room(decode):
             return PdDecision(False, "prefill_queue", local)
         return PdDecision(True, "long_uncached", route)
 

@@ -144,6 +144,18 @@ def test_conditional_decisions(cached, prefill_load, report, expect):
                                              {"decision": label, "reason": expect[1]}) == 1
 
 
+@pytest.mark.parametrize("cached,prefill_load,expect", [
+    (0, 40, (True, "long_uncached")),  # a queue as long as the prompt: still worth the wait
+    (0, 41, (False, "prefill_queue")),  # longer than computing it takes: the decode computes it
+    (24, 17, (False, "prefill_queue")),  # 16 tokens left to compute here: the bound is what is uncached
+    (24, 16, (True, "long_uncached")),
+])
+def test_by_default_the_prefill_queue_bound_is_the_prompts_own_uncached_tokens(cached, prefill_load, expect):
+    decision, _ = decide("conditional", index_with({"d": PROMPT[:cached]}), prefill_load,
+                         dict(num_waiting=0, kv_cache_usage=0.3), max_local_prefill_tokens=8)
+    assert (decision.disaggregate, decision.reason) == expect
+
+
 def test_a_decode_no_prefill_pairs_with_computes_long_prompts_itself():
     decision, _ = decide("conditional", index_with({"d": []}), refused=(("p", "d"),), max_local_prefill_tokens=16)
     assert (decision.disaggregate, decision.reason) == (False, "no_prefill")
