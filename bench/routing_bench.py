@@ -9,7 +9,9 @@ and none draws lighter work.
     --pd-policy conditional: only kv_aware knows where a prefix is cached). TTFT p50/p90, prefix
     hit rate (cached prompt tokens / prompt tokens, from usage), throughput.
 (b) mixed: half the prompts of at most 64 tokens, half of 1-2k tokens; --pd-policy always vs never
-    (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs.
+    (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs. Equal
+    hardware (--b-topology equal, the default on two or more cores): always and conditional over
+    the prefill (core 0) and one decode (core 1), never over two decodes (cores 0 and 1).
 Prints routing_kv_aware_vs_least_load_ttft_p90_ratio and pd_conditional_vs_best_goodput_ratio,
 writes JSON results and a figure under build/bench-routing (docs/routing.md has a table).
 """
@@ -45,27 +47,29 @@ def ensure_model() -> str:
 
 
 class Fleet:
-    """One prefill and two decode engines, kept for every configuration; a router per configuration."""
+    """One prefill and two decode engines, kept for every configuration; a router per configuration.
+    cores: each engine's CPU set (prefill, decode, decode), None: the OS places them."""
 
-    def __init__(self, model: str, logs: str, num_blocks: int) -> None:
+    def __init__(self, model: str, logs: str, num_blocks: int, cores: tuple = (None, None, None)) -> None:
         self.model, self.logs, self.procs = model, logs, []
         self.env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
         common = ["--model", model, "--num-threads", "1", "--max-model-len", "4096", "--num-blocks", str(num_blocks),
                   "--kv-transport", "tcp", "--kv-events-config", KV_EVENTS]
         self.addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for i, role in enumerate(("prefill", "decode", "decode")):
+        for i, (role, where) in enumerate(zip(("prefill", "decode", "decode"), cores)):
             port = free_port()
-            self.procs.append(Proc(f"{role}{i}", pdserve_cmd(role, *common, "--port", str(port)), env=self.env,
+            self.procs.append(Proc(f"{role}{i}", pdserve_cmd(role, *common, "--port", str(port)), where, self.env,
                                    log_dir=logs))
             self.addresses[role].append(f"127.0.0.1:{port}")
         wait_until(lambda: all(grpc_serving(a) for v in self.addresses.values() for a in v), self.procs, "engines")
         self.router: Proc | None = None
 
-    def start_router(self, name: str, policy: str, pd_policy: str, extra: list[str]) -> str:
+    def start_router(self, name: str, policy: str, pd_policy: str, extra: list[str], decodes: int = 2) -> str:
+        """A router over the prefill and the first `decodes` decode engines."""
         port = free_port()
         self.router = Proc(f"router-{name}", pdserve_cmd(
             "router", "--model", self.model, "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1",
-            "--prefill", self.addresses["prefill"][0], "--decode", ",".join(self.addresses["decode"]),
+            "--prefill", self.addresses["prefill"][0], "--decode", ",".join(self.addresses["decode"][:decodes]),
             "--policy", policy, "--pd-policy", pd_policy, *extra), env=self.env, log_dir=self.logs)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(f"{url}/health"), [self.router, *self.procs], f"router {name}")
@@ -98,8 +102,15 @@ def mixed_workload(num: int, seed: int) -> list[BenchRequest]:
     return reqs
 
 
-def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra) -> dict:
-    url = fleet.start_router(name, policy, pd_policy, extra)
+def warm_up(fleet: Fleet) -> None:
+    asyncio.run(run_benchmark(fleet.start_router("warmup", "round_robin", "always", []), None,
+                              synthetic(3, "fixed:64", "fixed:4", vocab_size=VOCAB, seed=99), progress=False))
+    fleet.stop_router()
+
+
+def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra,
+        decodes: int = 2) -> dict:
+    url = fleet.start_router(name, policy, pd_policy, extra, decodes)
     try:
         s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
@@ -163,6 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-local-prefill-length", type=int, default=256)
     ap.add_argument("--max-prefill-queue-tokens", type=int, default=None,
                     help="conditional: the router's --max-prefill-queue-tokens (default: the router's)")
+    ap.add_argument("--b-topology", choices=["equal", "shared"], default="equal",
+                    help="(b): equal: two cores for every configuration (1 prefill + 1 decode, each pinned to a "
+                         "core, against 2 decodes computing their own prompts); shared: every configuration over "
+                         "the same unpinned 1 prefill + 2 decodes (three engines on two cores)")
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--out", default=os.path.join(BUILD, "results"))
     args = ap.parse_args(argv)
@@ -176,27 +191,38 @@ def main(argv=None) -> int:
         local += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
     print(f"model: random Llama {MODEL_SHAPE}, float32; 1 prefill + 2 decode engines (1 thread each, "
           f"{args.num_blocks} KV blocks of 16 tokens), every one publishing KV events", flush=True)
-    fleet = Fleet(model, logs, args.num_blocks)
     results: dict[str, dict] = {}
-    try:
-        asyncio.run(run_benchmark(fleet.start_router("warmup", "round_robin", "always", []), None,
-                                  synthetic(3, "fixed:64", "fixed:4", vocab_size=VOCAB, seed=99), progress=False))
-        fleet.stop_router()
-        if "a" in args.parts:
+    if "a" in args.parts:
+        fleet = Fleet(model, logs, args.num_blocks)
+        try:
+            warm_up(fleet)
             print(f"(a) {args.tenants} tenants x {args.per_tenant} requests, {args.prefix_len}-token prefixes + "
                   f"{args.question_len}-token questions, 16 output tokens, {args.rate_a:g} req/s", flush=True)
             reqs = tenants_workload(args.tenants, args.per_tenant, args.prefix_len, args.question_len, 16, seed=10)
             for i, policy in enumerate(("least_load", "kv_aware")):
                 results[policy] = run(fleet, policy, policy, "conditional", relabel(reqs, 10 + i, VOCAB), args.rate_a,
                                       slos, local)
-        if "b" in args.parts:
+        finally:
+            fleet.stop()
+    if "b" in args.parts:
+        # Equal hardware per configuration (as bench-pd's 1P+1D against 2C): the prefill and the
+        # second decode share core 0 and are never busy together; always and conditional route to
+        # the prefill and the first decode (core 1), never to the two decodes.
+        equal = args.b_topology == "equal" and (os.cpu_count() or 1) >= 2
+        fleet = Fleet(model, logs, args.num_blocks, ({0}, {1}, {0}) if equal else (None, None, None))
+        layout = ("always and conditional: 1 prefill (core 0) + 1 decode (core 1); never: 2 decodes (cores 0, 1)"
+                  if equal else "every configuration over 1 prefill + 2 decodes, unpinned")
+        try:
+            warm_up(fleet)
             print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
-                  f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms)", flush=True)
+                  f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms); {layout}", flush=True)
             reqs = mixed_workload(args.mixed_prompts, seed=20)
             for i, pd in enumerate(("always", "never", "conditional")):
-                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos, local)
-    finally:
-        fleet.stop()
+                decodes = 2 if pd == "never" or not equal else 1
+                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos, local,
+                                  decodes)
+        finally:
+            fleet.stop()
     for name, s in results.items():
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(s, f)
