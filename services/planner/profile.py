@@ -87,6 +87,13 @@ class StepTimer:
             blocks.update(kv.get_block_ids(r.request_id)[:-(-(context + n) // block_size)])
         return min(sum(c + n for n, c in chunks), len(blocks) * block_size)
 
+    def check_no_preemptions(self) -> None:
+        """A preempted request leaves its step smaller than the batch its point records."""
+        if self.core.scheduler.num_preemptions:
+            blocks = self.core.kv_cache_manager.block_pool.num_blocks
+            raise RuntimeError(f"the profile's KV cache ({blocks} blocks) preempted "
+                               f"{self.core.scheduler.num_preemptions} requests: its grid does not fit")
+
     def drain(self) -> None:
         """Abort whatever is left: the next measurement starts from an idle engine."""
         self.core.abort_requests(list(self.core.scheduler.requests))
@@ -143,13 +150,18 @@ def _grid(quick: bool, budget: int, max_len: int) -> dict:
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
 
 
-def _grid_steps(grid: dict) -> list[list[int]]:
+def _grid_steps(grid: dict, budget: int) -> list[list[int]]:
     """The token lengths of the sequences alive in each measured step of the grid, at their
-    longest: decodes run `steps` past their context (and hold the next token's slot); a mixed
-    step adds up to `steps` prompts; a chunk sits after its context."""
+    longest: a decode batch's first sequences generate a token a step while the others' prompts
+    are computed (`budget` tokens a step), then run `steps` more (and hold the next token's slot);
+    a mixed step adds up to `steps` prompts; a chunk sits after its context."""
     steps = grid["steps"]
-    out = [[c + steps + 1] * b for b, c in grid["decode"]]
-    out += [[c + steps + 1] * b + [p + 1] * steps for b, c, p in grid["mixed"]]
+
+    def longest(b: int, c: int) -> int:
+        return c + -(-b * c // budget) + steps + 1
+
+    out = [[longest(b, c)] * b for b, c in grid["decode"]]
+    out += [[longest(b, c)] * b + [p + 1] * steps for b, c, p in grid["mixed"]]
     out += [[n + 1 for n in lengths] for lengths in grid["prefill"]]
     out += [[n + c + 1] for n, c in grid["chunk"]]
     return out
@@ -178,6 +190,7 @@ def measure_steps(timer: StepTimer, quick: bool, bar) -> list[StepPoint]:
     for batch, context, prefill_len in g["mixed"]:
         timer.decode(batch, context, g["steps"], prefill_len)
         bar.update(1)
+    timer.check_no_preemptions()
     return [StepPoint.of(p["chunks"], p["seconds"], kv=p["kv_read"]) for p in timer.points]
 
 
@@ -206,7 +219,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     from services.planner.profile_kv import available_transports, measure_transport
 
     # The KV cache holds the grid's largest batch (as if every context length were allowed).
-    kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
+    kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30), max_num_batched_tokens)
     timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype,
                       kv_steps=kv_steps)
     hf = timer.config.model.hf_config

@@ -166,7 +166,24 @@ def test_profile_grid_batches_fit_the_kv_cache_it_sizes():
     # Distinct-prompt decode batches up to 64 x 1k and 16 x 2k, every one within the cache.
     assert (64, 1024) in grid["decode"] and (16, 2048) in grid["decode"] and (64, 2048) not in grid["decode"]
     for block_size in (16, 32, 128):  # whatever the engine's block size, each batch fits whole
-        blocks = _kv_blocks(_grid_steps(grid), block_size)
-        assert all(b * -(-(c + grid["steps"] + 1) // block_size) <= blocks for b, c in grid["decode"])
-        assert blocks * block_size < 80_000 + 64 * block_size  # not the engine's whole memory
+        blocks = _kv_blocks(_grid_steps(grid, 2048), block_size)
+        # The first of a batch decode while the rest's prompts are computed (2,048 tokens a step).
+        assert all(b * -(-(c + b * c // 2048 + grid["steps"] + 1) // block_size) <= blocks
+                   for b, c in grid["decode"])
+        assert blocks * block_size < 90_000 + 64 * block_size  # not the engine's whole memory
     assert all(c + 128 < 1024 for _, c in _grid(False, 2048, 1024)["decode"])
+
+
+def test_a_profile_whose_cache_preempts_its_batch_refuses_to_fit_it(tiny_llama):
+    from services.planner.profile import StepTimer
+
+    # Two 128-token prompts fill 16 of 17 blocks; their next tokens need 18: one is preempted,
+    # and the steps measured would be of one sequence where the grid says two.
+    timer = StepTimer(tiny_llama, "cpu", 1, 256, 8, 512, "float32", kv_steps=[[17 * 16]])
+    try:
+        assert timer.core.kv_cache_manager.block_pool.num_blocks == 17
+        timer.decode(2, 128, 3)
+        with pytest.raises(RuntimeError, match="preempted"):
+            timer.check_no_preemptions()
+    finally:
+        timer.core.shutdown()
