@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
 
@@ -54,8 +54,9 @@ def start_pdserve(name: str, model: str, logs: str, disaggregated: bool, engine_
     env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
     threads = "2" if wide else "1"
     common = ["--model", model, "--num-threads", threads, "--max-model-len", "4096", *engine_args]
-    roles = ([("colocated", {0, 1})] if wide else [("prefill", {0}), ("decode", {1})] if disaggregated
-             else [("colocated", {0}), ("colocated", {1})])
+    a, b = (allowed_cpus() * 2)[:2]  # the first two allowed CPUs (one, twice, on a one-CPU box)
+    roles = ([("colocated", {a, b})] if wide else [("prefill", {a}), ("decode", {b})] if disaggregated
+             else [("colocated", {a}), ("colocated", {b})])
     addrs = {}
     for i, (role, cores) in enumerate(roles):
         port = free_port()

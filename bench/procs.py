@@ -64,6 +64,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (a container's cpuset, taskset), in order; os.cpu_count()
+    counts the host's. Benchmarks pin their instances to these, never to CPU numbers of their own."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import BenchRequest, relabel, shared_prefix, synthetic  # noqa: E402
 
@@ -208,9 +208,11 @@ def main(argv=None) -> int:
         # Equal hardware per configuration (as bench-pd's 1P+1D against 2C): the prefill and the
         # second decode share core 0 and are never busy together; always and conditional route to
         # the prefill and the first decode (core 1), never to the two decodes.
-        equal = args.b_topology == "equal" and (os.cpu_count() or 1) >= 2
-        fleet = Fleet(model, logs, args.num_blocks, ({0}, {1}, {0}) if equal else (None, None, None))
-        layout = ("always and conditional: 1 prefill (core 0) + 1 decode (core 1); never: 2 decodes (cores 0, 1)"
+        cpus = allowed_cpus()
+        equal = args.b_topology == "equal" and len(cpus) >= 2
+        a, b = (cpus * 2)[:2]
+        fleet = Fleet(model, logs, args.num_blocks, ({a}, {b}, {a}) if equal else (None, None, None))
+        layout = (f"always and conditional: 1 prefill (CPU {a}) + 1 decode (CPU {b}); never: 2 decodes (CPUs {a}, {b})"
                   if equal else "every configuration over 1 prefill + 2 decodes, unpinned")
         try:
             warm_up(fleet)

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve  # noqa: E402
-from bench.procs import pdserve_cmd  # noqa: E402
+from bench.procs import allowed_cpus, pdserve_cmd  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import poisson_arrivals, synthetic  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
@@ -40,7 +40,7 @@ def fresh_profile(model: str, quick: bool, out: str, threads: int = 1) -> Profil
     to one core would stay there, and a second, wider profile would measure them crowded."""
     import subprocess
 
-    cores = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
+    cores = allowed_cpus()[:threads]
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     cmd = pdserve_cmd("profile", "--model", model, "--num-threads", str(threads), "--transports", "tcp",
                       "--max-model-len", "4096", "--out", out, *(["--quick"] if quick else []))
