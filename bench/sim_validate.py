@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     print(f"profile ({prof.source}): step {s.base * 1e3:.1f} ms + {s.per_token * 1e6:.0f} us/token + "
           f"{s.per_attn * 1e9:.2f} ns/prefill pair + {s.per_decode_attn * 1e9:.2f} ns/decode pair + "
           f"{s.per_kv_token * 1e9:.0f} ns/KV token + {s.per_seq * 1e6:.0f} us/seq; "
-          f"knee {s.knee_tokens}; served path +{prof.token_overhead_s * 1e3:.2f} ms/token; busy neighbour "
+          f"knee {s.knee_tokens}; served path +{prof.step_overhead_s * 1e3:.2f} ms/step +{prof.token_overhead_s * 1e3:.2f} ms/token; busy neighbour "
           f"x{prof.neighbour_prefill:.2f} prefill, x{prof.neighbour_decode:.2f} decode", flush=True)
     rates = [float(r) for r in args.rates.split(",")]
     slos = parse_slos(["ttft:4000", "tpot:100"])

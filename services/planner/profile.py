@@ -13,11 +13,13 @@ import dataclasses
 import itertools
 import os
 import platform
+import statistics
 import sys
 import time
 
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
+from services.planner.profile_serve import ServePathError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -228,7 +230,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
-    from services.planner.profile_serve import ROUNDS, ServeCost, measure_serve_cost
+    from services.planner.profile_serve import BATCH, ROUNDS, ServeCost, measure_serve_cost
 
     total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
              + (ROUNDS if serve_overhead else 0))
@@ -239,7 +241,8 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
         serve = ServeCost(neighbour_note="not measured (--no-serve-overhead)")
         if serve_overhead:
             serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
-                                       tick=lambda: bar.update(1))
+                                       tick=lambda: bar.update(1), batch=4 if quick else BATCH,
+                                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -262,11 +265,13 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                           for k in sorted(set(kinds))}
     raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
-           "transfer": raw_transfers, "serve": {"points": serve.points, "neighbour_points": serve.neighbour_points,
+           "transfer": raw_transfers, "serve": {"points": serve.points, "batch_points": serve.batch_points,
+                                                "neighbour_points": serve.neighbour_points,
                                                 "neighbour_note": serve.neighbour_note}}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                   token_overhead_s=serve.token_overhead_s, neighbour_prefill=serve.neighbour_prefill,
+                   token_overhead_s=serve.token_overhead_s, step_overhead_s=serve.step_overhead_s,
+                   neighbour_prefill=serve.neighbour_prefill,
                    neighbour_decode=serve.neighbour_decode, machine=machine, source="measured", raw=raw)
 
 
@@ -315,9 +320,13 @@ def run_cli(args) -> int:
         return write_roofline(args)
     model = args.model or default_model()
     transports = args.transports.split(",") if args.transports else None
-    prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
-                       args.max_model_len, args.dtype, transports, args.quick,
-                       serve_overhead=not args.no_serve_overhead)
+    try:
+        prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
+                           args.max_model_len, args.dtype, transports, args.quick,
+                           serve_overhead=not args.no_serve_overhead)
+    except ServePathError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     prof.save(args.out)
     q = prof.raw["step"]["quality"]
     s = prof.step
@@ -330,8 +339,13 @@ def run_cli(args) -> int:
         print(f"  {kind:<8} {kq['num_points']:>3} steps: median error {100 * kq['median_rel_error']:.1f}%, "
               f"worst {100 * kq['max_rel_error']:.1f}%")
     if not args.no_serve_overhead:
-        print(f"serving path: {prof.token_overhead_s * 1e3:.2f} ms per sampled token (a live instance's TPOT "
-              f"through a router over the step model's)")
+        serve = prof.raw["serve"]
+        lone = statistics.median(p["tpot_s"] - p["step_s"] for p in serve["points"])
+        batched = serve["batch_points"]
+        print(f"serving path: {prof.step_overhead_s * 1e3:.2f} ms a step + {prof.token_overhead_s * 1e3:.2f} ms per "
+              f"sampled token (a live instance through a router over the step model: lone requests "
+              f"{lone * 1e3:+.2f} ms a token, batches of {batched[0]['batch']} "
+              f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step)")
         note = prof.raw["serve"].get("neighbour_note")
         print("busy neighbour on this host: " + (note if note else
               f"prefill x{prof.neighbour_prefill:.2f}, decode x{prof.neighbour_decode:.2f}"))

@@ -64,6 +64,9 @@ class Profile:
     # The serving path's CPU time per sequence per step on the instance's own cores (the engine
     # core's outputs, the engine host, its gRPC stream), measured through a live service.
     token_overhead_s: float = 0.0
+    # ... and per step that samples (the engine core's one output message a step, its host's
+    # loop), fitted with the above from lone requests and a batch's (profile_serve).
+    step_overhead_s: float = 0.0
     # Step time while another instance on the same host is busy, over alone: for a step with a
     # prefill chunk and for a decode-only step (a measured CPU profile; 1.0 = nothing shared).
     neighbour_prefill: float = 1.0
@@ -109,8 +112,9 @@ class Profile:
                 "engine": {"max_num_batched_tokens": self.max_num_batched_tokens,
                            "max_num_seqs": self.max_num_seqs},
                 "overhead": {"request_s": self.request_overhead_s, "pd_hop_s": self.pd_hop_s,
-                             "token_s": self.token_overhead_s,
+                             "token_s": self.token_overhead_s, "step_s": self.step_overhead_s,
                              "token_points": self.raw.get("serve", {}).get("points", []),
+                             "batch_points": self.raw.get("serve", {}).get("batch_points", []),
                              "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
                                            "points": self.raw.get("serve", {}).get("neighbour_points", []),
                                            "note": self.raw.get("serve", {}).get("neighbour_note", "")}},
@@ -128,6 +132,7 @@ class Profile:
             overhead = data.get("overhead", {})
             neighbour = overhead.get("neighbour", {})
             raw = {"serve": {"points": overhead.get("token_points", []),
+                             "batch_points": overhead.get("batch_points", []),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}
@@ -139,6 +144,7 @@ class Profile:
                        request_overhead_s=data.get("overhead", {}).get("request_s", 0.0),
                        pd_hop_s=data.get("overhead", {}).get("pd_hop_s", 0.0),
                        token_overhead_s=overhead.get("token_s", 0.0),
+                       step_overhead_s=overhead.get("step_s", 0.0),
                        neighbour_prefill=neighbour.get("prefill", 1.0), neighbour_decode=neighbour.get("decode", 1.0),
                        machine=data.get("machine", {}), source=data.get("source", "measured"), raw=raw)
         except (KeyError, TypeError) as e:

@@ -7,13 +7,21 @@ instances packed on one host share its memory bandwidth and caches: a decode ste
 the instance next door prefills.
 
 Here one `pdserve colocated` runs on the first `threads` cores this process may use, a router in
-front of it and the client on any core, and requests go one at a time through the router's OpenAI endpoint, as
-bench-pd's client sends them; where the machine has room, each round of them is followed by a
-round of the same lengths (fresh prompts: a repeat would hit the prefix cache) while a second
-instance as wide on the next cores is kept busy (long prompts back to back).
+front of it and the client on any core, and requests go through the router's OpenAI endpoint, as
+bench-pd's client sends them. Each round sends one request per length alone, then `batch`
+requests at once (short prompts that fit one step, so they decode in lock-step); where the machine
+has room, the lone requests go again (fresh prompts: a repeat would hit the prefix cache) while a
+second instance as wide on the next cores is kept busy (long prompts back to back).
 
-- token overhead: the median of (client TPOT alone - the step model's decode step at the
-  request's mean context), charged by the simulator per sampled token per step;
+- served-path cost, fitted as `step_s + token_s x sampled tokens` on top of the step model's
+  step: from the lone requests' TPOT over the step model's decode step at their mean context
+  (a batch of 1), and the batch's median inter-token gap over the step model's step for that
+  batch (a batch of `batch`: the per-token work, detokenizing, SSE and the client's parsing,
+  grows with it). Measured under load, not extrapolated from one sequence: a lone request's gap
+  can hide in the step model's noise while the same work costs a full batch milliseconds a step.
+  Rounds continue (up to MAX_ROUNDS) while the batch's gaps spread; a fit the step model
+  contradicts (served steps faster than it predicts beyond its noise) or that never settles is
+  refused with the points, not clamped.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
   machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
@@ -35,16 +43,22 @@ from dataclasses import dataclass, field
 from services.planner.costmodel import StepCost
 
 LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
-ROUNDS = 4  # of one request per length alone, then the same lengths beside the busy neighbour
+ROUNDS = 4  # of one request per length alone, a batch at once, then the lone lengths beside the busy neighbour
+MAX_ROUNDS = 8  # while the batch's gaps over the rounds deviate (median absolute deviation) by more than
+SETTLED = 0.10  # ... this fraction of their median
+BATCH = 16  # requests at once (their prompts fit one step), 48 tokens out
+NOISE = 0.10  # of the step model's step: a served step this much faster than predicted refutes the fit
 NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
 
 
 @dataclass
 class ServeCost:
     token_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
     neighbour_decode: float = 1.0
     neighbour_prefill: float = 1.0
     points: list[dict] = field(default_factory=list)
+    batch_points: list[dict] = field(default_factory=list)
     neighbour_points: list[dict] = field(default_factory=list)
     neighbour_note: str = ""  # why the neighbour was not measured, if it was not
 
@@ -84,7 +98,7 @@ def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what
 
 
 def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: set[int] | None,
-               stack: ExitStack) -> str:
+               stack: ExitStack, engine_args: tuple[str, ...] = ()) -> str:
     from services.common.grpc_server import health_serving
     from services.launcher import free_port
 
@@ -92,7 +106,7 @@ def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: 
     address = f"127.0.0.1:{port}"
     _start([sys.executable, "-m", "services.cli", "colocated", "--model", model, "--num-threads", str(threads),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
-            "--host", "127.0.0.1", "--metrics-port", "0"], cores, stack,
+            "--host", "127.0.0.1", "--metrics-port", "0", *engine_args], cores, stack,
            lambda: health_serving(address), "colocated service")
     return address
 
@@ -108,7 +122,7 @@ def _router(model: str, decode: str, stack: ExitStack) -> str:
     return url
 
 
-def _client(url: str, requests: list) -> list:
+def _client(url: str, requests: list, together: bool = False) -> list:
     """_served on a thread of its own that may run on any core, as bench-pd's client does (this
     process may be pinned to the instance's cores: its client work would all land there)."""
     out: dict = {}
@@ -117,7 +131,7 @@ def _client(url: str, requests: list) -> list:
         try:
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, _all_cpus())  # this thread only
-            out["results"] = asyncio.run(_served(url, requests))
+            out["results"] = asyncio.run(_served(url, requests, together))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             out["error"] = e
 
@@ -129,8 +143,9 @@ def _client(url: str, requests: list) -> list:
     return out["results"]
 
 
-async def _served(url: str, requests: list) -> list:
-    """Each request alone, in turn, through the router's completions endpoint (bench-pd's client)."""
+async def _served(url: str, requests: list, together: bool = False) -> list:
+    """Each request alone, in turn (or all at once), through the router's completions endpoint
+    (bench-pd's client)."""
     import aiohttp
 
     from bench.serve import send_one
@@ -138,12 +153,14 @@ async def _served(url: str, requests: list) -> list:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async with session.get(f"{url}/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        results = []
-        for req in requests:
-            res = await send_one(session, f"{url}/v1/completions", model, req, {}, True)
+        send = lambda req: send_one(session, f"{url}/v1/completions", model, req, {}, True)  # noqa: E731
+        if together:
+            results = list(await asyncio.gather(*(send(req) for req in requests)))
+        else:
+            results = [await send(req) for req in requests]
+        for req, res in zip(requests, results):
             if not res.success or res.tpot is None:
                 raise RuntimeError(f"a {req.prompt_len}-token request through the router failed: {res.error}")
-            results.append(res)
         return results
 
 
@@ -223,31 +240,82 @@ class _Neighbour:
             raise RuntimeError(f"the neighbour instance failed: {type(self.error).__name__}: {self.error}")
 
 
+class ServePathError(RuntimeError):
+    """The served path's measurements contradict the step model or never settle: no figure to trust."""
+
+
+def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float, float]:
+    """(step_s, token_s) such that a served step of `b` sampled tokens costs the step model's step +
+    step_s + token_s x b, from the lone requests (b = 1: each's TPOT over its step) and the batches
+    (b = its size: the median gap over its step); medians over rounds on each side. A part a
+    straight line through the two medians would make negative is 0 and the other part carries
+    the whole figure; a side whose served steps run faster than the step model predicts by more
+    than NOISE of its step refutes the step fit (ServePathError)."""
+    def side(pts: list[dict], served: str) -> tuple[int, float]:
+        sizes = {p["batch"] for p in pts}
+        if len(sizes) != 1:
+            raise ValueError(f"points of one side come from one batch size, got {sorted(sizes)}")
+        gap = statistics.median(p[served] - p["step_s"] for p in pts)
+        step_s = statistics.median(p["step_s"] for p in pts)
+        if gap < -NOISE * step_s:
+            raise ServePathError(
+                f"served {'batches of ' + str(pts[0]['batch']) if pts[0]['batch'] > 1 else 'lone requests'} "
+                f"stepped {-gap * 1e3:.2f} ms faster than the step model's {step_s * 1e3:.2f} ms "
+                f"(more than its {NOISE:.0%} noise): the step fit does not describe this instance; "
+                f"profile again on a quiet machine. Points: {pts}")
+        return sizes.pop(), max(0.0, gap)
+
+    one, y1 = side(points, "tpot_s")
+    if not batch_points:
+        return 0.0, y1
+    b, yb = side(batch_points, "gap_s")
+    token = (yb - y1) / (b - one)
+    if token < 0:  # the batch cost no more than one sequence: all of it is per step
+        return (y1 + yb) / 2, 0.0
+    fixed = y1 - token * one
+    if fixed < 0:  # one sequence cost less than its share of the batch: all of it is per token
+        return 0.0, (one * y1 + b * yb) / (one * one + b * b)
+    return fixed, token
+
+
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
-                       vocab_size: int, device: str = "cpu", tick=lambda: None) -> ServeCost:
+                       vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
+                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
-    Rounds alternate: requests alone, then beside the busy neighbour, so that the machine's drift
-    over the measurement touches both sides alike."""
+    The instance runs with the profile's engine settings. Rounds alternate: requests alone, a
+    batch, then beside the busy neighbour, so that the machine's drift over the measurement
+    touches every side alike."""
     from bench.workloads import BenchRequest
+
+    def prompt(seed: int, length: int) -> list[int]:
+        return [(seed + j * 31) % (vocab_size - 10) + 10 for j in range(length)]
 
     def fresh(salt: int) -> list:
         """One request of each length, prompts no earlier one sent (a repeat would hit the prefix cache)."""
         out = []
         for i, (prompt_len, out_len) in enumerate(LENGTHS):
             prompt_len = min(prompt_len, max_model_len - out_len - 1)
-            seed = i * 7919 + salt * 104729
-            out.append(BenchRequest([(seed + j * 31) % (vocab_size - 10) + 10 for j in range(prompt_len)],
-                                    prompt_len, out_len))
+            out.append(BenchRequest(prompt(i * 7919 + salt * 104729, prompt_len), prompt_len, out_len))
         return out
+
+    batch = max(2, min(batch, max_num_seqs))
+    out_len = LENGTHS[0][1]
+    # The whole batch's prompts fit one step: they start decoding together.
+    batch_prompt = max(1, min(LENGTHS[0][0], max_num_batched_tokens // batch, max_model_len - out_len - 1))
+
+    def fresh_batch(salt: int) -> list:
+        return [BenchRequest(prompt(7 + i * 7919 + salt * 104729 + 1_000_003, batch_prompt), batch_prompt, out_len)
+                for i in range(batch)]
 
     cost = ServeCost()
     on_cpu = device.startswith("cpu")
     own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cores = set(own[:num_threads]) if on_cpu and own else None
     spare = sorted(_all_cpus() - cores) if cores else []
+    engine_args = ("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs))
     with ExitStack() as stack:
-        address = _colocated(model, num_threads, dtype, max_model_len, cores, stack)
+        address = _colocated(model, num_threads, dtype, max_model_len, cores, stack, engine_args)
         url = _router(model, address, stack)
         _client(url, [BenchRequest([11, 12, 13, 14], 4, 8)])  # warm-up
         neighbour = None
@@ -257,15 +325,26 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
             cost.neighbour_note = (f"not measured: {len(spare)} core(s) beside the instance's {num_threads}, "
                                    f"no room for a neighbour as wide")
         else:
-            address_n = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack)
+            address_n = _colocated(model, num_threads, dtype, max_model_len, set(spare[:num_threads]), stack,
+                                   engine_args)
             neighbour = stack.enter_context(_Neighbour(address_n, vocab_size, max_model_len))
-        for r in range(ROUNDS):
+        r = 0
+        while True:
             reqs = fresh(2 * r)
             alone = _client(url, reqs)
             for req, res in zip(reqs, alone):
                 context = req.prompt_len + req.output_len / 2
-                cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "tpot_s": res.tpot,
-                                    "ttft_s": res.ttft, "step_s": step.decode_seconds(1, round(context))})
+                cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "batch": 1,
+                                    "tpot_s": res.tpot, "ttft_s": res.ttft,
+                                    "step_s": step.decode_seconds(1, round(context))})
+            together = _client(url, fresh_batch(r), together=True)
+            # Median gap, not TPOT: a request whose first token came before the last prompt was
+            # computed waited through a prefill step once.
+            gaps = [g for res in together for g in res.itl]
+            cost.batch_points.append({"prompt": batch_prompt, "output": out_len, "batch": batch,
+                                      "gap_s": statistics.median(gaps),
+                                      "tpot_s": statistics.median(res.tpot for res in together),
+                                      "step_s": step.decode_seconds(batch, round(batch_prompt + out_len / 2))})
             if neighbour is not None:
                 reqs = fresh(2 * r + 1)
                 neighbour.resume()
@@ -276,7 +355,19 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                                                   "tpot_alone_s": a.tpot, "tpot_busy_s": b.tpot,
                                                   "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})
             tick()
-    cost.token_overhead_s = max(0.0, statistics.median(p["tpot_s"] - p["step_s"] for p in cost.points))
+            r += 1
+            served = [p["gap_s"] for p in cost.batch_points]
+            middle = statistics.median(served)
+            spread = statistics.median(abs(g - middle) for g in served) / middle
+            if r >= ROUNDS and spread <= SETTLED:
+                break
+            if r >= MAX_ROUNDS:
+                raise ServePathError(
+                    f"a served batch of {batch} stepped {min(served) * 1e3:.1f}-{max(served) * 1e3:.1f} ms a "
+                    f"token over {r} rounds (median deviation {spread:.0%} of the median, more than {SETTLED:.0%}): "
+                    f"the machine is too busy to measure the served path; profile again on a quiet one, "
+                    f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
+    cost.step_overhead_s, cost.token_overhead_s = fit_serve_path(cost.points, cost.batch_points)
     if cost.neighbour_points:
         cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"] for p in cost.neighbour_points)
         long_prompt = max(p["prompt"] for p in cost.neighbour_points)

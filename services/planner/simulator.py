@@ -174,6 +174,8 @@ class _Instance:
         # The engine's step, then the serving path's per-token work on the same cores.
         prof = sim.profile
         seconds = prof.step.seconds(tokens, attn, kv, len(batch), decode_attn) + sampled * prof.token_overhead_s
+        if sampled:
+            seconds += prof.step_overhead_s
         if any(o.busy for o in self.neighbours):
             seconds *= prof.neighbour_prefill if chunked else prof.neighbour_decode
         self.busy = True

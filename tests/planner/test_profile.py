@@ -10,6 +10,7 @@ import pytest
 from services.cli import main as pdserve
 from services.planner.costmodel import StepCost, StepPoint, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
+from services.planner.profile_serve import ServePathError, fit_serve_path
 
 
 def test_step_fit_recovers_known_coefficients_and_knee():
@@ -136,12 +137,18 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
             n * 16 * prof.model.kv_bytes_per_token for n in (1, 8, 32)]
     assert prof.transfer("shm").bytes_per_s > 1e6
     # The served path: requests one at a time through a router in front of a live instance on
-    # these cores, four rounds of one per length.
+    # these cores, at least four rounds of one per length, and a batch of 4 at once each round
+    # (prompts of 16 tokens: the 64-token step computes all four, and they decode together).
     serve = prof.raw["serve"]["points"]
-    assert [p["prompt"] for p in serve] == [128, 1024] * 4
-    assert all(p["tpot_s"] > 0 and p["step_s"] > 0 for p in serve)
-    gaps = sorted(p["tpot_s"] - p["step_s"] for p in serve)
-    assert prof.token_overhead_s == pytest.approx(max(0.0, (gaps[3] + gaps[4]) / 2))
+    rounds = len(serve) // 2
+    assert 4 <= rounds <= 8 and [p["prompt"] for p in serve] == [128, 1024] * rounds
+    assert all(p["tpot_s"] > 0 and p["step_s"] > 0 and p["batch"] == 1 for p in serve)
+    batches = prof.raw["serve"]["batch_points"]
+    assert len(batches) == rounds
+    assert all(p["batch"] == 4 and p["prompt"] == 16 and p["gap_s"] > 0 for p in batches)
+    assert all(p["step_s"] == pytest.approx(prof.step.decode_seconds(4, 16 + 24)) for p in batches)
+    assert (prof.step_overhead_s, prof.token_overhead_s) == pytest.approx(fit_serve_path(serve, batches))
+    assert prof.step_overhead_s >= 0 and prof.token_overhead_s >= 0
     # Each round again, fresh prompts, beside a busy neighbour instance on the next core.
     neighbour = prof.raw["serve"]["neighbour_points"]
     if (os.cpu_count() or 1) >= 2:
@@ -187,3 +194,38 @@ def test_a_profile_whose_cache_preempts_its_batch_refuses_to_fit_it(tiny_llama):
             timer.check_no_preemptions()
     finally:
         timer.core.shutdown()
+
+
+def _lone(gaps_ms, step_ms=20.0):
+    return [{"batch": 1, "tpot_s": (step_ms + g) / 1e3, "step_s": step_ms / 1e3} for g in gaps_ms]
+
+
+def _batches(gaps_ms, batch=16, step_ms=40.0):
+    return [{"batch": batch, "gap_s": (step_ms + g) / 1e3, "step_s": step_ms / 1e3} for g in gaps_ms]
+
+
+def test_served_path_fit_splits_a_step_cost_from_a_token_cost():
+    # 1 ms a step + 0.5 ms a sampled token: lone requests 1.5 ms over the step model, a batch of
+    # 16 9 ms (medians over noisy rounds).
+    step_s, token_s = fit_serve_path(_lone([1.4, 1.5, 1.6, 1.5, 9.0]), _batches([8.8, 9.0, 9.3, 9.0]))
+    assert (step_s, token_s) == pytest.approx((1e-3, 5e-4))
+
+
+def test_served_path_fit_charges_a_batch_what_it_cost_when_a_lone_request_hides_in_noise():
+    # The run that broke the sweep: a lone request's served TPOT within the step model's noise
+    # (0 after the old clamp) while a batch of 16 paid 32 ms a step: ~2 ms a token, not 0.
+    step_s, token_s = fit_serve_path(_lone([-0.5, -0.3, 0.2]), _batches([31.0, 32.0, 33.0]))
+    assert step_s == 0 and token_s == pytest.approx(32e-3 * 16 / (1 + 16 * 16))
+    # A batch costing no more than one request: all of it is per step.
+    assert fit_serve_path(_lone([2.0]), _batches([1.0])) == pytest.approx((1.5e-3, 0.0))
+    # No batch measured: the lone figure, as before.
+    assert fit_serve_path(_lone([1.0, 3.0, 2.0]), []) == pytest.approx((0.0, 2e-3))
+
+
+def test_served_path_fit_refuses_steps_faster_than_the_step_model_beyond_its_noise():
+    # A batch 5% under the step model's 40 ms step is noise (0 over it); 25% under refutes the fit.
+    assert fit_serve_path(_lone([1.0]), _batches([-2.0])) == pytest.approx((5e-4, 0.0))
+    with pytest.raises(ServePathError, match="faster than the step model"):
+        fit_serve_path(_lone([1.0]), _batches([-10.0, -9.0, -11.0]))
+    with pytest.raises(ServePathError, match="lone requests"):
+        fit_serve_path(_lone([-5.0, -6.0]), _batches([3.0]))

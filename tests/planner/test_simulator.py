@@ -34,6 +34,11 @@ def test_serving_overhead_is_charged_per_sampled_sequence_per_step():
     served = simulate(profile(FLAT, budget=256, token_overhead_s=0.003), Fleet(num_colocated=1), reqs)
     assert served[0].ttft == pytest.approx(plain[0].ttft + 0.003)
     assert served[0].itls == pytest.approx([itl + 2 * 0.003 for itl in plain[0].itls])
+    # The served path's per-step part: once a step that samples, whatever its batch.
+    stepped = simulate(profile(FLAT, budget=256, token_overhead_s=0.003, step_overhead_s=0.005),
+                       Fleet(num_colocated=1), reqs)
+    assert stepped[0].ttft == pytest.approx(plain[0].ttft + 0.005 + 0.003)
+    assert stepped[0].itls == pytest.approx([itl + 0.005 + 2 * 0.003 for itl in plain[0].itls])
 
 
 def test_a_busy_neighbour_on_the_host_slows_a_step_by_the_profiles_factor():
