@@ -242,7 +242,8 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
         if serve_overhead:
             serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
                                        tick=lambda: bar.update(1), batch=4 if quick else BATCH,
-                                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+                                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                       measured=points)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}

@@ -13,14 +13,15 @@ requests at once (short prompts that fit one step, so they decode in lock-step);
 has room, the lone requests go again (fresh prompts: a repeat would hit the prefix cache) while a
 second instance as wide on the next cores is kept busy (long prompts back to back).
 
-- served-path cost, fitted as `step_s + token_s x sampled tokens` on top of the step model's
-  step: from the lone requests' TPOT over the step model's decode step at their mean context
-  (a batch of 1), and the batch's median inter-token gap over the step model's step for that
-  batch (a batch of `batch`: the per-token work, detokenizing, SSE and the client's parsing,
-  grows with it). Measured under load, not extrapolated from one sequence: a lone request's gap
-  can hide in the step model's noise while the same work costs a full batch milliseconds a step.
-  Rounds continue (up to MAX_ROUNDS) while the batch's gaps spread; a fit the step model
-  contradicts (served steps faster than it predicts beyond its noise) or that never settles is
+- served-path cost, fitted as `step_s + token_s x sampled tokens` on top of the engine's step:
+  from the lone requests' TPOT (a batch of 1) and the batch's median inter-token gap (a batch of
+  `batch`: the per-token work, detokenizing, SSE and the client's parsing, grows with it), each
+  over the engine's own step for that batch at that context as the profile measured it in
+  process (the step model's where the grid has no such step). Measured against measured steps,
+  not the fit: the fit's own error on one batch (10-40% on CPU decodes) would otherwise land in
+  the served figure (a lone request's 1-3 ms read as 0 at two threads), and measured under load,
+  not extrapolated from one sequence. Rounds continue (up to MAX_ROUNDS) while the batch's gaps
+  spread; served steps faster than the engine's beyond noise, or gaps that never settle, are
   refused with the points, not clamped.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
@@ -40,14 +41,16 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from services.planner.costmodel import StepCost
+from services.planner.costmodel import StepCost, StepPoint
 
 LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
 ROUNDS = 4  # of one request per length alone, a batch at once, then the lone lengths beside the busy neighbour
 MAX_ROUNDS = 8  # while the batch's gaps over the rounds deviate (median absolute deviation) by more than
 SETTLED = 0.10  # ... this fraction of their median
+SETTLED_S = 0.5e-3  # or this much (a small model's millisecond steps jitter by more than 10%)
 BATCH = 16  # requests at once (their prompts fit one step), 48 tokens out
-NOISE = 0.10  # of the step model's step: a served step this much faster than predicted refutes the fit
+NOISE = 0.15  # of the engine's step: a served step this much faster than the engine steps refutes the points
+NEAR = 0.25  # a measured decode step stands for a served one of the same batch within this of its context
 NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
 
 
@@ -244,13 +247,24 @@ class ServePathError(RuntimeError):
     """The served path's measurements contradict the step model or never settle: no figure to trust."""
 
 
+def engine_step(measured: list[StepPoint], fit: StepCost, batch: int, context: float) -> tuple[float, str]:
+    """Seconds of the engine's decode step of `batch` sequences at about `context` tokens each:
+    the median of the profile's measured decode-only steps of that batch within NEAR of that
+    context, else the step model's; and which it was."""
+    near = [p.seconds for p in measured
+            if p.tokens == p.seqs == batch and p.attn == 0 and abs(p.kv / batch - 1 - context) <= NEAR * context]
+    if near:
+        return statistics.median(near), "measured"
+    return fit.decode_seconds(batch, round(context)), "fit"
+
+
 def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float, float]:
-    """(step_s, token_s) such that a served step of `b` sampled tokens costs the step model's step +
+    """(step_s, token_s) such that a served step of `b` sampled tokens costs the engine's step +
     step_s + token_s x b, from the lone requests (b = 1: each's TPOT over its step) and the batches
     (b = its size: the median gap over its step); medians over rounds on each side. A part a
     straight line through the two medians would make negative is 0 and the other part carries
-    the whole figure; a side whose served steps run faster than the step model predicts by more
-    than NOISE of its step refutes the step fit (ServePathError)."""
+    the whole figure; a side whose served steps run faster than the engine's by more than NOISE
+    of its step refutes the measurement (ServePathError)."""
     def side(pts: list[dict], served: str) -> tuple[int, float]:
         sizes = {p["batch"] for p in pts}
         if len(sizes) != 1:
@@ -260,8 +274,8 @@ def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float,
         if gap < -NOISE * step_s:
             raise ServePathError(
                 f"served {'batches of ' + str(pts[0]['batch']) if pts[0]['batch'] > 1 else 'lone requests'} "
-                f"stepped {-gap * 1e3:.2f} ms faster than the step model's {step_s * 1e3:.2f} ms "
-                f"(more than its {NOISE:.0%} noise): the step fit does not describe this instance; "
+                f"stepped {-gap * 1e3:.2f} ms faster than the engine's {step_s * 1e3:.2f} ms step "
+                f"(more than {NOISE:.0%}): the profile's steps do not describe this instance; "
                 f"profile again on a quiet machine. Points: {pts}")
         return sizes.pop(), max(0.0, gap)
 
@@ -280,10 +294,12 @@ def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float,
 
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
                        vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
-                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> ServeCost:
+                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                       measured: list[StepPoint] = ()) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
-    The instance runs with the profile's engine settings. Rounds alternate: requests alone, a
+    The instance runs with the profile's engine settings; `measured` are the profile's steps.
+    Rounds alternate: requests alone, a
     batch, then beside the busy neighbour, so that the machine's drift over the measurement
     touches every side alike."""
     from bench.workloads import BenchRequest
@@ -333,18 +349,18 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
             reqs = fresh(2 * r)
             alone = _client(url, reqs)
             for req, res in zip(reqs, alone):
-                context = req.prompt_len + req.output_len / 2
+                engine, source = engine_step(measured, step, 1, req.prompt_len + req.output_len / 2)
                 cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "batch": 1,
-                                    "tpot_s": res.tpot, "ttft_s": res.ttft,
-                                    "step_s": step.decode_seconds(1, round(context))})
+                                    "tpot_s": res.tpot, "ttft_s": res.ttft, "step_s": engine, "step_from": source})
             together = _client(url, fresh_batch(r), together=True)
             # Median gap, not TPOT: a request whose first token came before the last prompt was
             # computed waited through a prefill step once.
             gaps = [g for res in together for g in res.itl]
+            engine, source = engine_step(measured, step, batch, batch_prompt + out_len / 2)
             cost.batch_points.append({"prompt": batch_prompt, "output": out_len, "batch": batch,
                                       "gap_s": statistics.median(gaps),
                                       "tpot_s": statistics.median(res.tpot for res in together),
-                                      "step_s": step.decode_seconds(batch, round(batch_prompt + out_len / 2))})
+                                      "step_s": engine, "step_from": source})
             if neighbour is not None:
                 reqs = fresh(2 * r + 1)
                 neighbour.resume()
@@ -358,13 +374,15 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
             r += 1
             served = [p["gap_s"] for p in cost.batch_points]
             middle = statistics.median(served)
-            spread = statistics.median(abs(g - middle) for g in served) / middle
-            if r >= ROUNDS and spread <= SETTLED:
+            deviation = statistics.median(abs(g - middle) for g in served)
+            spread = deviation / middle
+            if r >= ROUNDS and (spread <= SETTLED or deviation <= SETTLED_S):
                 break
             if r >= MAX_ROUNDS:
                 raise ServePathError(
                     f"a served batch of {batch} stepped {min(served) * 1e3:.1f}-{max(served) * 1e3:.1f} ms a "
-                    f"token over {r} rounds (median deviation {spread:.0%} of the median, more than {SETTLED:.0%}): "
+                    f"token over {r} rounds (median deviation {spread:.0%} of the median, more than {SETTLED:.0%} "
+                    f"and {SETTLED_S * 1e3:.1f} ms): "
                     f"the machine is too busy to measure the served path; profile again on a quiet one, "
                     f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
     cost.step_overhead_s, cost.token_overhead_s = fit_serve_path(cost.points, cost.batch_points)

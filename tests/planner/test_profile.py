@@ -10,7 +10,7 @@ import pytest
 from services.cli import main as pdserve
 from services.planner.costmodel import StepCost, StepPoint, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
-from services.planner.profile_serve import ServePathError, fit_serve_path
+from services.planner.profile_serve import ServePathError, engine_step, fit_serve_path
 
 
 def test_step_fit_recovers_known_coefficients_and_knee():
@@ -146,7 +146,9 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     batches = prof.raw["serve"]["batch_points"]
     assert len(batches) == rounds
     assert all(p["batch"] == 4 and p["prompt"] == 16 and p["gap_s"] > 0 for p in batches)
-    assert all(p["step_s"] == pytest.approx(prof.step.decode_seconds(4, 16 + 24)) for p in batches)
+    # Over the engine's step: the quick grid measured no batch of 4 near 40 tokens, so the fit's.
+    assert all(p["step_s"] == pytest.approx(prof.step.decode_seconds(4, 16 + 24)) and p["step_from"] == "fit"
+               for p in batches)
     assert (prof.step_overhead_s, prof.token_overhead_s) == pytest.approx(fit_serve_path(serve, batches))
     assert prof.step_overhead_s >= 0 and prof.token_overhead_s >= 0
     # Each round again, fresh prompts, beside a busy neighbour instance on the next core.
@@ -222,10 +224,23 @@ def test_served_path_fit_charges_a_batch_what_it_cost_when_a_lone_request_hides_
     assert fit_serve_path(_lone([1.0, 3.0, 2.0]), []) == pytest.approx((0.0, 2e-3))
 
 
-def test_served_path_fit_refuses_steps_faster_than_the_step_model_beyond_its_noise():
-    # A batch 5% under the step model's 40 ms step is noise (0 over it); 25% under refutes the fit.
+def test_served_path_fit_refuses_steps_faster_than_the_engines_beyond_noise():
+    # A batch 5% under the engine's 40 ms step is noise (0 over it); 25% under refutes the points.
     assert fit_serve_path(_lone([1.0]), _batches([-2.0])) == pytest.approx((5e-4, 0.0))
-    with pytest.raises(ServePathError, match="faster than the step model"):
+    with pytest.raises(ServePathError, match="faster than the engine"):
         fit_serve_path(_lone([1.0]), _batches([-10.0, -9.0, -11.0]))
     with pytest.raises(ServePathError, match="lone requests"):
         fit_serve_path(_lone([-5.0, -6.0]), _batches([3.0]))
+
+
+def test_served_steps_are_measured_against_the_engines_own_step_of_that_batch():
+    fit = StepCost(base=0.01, per_token=0, per_attn=0, per_kv_token=1e-6, per_seq=1e-3)
+    # The profile's decode-only steps of 16 at 128-133 tokens (six steps of one batch), a 16-token
+    # prompt computed alone, and 4 at 1k.
+    measured = ([StepPoint.of([(1, 128 + i)] * 16, 0.017 + i * 1e-4) for i in range(6)]
+                + [StepPoint.of([(16, 0)], 0.5), StepPoint.of([(1, 1024)] * 4, 0.03)])
+    assert engine_step(measured, fit, 16, 152) == (pytest.approx(0.01725), "measured")
+    # No measured step of that batch near that context: the fit's.
+    assert engine_step(measured, fit, 16, 400) == (pytest.approx(fit.decode_seconds(16, 400)), "fit")
+    assert engine_step(measured, fit, 8, 152) == (pytest.approx(fit.decode_seconds(8, 152)), "fit")
+    assert engine_step(measured, fit, 4, 1048) == (0.03, "measured")
