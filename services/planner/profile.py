@@ -267,6 +267,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
            "transfer": raw_transfers, "serve": {"points": serve.points, "batch_points": serve.batch_points,
+                                                "offcore_token_s": serve.offcore_token_s,
                                                 "neighbour_points": serve.neighbour_points,
                                                 "neighbour_note": serve.neighbour_note}}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
@@ -346,7 +347,9 @@ def run_cli(args) -> int:
         print(f"serving path: {prof.step_overhead_s * 1e3:.2f} ms a step + {prof.token_overhead_s * 1e3:.2f} ms per "
               f"sampled token (a live instance through a router over the step model: lone requests "
               f"{lone * 1e3:+.2f} ms a token, batches of {batched[0]['batch']} "
-              f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step)")
+              f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step; of the "
+              f"per-token figure, {serve['offcore_token_s'] * 1e3:.2f} ms is the router's and client's CPU, "
+              f"which ran on spare cores)")
         note = prof.raw["serve"].get("neighbour_note")
         print("busy neighbour on this host: " + (note if note else
               f"prefill x{prof.neighbour_prefill:.2f}, decode x{prof.neighbour_decode:.2f}"))

@@ -115,6 +115,7 @@ class Profile:
                              "token_s": self.token_overhead_s, "step_s": self.step_overhead_s,
                              "token_points": self.raw.get("serve", {}).get("points", []),
                              "batch_points": self.raw.get("serve", {}).get("batch_points", []),
+                             "offcore_token_s": self.raw.get("serve", {}).get("offcore_token_s", 0.0),
                              "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
                                            "points": self.raw.get("serve", {}).get("neighbour_points", []),
                                            "note": self.raw.get("serve", {}).get("neighbour_note", "")}},
@@ -133,6 +134,7 @@ class Profile:
             neighbour = overhead.get("neighbour", {})
             raw = {"serve": {"points": overhead.get("token_points", []),
                              "batch_points": overhead.get("batch_points", []),
+                             "offcore_token_s": overhead.get("offcore_token_s", 0.0),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}

@@ -22,7 +22,10 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   the served figure (a lone request's 1-3 ms read as 0 at two threads), and measured under load,
   not extrapolated from one sequence. Rounds continue (up to MAX_ROUNDS) while the batch's gaps
   spread; served steps faster than the engine's beyond noise, or gaps that never settle, are
-  refused with the points, not clamped.
+  refused with the points, not clamped. Where the profile left cores idle beside the instance,
+  the router and the client ran there, out of the instance's latency; a fleet that fills the
+  host runs that work on instances' cores, so their CPU time per streamed token (from /proc and
+  the client thread's clock, over the batches) is added to the per-token figure.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
   machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
@@ -58,6 +61,7 @@ NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill,
 class ServeCost:
     token_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    offcore_token_s: float = 0.0  # of token_overhead_s: the router's and client's CPU a token, off the instance's cores
     neighbour_decode: float = 1.0
     neighbour_prefill: float = 1.0
     points: list[dict] = field(default_factory=list)
@@ -74,9 +78,9 @@ def _all_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what: str) -> None:
+def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what: str) -> int:
     """Start `cmd` (stopped when `stack` closes) and wait until `ready()`; its log in the error
-    if it exits first."""
+    if it exits first. Returns its pid."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
     # Its log goes to a file, not a pipe nobody drains while it serves (a full pipe would stall it).
     log = stack.enter_context(tempfile.TemporaryFile())
@@ -98,6 +102,17 @@ def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {what} did not start within 600 s")
         time.sleep(0.5)
+    return proc.pid
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) process `pid` has used, from /proc; None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: set[int] | None,
@@ -114,27 +129,34 @@ def _colocated(model: str, threads: int, dtype: str, max_model_len: int, cores: 
     return address
 
 
-def _router(model: str, decode: str, stack: ExitStack) -> str:
+def _router(model: str, decode: str, stack: ExitStack) -> tuple[str, int]:
     from services.launcher import free_port, http_ok
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
+    pid = _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
            _all_cpus(), stack, lambda: http_ok(f"{url}/health"), "router")
-    return url
+    return url, pid
 
 
 def _client(url: str, requests: list, together: bool = False) -> list:
     """_served on a thread of its own that may run on any core, as bench-pd's client does (this
     process may be pinned to the instance's cores: its client work would all land there)."""
+    return _client_cpu(url, requests, together)[0]
+
+
+def _client_cpu(url: str, requests: list, together: bool = False) -> tuple[list, float]:
+    """_client, and the CPU seconds its thread used."""
     out: dict = {}
 
     def run() -> None:
         try:
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, _all_cpus())  # this thread only
+            start = time.thread_time()
             out["results"] = asyncio.run(_served(url, requests, together))
+            out["cpu_s"] = time.thread_time() - start
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             out["error"] = e
 
@@ -143,7 +165,7 @@ def _client(url: str, requests: list, together: bool = False) -> list:
     t.join()
     if "error" in out:
         raise out["error"]
-    return out["results"]
+    return out["results"], out["cpu_s"]
 
 
 async def _served(url: str, requests: list, together: bool = False) -> list:
@@ -332,7 +354,7 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
     engine_args = ("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs))
     with ExitStack() as stack:
         address = _colocated(model, num_threads, dtype, max_model_len, cores, stack, engine_args)
-        url = _router(model, address, stack)
+        url, router_pid = _router(model, address, stack)
         _client(url, [BenchRequest([11, 12, 13, 14], 4, 8)])  # warm-up
         neighbour = None
         if not on_cpu:
@@ -352,7 +374,9 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                 engine, source = engine_step(measured, step, 1, req.prompt_len + req.output_len / 2)
                 cost.points.append({"prompt": req.prompt_len, "output": req.output_len, "batch": 1,
                                     "tpot_s": res.tpot, "ttft_s": res.ttft, "step_s": engine, "step_from": source})
-            together = _client(url, fresh_batch(r), together=True)
+            router_cpu = _cpu_seconds(router_pid)
+            together, client_cpu = _client_cpu(url, fresh_batch(r), together=True)
+            router_cpu = None if router_cpu is None else _cpu_seconds(router_pid) - router_cpu
             # Median gap, not TPOT: a request whose first token came before the last prompt was
             # computed waited through a prefill step once.
             gaps = [g for res in together for g in res.itl]
@@ -360,7 +384,9 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
             cost.batch_points.append({"prompt": batch_prompt, "output": out_len, "batch": batch,
                                       "gap_s": statistics.median(gaps),
                                       "tpot_s": statistics.median(res.tpot for res in together),
-                                      "step_s": engine, "step_from": source})
+                                      "step_s": engine, "step_from": source,
+                                      "tokens": sum(res.output_len for res in together),
+                                      "router_cpu_s": router_cpu, "client_cpu_s": client_cpu})
             if neighbour is not None:
                 reqs = fresh(2 * r + 1)
                 neighbour.resume()
@@ -386,6 +412,12 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                     f"the machine is too busy to measure the served path; profile again on a quiet one, "
                     f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
     cost.step_overhead_s, cost.token_overhead_s = fit_serve_path(cost.points, cost.batch_points)
+    if spare and all(p["router_cpu_s"] is not None for p in cost.batch_points):
+        # The router and the client ran beside the instance, on cores the profile left idle, so
+        # their work is not in its latency; a fleet that fills the host runs it on instances' cores.
+        cost.offcore_token_s = statistics.median((p["router_cpu_s"] + p["client_cpu_s"]) / p["tokens"]
+                                                 for p in cost.batch_points)
+        cost.token_overhead_s += cost.offcore_token_s
     if cost.neighbour_points:
         cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"] for p in cost.neighbour_points)
         long_prompt = max(p["prompt"] for p in cost.neighbour_points)
