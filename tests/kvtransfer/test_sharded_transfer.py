@@ -208,8 +208,11 @@ def test_a_lost_prefill_rank_fails_the_pull_and_frees_the_others(engines):
     decode.connectors[0].start_pull("half-gone", handle, [4, 5, 6])
     error = wait_events(decode.connectors[0], ["half-gone"]).failed["half-gone"]
     assert isinstance(error, PeerLost)
-    # the request is recomputed: rank 0 gets its blocks back now, not at lease expiry
-    assert [f.reason for f in wait_freed(prefill, 0, "half-gone")] == ["aborted"]
+    # The request is recomputed: rank 0 gets its blocks back now, not at lease expiry. Rank 0's
+    # part runs on its own connection at the same time as rank 1's failing one: either the
+    # failure aborts it first, or it completed and released its blocks before the failure was
+    # seen (its part was delivered). Never left to expire.
+    assert [f.reason for f in wait_freed(prefill, 0, "half-gone")] in (["aborted"], ["released"])
 
 
 def test_whole_shard_pull_keeps_the_zero_copy_path(engines):
