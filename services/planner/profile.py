@@ -345,11 +345,12 @@ def run_cli(args) -> int:
         lone = statistics.median(p["tpot_s"] - p["step_s"] for p in serve["points"])
         batched = serve["batch_points"]
         print(f"serving path: {prof.step_overhead_s * 1e3:.2f} ms a step + {prof.token_overhead_s * 1e3:.2f} ms per "
-              f"sampled token (a live instance through a router over the step model: lone requests "
-              f"{lone * 1e3:+.2f} ms a token, batches of {batched[0]['batch']} "
-              f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step; of the "
-              f"per-token figure, {serve['offcore_token_s'] * 1e3:.2f} ms is the router's and client's CPU, "
-              f"which ran on spare cores)")
+              f"sampled token (a live instance through a router over the engine's own steps: lone requests "
+              f"{lone * 1e3:+.2f} ms a step, batches of {batched[0]['batch']} "
+              f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step"
+              + (f"; of the per-token figure, {serve['offcore_token_s'] * 1e3:.2f} ms is the router's and "
+                 f"client's CPU, which ran on cores beside the instance" if serve["offcore_token_s"] else "")
+              + ")")
         note = prof.raw["serve"].get("neighbour_note")
         print("busy neighbour on this host: " + (note if note else
               f"prefill x{prof.neighbour_prefill:.2f}, decode x{prof.neighbour_decode:.2f}"))

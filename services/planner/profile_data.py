@@ -61,8 +61,9 @@ class Profile:
     # prefill's answer to the decode's stream (P/D only).
     request_overhead_s: float = 0.0
     pd_hop_s: float = 0.0
-    # The serving path's CPU time per sequence per step on the instance's own cores (the engine
-    # core's outputs, the engine host, its gRPC stream), measured through a live service.
+    # The serving path's time per sampled token on the instance's cores (the engine core's
+    # outputs, the engine host, its gRPC stream; on a CPU host also the router's and client's
+    # CPU), measured through a live service (profile_serve).
     token_overhead_s: float = 0.0
     # ... and per step that samples (the engine core's one output message a step, its host's
     # loop), fitted with the above from lone requests and a batch's (profile_serve).
@@ -76,6 +77,9 @@ class Profile:
     raw: dict = field(default_factory=dict)  # the measured points and fit quality, kept as written
 
     def __post_init__(self) -> None:
+        if self.token_overhead_s < 0 or self.step_overhead_s < 0:
+            raise ValueError(f"serving-path overheads must be >= 0, got {self.step_overhead_s} s a step and "
+                             f"{self.token_overhead_s} s a token")
         if not (self.neighbour_prefill > 0 and self.neighbour_decode > 0):
             raise ValueError(f"neighbour slowdown factors must be > 0, got prefill {self.neighbour_prefill}, "
                              f"decode {self.neighbour_decode}")

@@ -135,8 +135,8 @@ def _router(model: str, decode: str, stack: ExitStack) -> tuple[str, int]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     pid = _start([sys.executable, "-m", "services.cli", "router", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
-           _all_cpus(), stack, lambda: http_ok(f"{url}/health"), "router")
+                  "--port", str(port), "--policy", "least_load", "--grpc-port", "-1", "--decode", decode],
+                 _all_cpus(), stack, lambda: http_ok(f"{url}/health"), "router")
     return url, pid
 
 

@@ -256,3 +256,10 @@ def test_served_steps_are_measured_against_the_engines_own_step_of_that_batch():
     assert engine_step(measured, fit, 16, 400) == (pytest.approx(fit.decode_seconds(16, 400)), "fit")
     assert engine_step(measured, fit, 8, 152) == (pytest.approx(fit.decode_seconds(8, 152)), "fit")
     assert engine_step(measured, fit, 4, 1048) == (0.03, "measured")
+
+
+def test_a_profile_with_a_negative_serving_overhead_is_refused():
+    prof = roofline_profile("h100", LLAMA3_8B)
+    for field in ("token_overhead_s", "step_overhead_s"):
+        with pytest.raises(ValueError, match="overheads must be >= 0"):
+            dataclasses.replace(prof, **{field: -1e-3})
