@@ -75,7 +75,27 @@ def _env() -> dict:
 
 
 def _all_cpus() -> set[int]:
+    """The CPUs this machine lets the profile's processes use: the cgroup's effective cpuset (a
+    container's), else the host's. Not this process's affinity: the profile may be pinned to the
+    instance's cores, and the neighbour, the router and the client must run beside it."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"):
+        try:
+            with open(path) as f:
+                return _cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
     return set(range(os.cpu_count() or 1))
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set; ValueError if empty or malformed."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"no CPUs in {text!r}")
+    return cpus
 
 
 def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what: str) -> int:

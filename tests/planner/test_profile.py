@@ -263,3 +263,14 @@ def test_a_profile_with_a_negative_serving_overhead_is_refused():
     for field in ("token_overhead_s", "step_overhead_s"):
         with pytest.raises(ValueError, match="overheads must be >= 0"):
             dataclasses.replace(prof, **{field: -1e-3})
+
+
+def test_the_served_paths_cpu_set_reads_kernel_cpu_lists():
+    from services.planner.profile_serve import _all_cpus, _cpu_list
+
+    assert _cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert _cpu_list("5") == {5}
+    with pytest.raises(ValueError):
+        _cpu_list("\n")
+    # Whatever the source, this process's own CPUs are among them.
+    assert set(os.sched_getaffinity(0)) <= _all_cpus()
