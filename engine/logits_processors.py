@@ -15,8 +15,9 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
     the repetition, frequency and presence penalties. Temperature and the top-k/top-p/min-p
     filters are the sampler's, after this.
 
-    `output_ids_per_row[i]`: the output tokens row i follows (None: each request's own output so
-    far). Speculative decoding scores k+1 positions of one request at once: pass that request
+    `output_ids_per_row[i]`: the output tokens row i follows (None: each request's
+    output_history, its own output after any resumed prompt tail); explicit rows start with the
+    resumed tail too, which min_tokens does not count (its budget is what is left). Speculative decoding scores k+1 positions of one request at once: pass that request
     once per position, with its output plus the draft tokens before that position, so each
     position sees the history it would have had. The same request may appear in many rows.
 
@@ -24,8 +25,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
     back. Rows that ask for nothing come out unchanged, and a batch where no row asks for
     anything returns `logits` itself (no copy)."""
     params = [r.sampling_params for r in requests]
-    num_outputs = ([len(o) for o in output_ids_per_row] if output_ids_per_row is not None
-                   else [r.num_output_tokens for r in requests])
+    num_outputs = ([len(o) - p.resumed_tokens for o, p in zip(output_ids_per_row, params)]
+                   if output_ids_per_row is not None else [r.num_output_tokens for r in requests])
     if not any(p.logit_bias or p.bad_words_token_ids or p.has_penalties or p.min_tokens > n
                for p, n in zip(params, num_outputs)):
         return logits
@@ -60,13 +61,13 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
 
 
 class _LazyOutputs:
-    """requests[i].output_token_ids, copied out only for the rows that read it."""
+    """requests[i].output_history, copied out only for the rows that read it."""
 
     def __init__(self, requests: Sequence) -> None:
         self.requests = requests
 
     def __getitem__(self, i: int) -> list[int]:
-        return self.requests[i].output_token_ids
+        return self.requests[i].output_history
 
 
 def banned_words(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:

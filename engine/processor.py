@@ -153,6 +153,9 @@ class InputProcessor:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
+        if params.resumed_tokens > len(token_ids):
+            raise InvalidRequestError(f"resumed_tokens ({params.resumed_tokens}) exceeds the prompt's "
+                                      f"{len(token_ids)} tokens")
         validate_sampling(params, self.vocab_size)
 
 

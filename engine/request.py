@@ -58,6 +58,9 @@ class SamplingParams:
     # Offline API only (LLM.generate): n samples per prompt, seeded ones with seed + i; the
     # router fans out into n engine requests itself.
     n: int = 1
+    # The prompt's last resumed_tokens tokens are this request's own earlier output (resent as
+    # prompt after a migration): presence/frequency penalties and bad words see them as output.
+    resumed_tokens: int = 0
     # Guided decoding: the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -89,6 +92,9 @@ class SamplingParams:
         self._check_penalties()
         self._freeze_logit_bias()
         self._freeze_bad_words()
+        if isinstance(self.resumed_tokens, bool) or not isinstance(self.resumed_tokens, int) \
+                or self.resumed_tokens < 0:
+            raise InvalidRequestError(f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
 
@@ -214,6 +220,13 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def output_history(self) -> list[int]:
+        """The output the logits processors read: this engine's output, after the prompt's last
+        sampling_params.resumed_tokens tokens when the request was resumed elsewhere."""
+        return self.all_token_ids[self.num_prompt_tokens - min(self.sampling_params.resumed_tokens,
+                                                               self.num_prompt_tokens):]
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -47,7 +47,7 @@ class RejectionSampler:
         rows, width = len(requests), max(num_spec) + 1
         # One logits row per position: the request repeated, its proposals before it as output.
         pos_requests = [r for r, n in zip(requests, num_spec) for _ in range(n + 1)]
-        pos_outputs = [r.output_token_ids + list(s[:j]) for r, s in zip(requests, spec) for j in range(len(s) + 1)]
+        pos_outputs = [r.output_history + list(s[:j]) for r, s in zip(requests, spec) for j in range(len(s) + 1)]
         logits = logits.float()
         params = [r.sampling_params for r in requests]
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None

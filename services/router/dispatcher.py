@@ -56,12 +56,14 @@ class StreamLost(Exception):
 
 
 def continued_sampling(sampling: pb.SamplingParams, num_generated: int) -> pb.SamplingParams:
-    """The same knobs (seed included) for a request that already has `num_generated` tokens: the
-    token budgets shrink by them; prompt logprobs were sent already."""
+    """The same knobs (seed included) for a request that already has `num_generated` tokens (sent
+    again as the prompt's tail): the token budgets shrink by them, the output penalties and bad
+    words still count them as output; prompt logprobs were sent already."""
     s = pb.SamplingParams()
     s.CopyFrom(sampling)
     s.max_tokens = sampling.max_tokens - num_generated
     s.min_tokens = max(0, sampling.min_tokens - num_generated)
+    s.resumed_tokens = sampling.resumed_tokens + num_generated
     s.ClearField("prompt_logprobs")
     if s.HasField("structured_outputs"):  # the grammar resumes after the tokens so far
         s.structured_outputs.resumed_tokens = sampling.structured_outputs.resumed_tokens + num_generated

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.engine_core import next_decode_step
 from engine.logits_processors import apply_logits_processors
-from engine.processor import validate_sampling
+from engine.processor import InputProcessor, validate_sampling
 from engine.request import InvalidRequestError, Request
 
 VOCAB = 50
@@ -106,6 +106,42 @@ def test_hypothetical_outputs_per_row(device):
         assert torch.allclose(out[j], torch.tensor(ref), rtol=1e-5, atol=1e-4)
     assert out[0, 4] == -math.inf and out[1, 4] != -math.inf  # [3, 4]: only after a 3
     assert out[1, 0] == -math.inf and out[2, 0] != -math.inf  # EOS hidden before 3 tokens
+
+
+@pytest.mark.parametrize("explicit_rows", [False, True], ids=["own_output", "per_row_histories"])
+def test_a_resumed_prompt_tail_counts_as_output(device, explicit_rows):
+    """A request resumed elsewhere (after a migration) has its earlier output as the prompt's
+    tail: penalties and bad words treat it as the request that never moved does; min_tokens,
+    whose budget the router has already reduced, counts only the new output."""
+    prompt, before, after = [7, 8, 9], [3, 3, 5], [3]
+    p = dict(max_tokens=64, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5,
+             bad_words_token_ids=[[5, 3, 4], [3, 6]], stop_token_ids=[11])
+    whole = Request("whole", prompt, SamplingParams(**p, min_tokens=6), eos_token_id=0)
+    moved = Request("moved", prompt + before, SamplingParams(**p, min_tokens=6 - len(before),
+                                                             resumed_tokens=len(before)), eos_token_id=0)
+    for t in before + after:
+        whole.append_token(t)
+    for t in after:
+        moved.append_token(t)
+    assert moved.output_history == whole.output_token_ids
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).repeat(2, 1).to(device)
+    histories = [r.output_history for r in (whole, moved)] if explicit_rows else None
+    out = apply_logits_processors(logits, [whole, moved], histories).cpu()
+    assert torch.equal(out[0], out[1])
+    assert out[1, 4] == -math.inf and out[1, 6] == -math.inf  # bad words matched across the move
+    assert out[1, 0] == -math.inf and out[1, 11] == -math.inf  # 4 of 6 tokens so far: EOS still hidden
+    fresh = Request("fresh", prompt + before, SamplingParams(**p), eos_token_id=0)
+    fresh.append_token(after[0])  # the same tokens as prompt only: penalised less
+    assert not torch.equal(apply_logits_processors(logits[:1], [fresh]).cpu()[0], out[1])
+
+
+def test_resumed_tokens_are_checked():
+    with pytest.raises(InvalidRequestError, match="resumed_tokens must be an integer >= 0"):
+        SamplingParams(resumed_tokens=-1)
+    processor = InputProcessor(None, 64, VOCAB)
+    with pytest.raises(InvalidRequestError, match=r"resumed_tokens \(4\) exceeds the prompt's 3 tokens"):
+        processor.validate([1, 2, 3], SamplingParams(resumed_tokens=4))
+    processor.validate([1, 2, 3], SamplingParams(resumed_tokens=3))
 
 
 def test_nothing_asked_is_no_work():
@@ -263,7 +299,8 @@ def test_the_engine_core_process_gets_every_field(tiny_llama, llm):
     from engine.async_engine import AsyncEngine
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
-                            repetition_penalty=1.4, logit_bias={77: 3.0}, bad_words_token_ids=[[5, 6], [9]])
+                            repetition_penalty=1.4, logit_bias={77: 3.0}, bad_words_token_ids=[[5, 6], [9]],
+                            resumed_tokens=2)
 
     async def main():
         engine = await AsyncEngine.create(tiny_llama, multiprocess=True, num_blocks=256)

@@ -36,10 +36,12 @@ def engine_samplings(stack) -> list[pb.SamplingParams]:
 
 def test_the_new_fields_survive_the_wire():
     s = SamplingParams(max_tokens=5, presence_penalty=-1.5, frequency_penalty=0.25, repetition_penalty=1.25,
-                       logit_bias={7: -100.0, 3: 0.5}, bad_words_token_ids=[[1, 2], [9]], seed=4)
+                       logit_bias={7: -100.0, 3: 0.5}, bad_words_token_ids=[[1, 2], [9]], seed=4,
+                       resumed_tokens=3)
     assert sampling_from_proto(sampling_to_proto(s)) == s
     plain = sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=5)))
     assert plain.repetition_penalty == 1.0 and plain.logit_bias == () and plain.bad_words_token_ids == ()
+    assert plain.resumed_tokens == 0
 
 
 def test_bad_words_are_tokenized_as_vllm_does(tiny_model_path, tokenizer):

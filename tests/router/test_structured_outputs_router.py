@@ -137,6 +137,17 @@ def test_a_migrated_request_tells_the_engine_where_its_grammar_resumes():
     assert not continued_sampling(pb.SamplingParams(max_tokens=5), 2).HasField("structured_outputs")
 
 
+def test_a_migrated_request_tells_the_engine_which_prompt_tokens_are_its_output():
+    """Penalties and bad words on the output keep counting what was generated before the move."""
+    from services.api.pdserve.v1 import pdserve_pb2 as pb
+    from services.router.dispatcher import continued_sampling
+
+    sampling = pb.SamplingParams(max_tokens=50, min_tokens=10, frequency_penalty=1.0)
+    once = continued_sampling(sampling, 7)
+    assert (once.resumed_tokens, once.max_tokens, once.min_tokens) == (7, 43, 3)
+    assert continued_sampling(once, 5).resumed_tokens == 12  # moved twice: both parts are output
+
+
 def test_tools_reach_the_chat_template(tiny_llama):
     """tool_choice auto (and the constrained ones) render the tools as the model's template wants."""
     from services.router.served_model import ServedModel

@@ -1,6 +1,7 @@
 """End to end: a decode process killed with SIGKILL (or its engine core killed) while it streams a
 greedy completion; the router migrates the request to another decode (prompt + the tokens sent,
-prefilled again) and the client's answer, streamed or not, is the undisturbed one, token for token."""
+prefilled again) and the client's answer, streamed or not, is the undisturbed one, token for token,
+penalties on the output included."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -22,8 +23,8 @@ MIGRATED = ("pdserve:router_migrations_total", {"outcome": "completed"})
 
 @pytest.fixture(scope="module")
 def stack(e2e_model):
-    """Its own stack: each test kills one of its four decodes."""
-    with Stack(e2e_model, StackSpec(prefills=1, decodes=4)) as s:
+    """Its own stack: each test kills one of its five decodes."""
+    with Stack(e2e_model, StackSpec(prefills=1, decodes=5)) as s:
         yield s
 
 
@@ -111,6 +112,19 @@ def test_a_streamed_completion_survives_its_decode_killed(stack, body, undisturb
 
 
 def test_a_completion_survives_its_decode_killed(stack, body, undisturbed):
+    completed_after_a_kill(stack, body, undisturbed)
+
+
+def test_output_penalties_count_the_tokens_sent_before_the_kill(stack, body):
+    """Frequency and presence penalties read the output so far: the decode that
+    takes over gets the earlier output as the prompt's tail and must count it as output."""
+    penalised = {**body, "frequency_penalty": 1.0, "presence_penalty": 0.5}
+    status, undisturbed = stack.post("/v1/completions", penalised)
+    assert status == 200, undisturbed
+    completed_after_a_kill(stack, penalised, undisturbed)
+
+
+def completed_after_a_kill(stack, body: dict, undisturbed: dict) -> None:
     before = stack.router.metric(*MIGRATED)
     tokens = stack.router.metric("pdserve:router_generation_tokens_total")
     decodes = Decodes(stack)
