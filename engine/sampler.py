@@ -47,6 +47,24 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.softmax(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p), dim=-1)
 
 
+def grammar_first(masked: torch.Tensor, processed: torch.Tensor, requests: list) -> torch.Tensor:
+    """A structured-output row that the logits processors left nothing to sample (min_tokens
+    hiding EOS where the grammar allows only its end, bad words banning every token it allows)
+    samples from the grammar's mask alone: the grammar is the hard constraint, so a complete
+    document ends (finish_reason "stop", short of min_tokens) instead of the row sampling a
+    token the grammar refuses. `masked`: the logits before the processors, after the grammar's
+    mask. On the logits' device, nothing read back."""
+    if processed is masked:
+        return processed
+    rows = [i for i, r in enumerate(requests) if r.structured_output is not None]
+    if not rows:
+        return processed
+    index = on_device(rows, processed.device)
+    sub = processed.index_select(0, index)
+    dead = torch.isneginf(sub).all(dim=-1, keepdim=True)
+    return processed.index_copy(0, index, torch.where(dead, masked.index_select(0, index).to(sub.dtype), sub))
+
+
 class Sampler:
     """Samples one token per row, on the logits' device. Seeded rows draw from their own
     generator (on that device), so a request's tokens do not depend on what else is in the batch."""
@@ -72,7 +90,7 @@ class Sampler:
         logits = logits.float()
         # Raw logprobs, before any processor (vLLM's default logprobs mode).
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        logits = apply_logits_processors(logits, requests)
+        logits = grammar_first(logits, apply_logits_processors(logits, requests), requests)
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1), logprobs
         return self._sample(logits, requests, params), logprobs
@@ -92,10 +110,13 @@ class Sampler:
                 gen = self.request_generators.get(r.request_id)
                 if gen is None:
                     gen = self.request_generators[r.request_id] = torch.Generator(device=dev).manual_seed(p.seed)
-                    # Tokens sampled elsewhere (a prefill instance's first token) used draws
-                    # of this seed already: skip them, so disaggregated == colocated.
-                    for _ in range(r.num_output_tokens):
-                        torch.empty_like(noise[i]).exponential_(generator=gen)
+                    # Tokens sampled elsewhere used draws of this seed already: a prefill
+                    # instance's first token, and the output resent as the prompt's tail after a
+                    # migration. Skip them, so disaggregated == colocated and a moved request
+                    # goes on with the random stream it had.
+                    skip = torch.empty_like(noise[i])
+                    for _ in range(r.num_output_tokens + p.resumed_tokens):
+                        skip.exponential_(generator=gen)
                 noise[i].exponential_(generator=gen)
             else:
                 noise[i].exponential_(generator=self.generator)

@@ -19,7 +19,7 @@ import torch
 
 from engine.device import on_device
 from engine.logits_processors import apply_logits_processors
-from engine.sampler import Sampler, sampling_probs
+from engine.sampler import Sampler, grammar_first, sampling_probs
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RejectionSampler:
         logits = logits.float()
         params = [r.sampling_params for r in requests]
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        logits = apply_logits_processors(logits, pos_requests, pos_outputs)
+        logits = grammar_first(logits, apply_logits_processors(logits, pos_requests, pos_outputs), pos_requests)
 
         # [rows, width] index of each (row, position) into the flat positions; padding repeats the last.
         starts = [0]

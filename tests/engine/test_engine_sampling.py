@@ -84,6 +84,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama, devic
     assert llm.generate(["The old king"], other_seed)[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.parametrize("moved_after", [1, 5])
+def test_a_seeded_request_resumed_elsewhere_goes_on_with_its_random_stream(tiny_llama, device, moved_after):
+    """After a migration the router resends prompt + output so far with resumed_tokens: the
+    seeded request skips the draws those tokens used, so its answer is the undisturbed one."""
+    llm = LLM(tiny_llama, device=device)
+    kw = dict(temperature=0.9, top_k=40, seed=77, ignore_eos=True, frequency_penalty=0.3)
+    whole = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, **kw))[0].outputs[0].token_ids
+    before = whole[:moved_after]
+    rest = llm.generate([[5, 6, 7, 8, *before]], SamplingParams(max_tokens=12 - moved_after, resumed_tokens=moved_after,
+                                                               **kw))[0].outputs[0].token_ids
+    assert before + rest == whole
+    fresh = llm.generate([[5, 6, 7, 8, *before]], SamplingParams(max_tokens=12 - moved_after, **kw))[0].outputs[0]
+    assert before + fresh.token_ids != whole  # without it: the stream restarts at the move
+
+
 def test_prompt_logprobs_match_transformers(tiny_llama):
     from transformers import AutoModelForCausalLM
 

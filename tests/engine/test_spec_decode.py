@@ -331,6 +331,20 @@ def test_rejection_sampling_applies_temperature_and_top_k(device):
     check_distribution(out.tokens[:, 0].cpu(), filtered / filtered.sum())
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_grammar_row_the_processors_empty_samples_from_the_grammar(device, temperature):
+    """As the sampler: a grammar row (logits already masked to its end, EOS id 2) whose
+    min_tokens hides EOS keeps the grammar's EOS at every verified position, instead of a token
+    the grammar refuses."""
+    logits = torch.full((2, V), float("-inf"))
+    logits[:, 2] = 1.0  # the grammar allows only its end, at both of the row's positions
+    row = Request("g", [1, 2, 3], SamplingParams(temperature=temperature, seed=1, max_tokens=8, min_tokens=4),
+                  eos_token_id=2)
+    row.structured_output = object()  # any grammar: only its presence is read here
+    out = RejectionSampler(Sampler(0, device))(logits.to(device), [row], [[2]])
+    assert out.tokens[0, :out.num_tokens[0]].tolist() == [2, 2]  # the proposal accepted, then the bonus
+
+
 def test_greedy_verification_rule(device):
     logits = torch.full((7, V), -5.0)
     argmax = [3, 1, 4, 0, 2, 2, 5]

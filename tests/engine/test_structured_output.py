@@ -95,6 +95,25 @@ def test_grammar_compiles_once_per_spec(tiny_llama):
     assert stats["grammar_cache_hits"] == 2
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_the_grammar_ends_a_complete_document_before_min_tokens(llm, temperature):
+    """min_tokens hides EOS, the grammar allows only EOS once the choice is written: the grammar
+    wins (the document is complete), where the row used to have nothing left to sample and the
+    request was aborted; bad words banning every token the grammar allows likewise."""
+    alone = llm.generate(["Is it?"], guided(temperature=temperature, choice=["yes"], max_tokens=20))[0].outputs[0]
+    assert (alone.text, alone.finish_reason) == ("yes", "stop")
+    written = [t for t in alone.token_ids if t != llm.tokenizer.eos_token_id]
+    outs = llm.generate(["Is it?", "Is it?"], [
+        SamplingParams(max_tokens=20, min_tokens=10, temperature=temperature, seed=i,
+                       structured_outputs=Guided(choice=["yes"]),
+                       bad_words_token_ids=[[t] for t in written] if i else ())
+        for i in range(2)])
+    for out in outs:
+        assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("yes", "stop")
+    free = llm.generate(["Is it?"], SamplingParams(max_tokens=20, min_tokens=10, temperature=temperature))
+    assert len(free[0].outputs[0].token_ids) >= 10  # without a grammar, min_tokens holds
+
+
 def test_bad_grammar_fails_only_its_request(llm):
     outs = llm.generate(["x", "y", "z"], [guided(json='{"type": "nonsense"}'), SamplingParams(max_tokens=4),
                                           guided(grammar='root ::= ("a"')])

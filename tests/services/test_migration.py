@@ -1,7 +1,7 @@
 """End to end: a decode process killed with SIGKILL (or its engine core killed) while it streams a
 greedy completion; the router migrates the request to another decode (prompt + the tokens sent,
 prefilled again) and the client's answer, streamed or not, is the undisturbed one, token for token,
-penalties on the output included."""
+penalties on the output and seeded sampling included."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,8 +23,8 @@ MIGRATED = ("pdserve:router_migrations_total", {"outcome": "completed"})
 
 @pytest.fixture(scope="module")
 def stack(e2e_model):
-    """Its own stack: each test kills one of its five decodes."""
-    with Stack(e2e_model, StackSpec(prefills=1, decodes=5)) as s:
+    """Its own stack: each test kills one of its six decodes."""
+    with Stack(e2e_model, StackSpec(prefills=1, decodes=6)) as s:
         yield s
 
 
@@ -122,6 +122,15 @@ def test_output_penalties_count_the_tokens_sent_before_the_kill(stack, body):
     status, undisturbed = stack.post("/v1/completions", penalised)
     assert status == 200, undisturbed
     completed_after_a_kill(stack, penalised, undisturbed)
+
+
+def test_a_seeded_random_completion_goes_on_with_its_random_stream(stack, body):
+    """The decode that takes over skips the seed's draws the earlier tokens used: a seeded,
+    sampled answer is the undisturbed one too."""
+    seeded = {**body, "temperature": 0.9, "top_k": 40, "seed": 11}
+    status, undisturbed = stack.post("/v1/completions", seeded)
+    assert status == 200, undisturbed
+    completed_after_a_kill(stack, seeded, undisturbed)
 
 
 def completed_after_a_kill(stack, body: dict, undisturbed: dict) -> None:
