@@ -211,9 +211,10 @@ def default_model() -> str:
 def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_batched_tokens: int = 2048,
                 max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str = "float32",
                 transports: list[str] | None = None, quick: bool = False, progress: bool = True,
-                serve_overhead: bool = True) -> Profile:
+                serve_overhead: bool = True, router_elsewhere: bool = False) -> Profile:
     """serve_overhead: also time a live instance behind a router, alone and beside a busy
-    neighbour instance (profile_serve.py)."""
+    neighbour instance (profile_serve.py); router_elsewhere: the fleet's router and clients run
+    on other hosts, so their CPU is not charged to the instances."""
     import torch
     from tqdm import tqdm
 
@@ -243,7 +244,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
             serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
                                        tick=lambda: bar.update(1), batch=4 if quick else BATCH,
                                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                       measured=points)
+                                       measured=points, router_elsewhere=router_elsewhere)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -268,6 +269,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
            "transfer": raw_transfers, "serve": {"points": serve.points, "batch_points": serve.batch_points,
                                                 "offcore_token_s": serve.offcore_token_s,
+                                                "router_token_s": serve.router_token_s,
                                                 "neighbour_points": serve.neighbour_points,
                                                 "neighbour_note": serve.neighbour_note}}
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
@@ -293,6 +295,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests")
     p.add_argument("--no-serve-overhead", action="store_true",
                    help="do not time a live colocated service for the serving path's cost per token")
+    p.add_argument("--router-elsewhere", action="store_true",
+                   help="the fleet's router and clients run on other hosts (a cluster's router pods): their CPU "
+                        "per token is recorded but not charged to the instances (default: charged, as when they "
+                        "share the instances' host, as in bench-pd)")
     p.add_argument("--roofline", default=None, choices=sorted(GPUS),
                    help="measure nothing: write the datasheet roofline of this GPU for --model's shape "
                         "(default shape: Llama-3-8B), for planning a GPU fleet from here")
@@ -325,7 +331,7 @@ def run_cli(args) -> int:
     try:
         prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
                            args.max_model_len, args.dtype, transports, args.quick,
-                           serve_overhead=not args.no_serve_overhead)
+                           serve_overhead=not args.no_serve_overhead, router_elsewhere=args.router_elsewhere)
     except ServePathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -349,7 +355,9 @@ def run_cli(args) -> int:
               f"{lone * 1e3:+.2f} ms a step, batches of {batched[0]['batch']} "
               f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step"
               + (f"; of the per-token figure, {serve['offcore_token_s'] * 1e3:.2f} ms is the router's and "
-                 f"client's CPU, which ran on cores beside the instance" if serve["offcore_token_s"] else "")
+                 f"client's CPU, which ran on cores beside the instance" if serve["offcore_token_s"] else
+                 f"; the router's and client's CPU, {serve['router_token_s'] * 1e3:.2f} ms a token, is not "
+                 f"charged (--router-elsewhere)" if serve.get("router_token_s") else "")
               + ")")
         note = prof.raw["serve"].get("neighbour_note")
         print("busy neighbour on this host: " + (note if note else

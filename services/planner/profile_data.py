@@ -120,6 +120,7 @@ class Profile:
                              "token_points": self.raw.get("serve", {}).get("points", []),
                              "batch_points": self.raw.get("serve", {}).get("batch_points", []),
                              "offcore_token_s": self.raw.get("serve", {}).get("offcore_token_s", 0.0),
+                             "router_token_s": self.raw.get("serve", {}).get("router_token_s", 0.0),
                              "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
                                            "points": self.raw.get("serve", {}).get("neighbour_points", []),
                                            "note": self.raw.get("serve", {}).get("neighbour_note", "")}},
@@ -139,6 +140,7 @@ class Profile:
             raw = {"serve": {"points": overhead.get("token_points", []),
                              "batch_points": overhead.get("batch_points", []),
                              "offcore_token_s": overhead.get("offcore_token_s", 0.0),
+                             "router_token_s": overhead.get("router_token_s", 0.0),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}

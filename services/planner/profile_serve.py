@@ -25,7 +25,9 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   refused with the points, not clamped. Where the profile left cores idle beside the instance,
   the router and the client ran there, out of the instance's latency; a fleet that fills the
   host runs that work on instances' cores, so their CPU time per streamed token (from /proc and
-  the client thread's clock, over the batches) is added to the per-token figure.
+  the client thread's clock, over the batches) is added to the per-token figure, unless the
+  fleet's router and clients run on other hosts (`pdserve profile --router-elsewhere`: a
+  cluster's router pods); it is recorded either way.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
   machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
@@ -62,6 +64,7 @@ class ServeCost:
     token_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     offcore_token_s: float = 0.0  # of token_overhead_s: the router's and client's CPU a token, off the instance's cores
+    router_token_s: float = 0.0  # that CPU a token as measured (0: not measurable), charged or not
     neighbour_decode: float = 1.0
     neighbour_prefill: float = 1.0
     points: list[dict] = field(default_factory=list)
@@ -334,13 +337,29 @@ def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float,
     return fixed, token
 
 
+def charge_router_cpu(cost: ServeCost, offcore: bool, router_elsewhere: bool) -> None:
+    """The router's and client's CPU per streamed token, from the batches (recorded in
+    router_token_s), joins the per-token figure when they ran on cores the profile left idle
+    beside the instance (`offcore`: out of its latency, where a fleet filling the host would run
+    them on instances' cores), unless the fleet runs them on other hosts. Where they shared the
+    instance's cores, they are in its latency already."""
+    if not offcore or not cost.batch_points or any(p["router_cpu_s"] is None for p in cost.batch_points):
+        return
+    cost.router_token_s = statistics.median((p["router_cpu_s"] + p["client_cpu_s"]) / p["tokens"]
+                                            for p in cost.batch_points)
+    if not router_elsewhere:
+        cost.offcore_token_s = cost.router_token_s
+        cost.token_overhead_s += cost.offcore_token_s
+
+
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
                        vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                       measured: list[StepPoint] = ()) -> ServeCost:
+                       measured: list[StepPoint] = (), router_elsewhere: bool = False) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
     The instance runs with the profile's engine settings; `measured` are the profile's steps.
+    router_elsewhere: the fleet's router and clients run on other hosts (charge_router_cpu).
     Rounds alternate: requests alone, a
     batch, then beside the busy neighbour, so that the machine's drift over the measurement
     touches every side alike."""
@@ -432,12 +451,7 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                     f"the machine is too busy to measure the served path; profile again on a quiet one, "
                     f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
     cost.step_overhead_s, cost.token_overhead_s = fit_serve_path(cost.points, cost.batch_points)
-    if spare and all(p["router_cpu_s"] is not None for p in cost.batch_points):
-        # The router and the client ran beside the instance, on cores the profile left idle, so
-        # their work is not in its latency; a fleet that fills the host runs it on instances' cores.
-        cost.offcore_token_s = statistics.median((p["router_cpu_s"] + p["client_cpu_s"]) / p["tokens"]
-                                                 for p in cost.batch_points)
-        cost.token_overhead_s += cost.offcore_token_s
+    charge_router_cpu(cost, bool(spare), router_elsewhere)
     if cost.neighbour_points:
         cost.neighbour_decode = statistics.median(p["tpot_busy_s"] / p["tpot_alone_s"] for p in cost.neighbour_points)
         long_prompt = max(p["prompt"] for p in cost.neighbour_points)

@@ -11,7 +11,7 @@ import pytest
 from services.cli import main as pdserve
 from services.planner.costmodel import StepCost, StepPoint, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
-from services.planner.profile_serve import ServePathError, engine_step, fit_serve_path
+from services.planner.profile_serve import ServeCost, ServePathError, charge_router_cpu, engine_step, fit_serve_path
 
 
 def test_step_fit_recovers_known_coefficients_and_knee():
@@ -163,6 +163,7 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     else:
         assert offcore == 0
     assert (prof.step_overhead_s, prof.token_overhead_s) == pytest.approx((step_s, token_s + offcore))
+    assert prof.raw["serve"]["router_token_s"] == offcore  # charged: bench-pd's fleets share the host
     # Each round again, fresh prompts, beside a busy neighbour instance on the next core.
     neighbour = prof.raw["serve"]["neighbour_points"]
     if (os.cpu_count() or 1) >= 2:
@@ -263,6 +264,29 @@ def test_a_profile_with_a_negative_serving_overhead_is_refused():
     for field in ("token_overhead_s", "step_overhead_s"):
         with pytest.raises(ValueError, match="overheads must be >= 0"):
             dataclasses.replace(prof, **{field: -1e-3})
+
+
+def test_the_routers_cpu_is_charged_only_where_it_would_land_on_instances():
+    def cost():
+        c = ServeCost(token_overhead_s=0.001)
+        c.batch_points = [{"router_cpu_s": r, "client_cpu_s": 0.02, "tokens": 100} for r in (0.01, 0.03, 0.05)]
+        return c
+
+    beside = cost()  # ran on idle cores beside the instance; a fleet filling the host runs it on instances'
+    charge_router_cpu(beside, offcore=True, router_elsewhere=False)
+    assert beside.router_token_s == beside.offcore_token_s == pytest.approx(0.0005)
+    assert beside.token_overhead_s == pytest.approx(0.0015)
+    elsewhere = cost()  # --router-elsewhere: router pods on other hosts; measured, recorded, not charged
+    charge_router_cpu(elsewhere, offcore=True, router_elsewhere=True)
+    assert (elsewhere.router_token_s, elsewhere.offcore_token_s, elsewhere.token_overhead_s) == \
+        pytest.approx((0.0005, 0.0, 0.001))
+    shared = cost()  # ran on the instance's own cores: in its latency already
+    charge_router_cpu(shared, offcore=False, router_elsewhere=False)
+    assert (shared.router_token_s, shared.offcore_token_s, shared.token_overhead_s) == pytest.approx((0, 0, 0.001))
+    unread = cost()  # /proc unreadable for the router: nothing to charge
+    unread.batch_points[1]["router_cpu_s"] = None
+    charge_router_cpu(unread, offcore=True, router_elsewhere=False)
+    assert (unread.router_token_s, unread.token_overhead_s) == pytest.approx((0, 0.001))
 
 
 def test_the_served_paths_cpu_set_reads_kernel_cpu_lists():
