@@ -17,9 +17,10 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
 
     `output_ids_per_row[i]`: the output tokens row i follows (None: each request's
     output_history, its own output after any resumed prompt tail); explicit rows start with the
-    resumed tail too, which min_tokens does not count (its budget is what is left). Speculative decoding scores k+1 positions of one request at once: pass that request
-    once per position, with its output plus the draft tokens before that position, so each
-    position sees the history it would have had. The same request may appear in many rows.
+    resumed tail too, which min_tokens does not count (its budget is what is left). Speculative
+    decoding scores k+1 positions of one request at once: pass that request once per position,
+    with its output plus the draft tokens before that position, so each position sees the
+    history it would have had. The same request may appear in many rows.
 
     Works on the logits' device with one host-to-device copy per kind of index; nothing is read
     back. Rows that ask for nothing come out unchanged, and a batch where no row asks for
