@@ -89,8 +89,25 @@ def kv_ingress_from_decode(docs: list[dict]) -> list[dict]:
 def test_a_sharded_prefill_lets_decode_pods_reach_every_rank_listener_and_tp_one_only_the_kv_port():
     [single] = kv_ingress_from_decode(render("3", sets={"decode.tensorParallelSize": 4}))
     assert single["ports"] == [{"port": "kv", "protocol": "TCP"}]  # a sharded decode pulls; it listens on nothing
-    [sharded] = kv_ingress_from_decode(render("3", sets={"prefill.tensorParallelSize": 2}))
-    assert "ports" not in sharded  # each rank's KV listener has its own port
+    docs = render("3", sets={"prefill.tensorParallelSize": 3, "kvTransfer.port": 50100})
+    [sharded] = kv_ingress_from_decode(docs)
+    # each rank's KV listener (rank r on the port + r) is named on the pod and opened, and nothing else
+    assert sharded["ports"] == [{"port": name, "protocol": "TCP"} for name in ("kv", "kv-1", "kv-2")]
+    prefill = container(by_kind(docs, "Deployment")["pd-pdserve-prefill"])
+    assert [(p["name"], p["containerPort"]) for p in prefill["ports"] if p["name"].startswith("kv")] == [
+        ("kv", 50100), ("kv-1", 50101), ("kv-2", 50102)]
+    assert [e for v in KUBE_VERSIONS for d in docs for e in validate(d, v)] == []
+
+
+@pytest.mark.parametrize("sets,message", [
+    ({"kvTransfer.port": 65534}, "kvTransfer.port 65534: the prefill's 4 tensor-parallel ranks listen on ports "
+                                 "65534..65537, past 65535"),
+    ({"kvTransfer.port": 8999, "engine.metricsPort": 9001},
+     "kvTransfer.port 8999: prefill tensor-parallel rank 2 listens on port 9001, which is already engine.metricsPort's"),
+])
+def test_rank_ports_that_overflow_or_collide_are_refused(sets, message):
+    result = template("3", sets={"prefill.tensorParallelSize": 4, **sets}, check=False)
+    assert result.returncode != 0 and message in result.stdout + result.stderr, result.stderr
 
 
 REFUSED = {0: "minimum: got 0, want 1", -2: "minimum: got -2, want 1", 1.5: "got number, want integer",

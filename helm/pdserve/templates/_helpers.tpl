@@ -177,6 +177,22 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- $_ := set $taken $port (printf "kvEvents.%s" $key) }}
 {{- end }}
 {{- end }}
+{{- $prefillTp := int (include "pdserve.tensorParallelSize" (dict "v" .Values.prefill)) }}
+{{- if gt $prefillTp 1 }}
+{{- $kvPort := int .Values.kvTransfer.port }}
+{{- $lastPort := add $kvPort (sub $prefillTp 1) }}
+{{- if gt $lastPort 65535 }}
+{{- fail (printf "kvTransfer.port %d: the prefill's %d tensor-parallel ranks listen on ports %d..%d, past 65535" $kvPort $prefillTp $kvPort $lastPort) }}
+{{- end }}
+{{- $others := dict (toString .Values.engine.metricsPort) "engine.metricsPort" (toString .Values.engine.grpcPorts.prefill) "engine.grpcPorts.prefill" }}
+{{- if .Values.engineAuth.tls.enabled }}{{ $_ := set $others (toString .Values.engineAuth.tls.healthPort) "engineAuth.tls.healthPort" }}{{ end }}
+{{- if .Values.kvEvents.enabled }}{{ $_ := set $others (toString .Values.kvEvents.port) "kvEvents.port" }}{{ $_ := set $others (toString .Values.kvEvents.replayPort) "kvEvents.replayPort" }}{{ end }}
+{{- range $r := untilStep 1 $prefillTp 1 }}
+{{- with index $others (toString (add $kvPort $r)) }}
+{{- fail (printf "kvTransfer.port %d: prefill tensor-parallel rank %d listens on port %d, which is already %s's" $kvPort $r (add $kvPort $r) .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- $device := .Values.engine.device }}
 {{- range $role := list "prefill" "decode" }}
 {{- $v := index $.Values $role }}
