@@ -24,7 +24,7 @@ ENV PYTHONUNBUFFERED=1 \
 # A C/C++ compiler: Triton compiles its launchers when a kernel is first used, and the CPU
 # attention kernel (kernels/csrc) is built on first use too.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev libtcmalloc-minimal4 \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/pdserve

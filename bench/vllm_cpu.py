@@ -28,21 +28,9 @@ class VllmUnavailable(RuntimeError):
 
 
 def _find_tcmalloc() -> str | None:
-    """The dynamic loader's cache, then the folders distributions install it in: never a scan of
-    the filesystem (a recursive glob of /usr/lib* took minutes on a machine without it)."""
-    try:
-        out = subprocess.run([shutil.which("ldconfig") or "/sbin/ldconfig", "-p"], capture_output=True,
-                             text=True).stdout
-        for line in out.splitlines():
-            if TCMALLOC in line and "=>" in line:
-                return line.split("=>")[1].strip()
-    except OSError:
-        pass
-    arch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
-    for folder in (f"/usr/lib/{arch}", f"/lib/{arch}", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
-        if os.path.exists(os.path.join(folder, TCMALLOC)):
-            return os.path.join(folder, TCMALLOC)
-    return None
+    from engine.cpu_allocator import find_tcmalloc  # the orchestrator's side only (stdlib inside)
+
+    return find_tcmalloc()
 
 
 def _ensure_tcmalloc(log) -> str:

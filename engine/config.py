@@ -99,8 +99,13 @@ class ParallelConfig:
     # Ranks over which one model is sharded (heads, MLP, vocabulary); rank r of a CUDA engine
     # runs on cuda:(base + r). Checked against the checkpoint's head counts at engine start.
     tensor_parallel_size: int = 1
+    # The allocator of the engine core's process (engine.cpu_allocator): auto = TCMalloc on the
+    # CPU where it is installed; tcmalloc; system.
+    cpu_allocator: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_allocator not in ("auto", "tcmalloc", "system"):
+            raise ValueError(f"cpu_allocator must be auto, tcmalloc or system, got {self.cpu_allocator!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device):

@@ -15,6 +15,7 @@ from typing import Callable
 import msgspec
 
 from engine.config import EngineConfig
+from engine.cpu_allocator import device_type_of, preload_for, preloading
 from engine.request import Request, SamplingParams
 from engine.scheduler import EngineCoreOutput
 
@@ -224,7 +225,11 @@ class MPClient:
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr, kv_connector_factory),
                                name="pdserve-engine-core", daemon=True)
-        self.proc.start()
+        # The core's allocator is its own (TCMalloc on the CPU where installed): it must be
+        # preloaded when the process starts. Its tensor-parallel workers inherit it.
+        device_type = device_type_of(config.parallel.device)
+        with preloading(preload_for(config.parallel.cpu_allocator, device_type)):
+            self.proc.start()
         self._decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
         self._out_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
         self.info: Ready | None = None

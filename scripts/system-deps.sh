@@ -7,6 +7,9 @@
 # Always checked: a C++ compiler (the CPU kernels are built on first use), Python's headers (they
 # are Python extensions), and, before .venv exists, Python's venv module (Debian ships ensurepip
 # apart). `prometheus`: the Prometheus server, which the planner's integration test scrapes with.
+# Wanted, not needed: TCMalloc, the allocator a CPU engine core preloads (engine/cpu_allocator.py);
+# installed alongside when this runs as root with apt-get, else the engine warns at start and runs
+# on glibc's malloc.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
@@ -26,14 +29,33 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
   done
 }
 
+tcmalloc_found() {  # where distributions put it (engine/cpu_allocator.py asks the loader's cache)
+  local lib
+  for lib in /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /lib/*-linux-gnu/libtcmalloc_minimal.so.4 \
+             /usr/lib64/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 /usr/local/lib/libtcmalloc_minimal.so.4; do
+    [ -e "$lib" ] && return 0
+  done
+  return 1
+}
+
 missing "$@"
-[ ${#need[@]} -eq 0 ] && exit 0
-install=(apt-get install -y -q --no-install-recommends "${need[@]}")
+want=()
+as_root=false
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing the missing system packages: ${need[*]}"
+  as_root=true
+  tcmalloc_found || want+=(libtcmalloc-minimal4)
+fi
+[ ${#need[@]} -eq 0 ] && [ ${#want[@]} -eq 0 ] && exit 0
+install=(apt-get install -y -q --no-install-recommends "${need[@]}")
+if $as_root; then
+  echo "installing the missing system packages: ${need[*]} ${want[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
-  "${install[@]}"
+  [ ${#need[@]} -eq 0 ] || "${install[@]}"
+  if [ ${#want[@]} -gt 0 ]; then  # wanted ones: a failure is reported, never fatal
+    apt-get install -y -q --no-install-recommends "${want[@]}" ||
+      echo "could not install ${want[*]}: CPU engines run on glibc's malloc" >&2
+  fi
   missing "$@"
   [ ${#need[@]} -eq 0 ] && exit 0
   echo "still missing after apt-get: ${need[*]}" >&2

@@ -160,7 +160,7 @@ def test_system_check_installs_as_root_then_checks_again(tmp_path):
     out = subprocess.run(["/bin/bash", SYSTEM_DEPS, "prometheus"], env=env, capture_output=True, text=True)
     calls = (tmp_path / "apt.log").read_text().splitlines()
     assert calls[0] == "update -q"
-    assert calls[1].startswith("install -y -q --no-install-recommends g++") and calls[1].endswith("prometheus")
+    assert calls[1].startswith("install -y -q --no-install-recommends g++") and "prometheus" in calls[1].split()
     assert out.returncode == 1 and "still missing after apt-get: g++" in out.stderr  # the fake installs nothing
 
 
@@ -168,20 +168,6 @@ def test_system_check_passes_quietly_when_everything_is_there(tmp_path):
     env = _fake_bin(tmp_path, uid=1000, present=("g++", "prometheus"))
     out = subprocess.run(["/bin/bash", SYSTEM_DEPS, "prometheus"], env=env, capture_output=True, text=True)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
-
-
-def test_tcmalloc_lookup_never_scans(monkeypatch):
-    import glob
-
-    from bench import vllm_cpu
-
-    def scan(*args, **kwargs):
-        raise AssertionError("a filesystem scan")
-
-    monkeypatch.setattr(glob, "glob", scan)
-    monkeypatch.setattr(os, "walk", scan)
-    found = vllm_cpu._find_tcmalloc()
-    assert found is None or os.path.exists(found)
 
 
 def test_ctrl_c_on_pdserve_up_prints_no_traceback(tiny_model_factory):

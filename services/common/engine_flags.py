@@ -51,6 +51,10 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
         help="linear layers on the CPU: onednn packs each weight once at load (auto: where oneDNN runs "
              "the dtype; a GPU always uses torch); torch keeps F.linear")
+    add(p, "--cpu-allocator", default="auto", choices=["auto", "tcmalloc", "system"],
+        help="the engine core process's malloc: auto preloads TCMalloc (libtcmalloc_minimal.so.4) for an "
+             "engine on the CPU when it is installed (as vLLM's CPU backend recommends); tcmalloc insists "
+             "(an error when missing); system keeps glibc's")
     add(p, "--kv-events-config", type=kv_events_config, default=None,
         help="KV cache events, as vLLM's flag: JSON with enable_kv_cache_events, publisher (zmq), endpoint "
              "(PUB bind, e.g. tcp://*:5557; port 0: any), replay_endpoint, buffer_steps, hwm, max_queue_size, "

@@ -92,6 +92,7 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
+                linear_backend=args.linear_backend, cpu_allocator=args.cpu_allocator,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
