@@ -8,7 +8,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
-from engine.outputs import OutputKind, OutputProcessor, RequestOutput
+from engine.outputs import OutputKind, OutputProcessor, RequestOutput, merge_delta
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import (DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
                             SamplingParams)
@@ -158,14 +158,26 @@ class AsyncEngine:
         taken the request (past admission control), before its first output."""
         rid, q = self.add_request(prompt, params, request_id, priority, **disagg)
         finished = False
+        held = None  # an engine death found while merging: raised after what came before it
         try:
             if admitted is not None:
                 await admitted()
             while not finished:
-                out = await q.get()
+                if held is not None:
+                    out, held = held, None
+                else:
+                    out = await q.get()
                 if isinstance(out, EngineDeadError):
                     finished = True  # nothing left to abort
                     raise out
+                # Behind the engine (a slow client, a busy event loop): the queued deltas go
+                # out as one, so a backlog costs one message, not one per step.
+                while not out.finished and not q.empty():
+                    later = q.get_nowait()
+                    if isinstance(later, EngineDeadError):
+                        held = later
+                        break
+                    out = merge_delta(out, later)
                 finished = out.finished
                 yield out
         finally:

@@ -42,6 +42,27 @@ class RequestOutput:
     queue_time: float | None = None  # engine-side: arrival to first scheduled (first output only)
 
 
+def merge_delta(out: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request, in order, as one (a consumer that fell behind gets one
+    update, not a backlog of them, as vLLM's output collector): `out`, extended in place."""
+    a, b = out.outputs[0], later.outputs[0]
+    a.text += b.text
+    a.token_ids += b.token_ids
+    if a.logprobs is not None and b.logprobs is not None:
+        a.logprobs += b.logprobs
+    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    out.delta_text += later.delta_text
+    out.delta_token_ids += later.delta_token_ids
+    out.finished = later.finished
+    out.num_cached_tokens = later.num_cached_tokens
+    out.kv_handle = later.kv_handle if later.kv_handle is not None else out.kv_handle
+    if out.prompt_logprobs is None:
+        out.prompt_logprobs = later.prompt_logprobs
+    if out.queue_time is None:
+        out.queue_time = later.queue_time
+    return out
+
+
 def _entry(token_id: int, lp) -> dict[int, float]:
     """(logprob, top-n pairs) -> {token_id: logprob, top ids...}, the chosen token first."""
     entry = {token_id: lp[0]}

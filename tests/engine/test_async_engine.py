@@ -118,3 +118,57 @@ def test_admission_control_sheds_beyond_the_bounds_and_recovers(tiny_llama):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    expected = LLM(tiny_llama).generate(["The old king"], params)[0].outputs[0]
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, multiprocess=True)
+        try:
+            stream = engine.generate("The old king", params)
+            first = await stream.__anext__()
+            while engine.streams:  # every step's output is queued while nobody reads
+                await asyncio.sleep(0.01)
+            rest = [out async for out in stream]
+            return first, rest
+        finally:
+            await engine.shutdown()
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished  # 23 steps' outputs, one update
+    merged = rest[0].outputs[0]
+    assert first.delta_token_ids + rest[0].delta_token_ids == expected.token_ids
+    assert first.outputs[0].token_ids + merged.token_ids == expected.token_ids
+    assert first.outputs[0].text + merged.text == expected.text
+    got = first.outputs[0].logprobs + merged.logprobs
+    assert [list(e) for e in got] == [list(e) for e in expected.logprobs]  # the same tokens, sampled first
+    assert [v for e in got for v in e.values()] == pytest.approx([v for e in expected.logprobs for v in e.values()],
+                                                                 abs=1e-4)
+    assert merged.finish_reason == "length" and len(merged.logprobs) == len(merged.token_ids) == 23
+
+
+def test_an_engine_death_behind_a_backlog_comes_after_it():
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request import EngineDeadError
+
+    def delta(ids, finished=False):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "x" * len(ids), list(ids), None, None, None)],
+                             finished, delta_text="x" * len(ids), delta_token_ids=list(ids))
+
+    engine, aborted, q = AsyncEngine.__new__(AsyncEngine), [], asyncio.Queue()
+    engine.add_request = lambda *a, **k: ("r", q)
+    engine.abort = aborted.append
+
+    async def main():
+        for item in (delta([3]), delta([4, 5]), EngineDeadError("core died"), delta([6])):
+            q.put_nowait(item)
+        stream, got = engine.generate([1], SamplingParams()), []
+        with pytest.raises(EngineDeadError, match="core died"):
+            async for out in stream:
+                got.append(out.delta_token_ids)
+        return got
+
+    assert asyncio.run(main()) == [[3, 4, 5]]
+    assert aborted == []  # a dead engine has nothing left to abort
