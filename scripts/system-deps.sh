@@ -48,7 +48,7 @@ fi
 [ ${#need[@]} -eq 0 ] && [ ${#want[@]} -eq 0 ] && exit 0
 install=(apt-get install -y -q --no-install-recommends "${need[@]}")
 if $as_root; then
-  echo "installing the missing system packages: ${need[*]} ${want[*]}"
+  echo "installing the missing system packages: ${need[*]}${need[*]:+ }${want[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
   [ ${#need[@]} -eq 0 ] || "${install[@]}"

@@ -5,6 +5,7 @@ import http.client
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -19,8 +20,41 @@ from services.common.grpc_server import health_serving
 logger = logging.getLogger("pdserve.up")
 
 
-def free_port() -> int:
+_handed_out: set[int] = set()
+_random = random.Random()  # its own: a caller's random.seed() never repeats our ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_is_free(port: int) -> bool:
     with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port that is free now, for a service to bind seconds later. Chosen below the kernel's
+    ephemeral range: a port from bind(0) is in that range, where any outgoing connection (a gRPC
+    client, a KV pull) may take it before the service starts, which then fails to bind. Never the
+    same port twice in this process."""
+    lo, _ = _ephemeral_range()
+    first = max(1024, lo - 12000)
+    for _ in range(200) if lo - first >= 1000 else ():
+        port = _random.randrange(first, lo)
+        if port not in _handed_out and port_is_free(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from types import SimpleNamespace
 
@@ -14,15 +13,10 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig, ZmqEventPublisher
 from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.launcher import free_port
 from services.router.kv_index import KvIndex, resolve_endpoint
 
 BS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def publisher(port: int = 0, replay_port: int = 0, **kw) -> ZmqEventPublisher:
