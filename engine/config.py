@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from engine import cpu_allocator
 from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -104,8 +105,8 @@ class ParallelConfig:
     cpu_allocator: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cpu_allocator not in ("auto", "tcmalloc", "system"):
-            raise ValueError(f"cpu_allocator must be auto, tcmalloc or system, got {self.cpu_allocator!r}")
+        if self.cpu_allocator not in cpu_allocator.CHOICES:
+            raise ValueError(f"cpu_allocator must be one of {', '.join(cpu_allocator.CHOICES)}, got {self.cpu_allocator!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device):

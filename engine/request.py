@@ -59,7 +59,8 @@ class SamplingParams:
     # router fans out into n engine requests itself.
     n: int = 1
     # The prompt's last resumed_tokens tokens are this request's own earlier output (resent as
-    # prompt after a migration): presence/frequency penalties and bad words see them as output.
+    # prompt after a migration): presence/frequency penalties, bad words and a structured-output
+    # grammar see them as output.
     resumed_tokens: int = 0
     # Guided decoding: the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None

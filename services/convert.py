@@ -41,13 +41,11 @@ def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
         raise InvalidRequestError("structured_outputs needs one of json, json_object, regex, choice, grammar")
     value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
     return StructuredOutputsParams(**{kind: value}, backend=so.backend or "auto",
-                                   disable_any_whitespace=so.disable_any_whitespace,
-                                   resumed_tokens=so.resumed_tokens)
+                                   disable_any_whitespace=so.disable_any_whitespace)
 
 
 def structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
-    so = pb.StructuredOutputs(backend=s.backend, disable_any_whitespace=s.disable_any_whitespace,
-                              resumed_tokens=s.resumed_tokens)
+    so = pb.StructuredOutputs(backend=s.backend, disable_any_whitespace=s.disable_any_whitespace)
     if s.kind == "choice":
         so.choice.choices.extend(s.choice)
     else:

@@ -49,12 +49,13 @@ def free_port() -> int:
     same port twice in this process."""
     lo, _ = _ephemeral_range()
     first = max(1024, lo - 12000)
-    for _ in range(200) if lo - first >= 1000 else ():
-        port = _random.randrange(first, lo)
-        if port not in _handed_out and port_is_free(port):
-            _handed_out.add(port)
-            return port
-    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
+    if lo - first >= 1000:
+        for _ in range(200):
+            port = _random.randrange(first, lo)
+            if port not in _handed_out and port_is_free(port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as s:  # no room below the ephemeral range (or none free): the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -144,11 +144,9 @@ class StructuredOutputManager:
                 logger.exception("structured outputs: compiling the grammar of %s failed", rid)
                 failed.append((request, f"structured outputs: the grammar could not be compiled ({e})"))
                 continue
-            resumed = so.params.resumed_tokens
-            if resumed > request.num_prompt_tokens:
-                failed.append((request, f"structured outputs: resumed_tokens ({resumed}) exceeds the prompt"))
-                continue
-            replay = request.prompt_token_ids[request.num_prompt_tokens - resumed:] + request.output_token_ids
+            # A resumed request's earlier output (the prompt's last sampling_params.resumed_tokens
+            # tokens, checked against the prompt's length on admission) and this engine's.
+            replay = request.output_history
             bad = next((t for t in replay if not so.matcher.accept_token(t)), None)
             if bad is not None:
                 failed.append((request, f"structured outputs: output token {bad} (generated before this "

@@ -30,9 +30,6 @@ class StructuredOutputsParams:
     # JSON kinds: only single spaces between tokens (vLLM's disable_any_whitespace); any
     # whitespace otherwise, which a random-weight model can use to never finish.
     disable_any_whitespace: bool = False
-    # A request resumed elsewhere with its output so far appended to the prompt (the router's
-    # migration): its last resumed_tokens prompt tokens were generated under this constraint.
-    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -44,9 +41,6 @@ class StructuredOutputsParams:
             raise _invalid(
                 "structured outputs need exactly one of json, json_object, regex, choice, grammar; got "
                 + (", ".join(given) if given else "none"))
-        if isinstance(self.resumed_tokens, bool) or not isinstance(self.resumed_tokens, int) \
-                or self.resumed_tokens < 0:
-            raise _invalid(f"structured outputs resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         if self.backend not in BACKENDS:
             raise _invalid(f"structured outputs backend must be one of {', '.join(BACKENDS)}, "
                                       f"got {self.backend!r}")

@@ -6,6 +6,7 @@ import json
 import os
 
 from services.common.auth import add_server_auth_flags, read_token
+from engine import cpu_allocator
 from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 from services.common.flags import add
@@ -51,7 +52,7 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
         help="linear layers on the CPU: onednn packs each weight once at load (auto: where oneDNN runs "
              "the dtype; a GPU always uses torch); torch keeps F.linear")
-    add(p, "--cpu-allocator", default="auto", choices=["auto", "tcmalloc", "system"],
+    add(p, "--cpu-allocator", default="auto", choices=cpu_allocator.CHOICES,
         help="the engine core process's malloc: auto preloads TCMalloc (libtcmalloc_minimal.so.4) for an "
              "engine on the CPU when it is installed (as vLLM's CPU backend recommends); tcmalloc insists "
              "(an error when missing); system keeps glibc's")

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+from engine import cpu_allocator
 from services.common.flags import add
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
@@ -219,7 +220,6 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     import torch
     from tqdm import tqdm
 
-    from engine.cpu_allocator import preloaded
     from kvtransfer import KVLayout
     from services.planner.profile_kv import available_transports, measure_transport
 
@@ -262,7 +262,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "load_avg": os.getloadavg()[0], "model_path": os.path.abspath(model), "dtype": dtype,
-               "allocator": os.path.basename(preloaded() or "system")}
+               "allocator": os.path.basename(cpu_allocator.preloaded() or "system")}
     kinds = [p["kind"] for p in timer.points]
     quality = fit_quality(step, points)
     # Where the model is off matters: a good prefill fit does not excuse a bad decode one.
@@ -302,7 +302,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="the fleet's router and clients run on other hosts (a cluster's router pods): their CPU "
                         "per token is recorded but not charged to the instances (default: charged, as when they "
                         "share the instances' host, as in bench-pd)")
-    add(p, "--cpu-allocator", default="auto", choices=["auto", "tcmalloc", "system"],
+    add(p, "--cpu-allocator", default="auto", choices=cpu_allocator.CHOICES,
         help="as the services' flag: this process re-executes itself with TCMalloc preloaded on the CPU "
              "(auto, where installed), so that it measures the engine the services run; the live service "
              "it times gets the same")
@@ -339,11 +339,9 @@ def _started_as_pdserve() -> bool:
 def run_cli(args) -> int:
     if args.roofline:
         return write_roofline(args)
-    from engine.cpu_allocator import device_type_of, reexec_with_allocator
-
     os.environ["PDSERVE_CPU_ALLOCATOR"] = args.cpu_allocator  # the live service's, too
     if _started_as_pdserve():  # never re-execute a program that called main() (a test)
-        reexec_with_allocator(args.cpu_allocator, device_type_of(args.device))
+        cpu_allocator.reexec_with_allocator(args.cpu_allocator, cpu_allocator.device_type_of(args.device))
     model = args.model or default_model()
     transports = args.transports.split(",") if args.transports else None
     try:

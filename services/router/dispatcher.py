@@ -63,10 +63,8 @@ def continued_sampling(sampling: pb.SamplingParams, num_generated: int) -> pb.Sa
     s.CopyFrom(sampling)
     s.max_tokens = sampling.max_tokens - num_generated
     s.min_tokens = max(0, sampling.min_tokens - num_generated)
-    s.resumed_tokens = sampling.resumed_tokens + num_generated
+    s.resumed_tokens = sampling.resumed_tokens + num_generated  # a grammar resumes after them too
     s.ClearField("prompt_logprobs")
-    if s.HasField("structured_outputs"):  # the grammar resumes after the tokens so far
-        s.structured_outputs.resumed_tokens = sampling.structured_outputs.resumed_tokens + num_generated
     return s
 
 

@@ -132,8 +132,8 @@ def test_a_migrated_request_tells_the_engine_where_its_grammar_resumes():
 
     sampling = pb.SamplingParams(max_tokens=50, structured_outputs=pb.StructuredOutputs(regex="a+"))
     once = continued_sampling(sampling, 7)
-    assert once.structured_outputs.resumed_tokens == 7 and once.max_tokens == 43
-    assert continued_sampling(sampling, 12).structured_outputs.resumed_tokens == 12  # from the original
+    assert once.resumed_tokens == 7 and once.max_tokens == 43 and once.structured_outputs.regex == "a+"
+    assert continued_sampling(once, 5).resumed_tokens == 12  # moved twice: the grammar saw both parts
     assert not continued_sampling(pb.SamplingParams(max_tokens=5), 2).HasField("structured_outputs")
 
 
