@@ -65,6 +65,10 @@ class _Loop:
     """
 
     STATS_INTERVAL_S = 0.05
+    # An idle engine checks its tensor-parallel workers this often: a worker lost between
+    # requests stops the engine now (its service exits, its supervisor restarts it) instead of
+    # failing the next request. A step checks them anyway.
+    LIVENESS_INTERVAL_S = 1.0
 
     def __init__(self, core, get_input: Callable[[float | None], object | None], emit: OutputCallback,
                  emit_stats: Callable[[dict], None] | None = None) -> None:
@@ -73,7 +77,7 @@ class _Loop:
     def run(self) -> None:
         import time
 
-        last_stats = 0.0
+        last_stats = last_check = time.monotonic()
         try:
             while True:
                 if self.core.has_unfinished_requests():
@@ -81,7 +85,7 @@ class _Loop:
                 elif self.core.has_work() or self.emit_stats is not None:
                     timeout = 0.01  # pinned blocks: keep collecting transfer events
                 else:
-                    timeout = None
+                    timeout = self.LIVENESS_INTERVAL_S
                 msg = self.get_input(timeout)
                 while msg is not None:
                     if msg == "shutdown":
@@ -96,6 +100,9 @@ class _Loop:
                 if self.emit_stats is not None and now - last_stats > self.STATS_INTERVAL_S:
                     last_stats = now
                     self.emit_stats(self.core.stats())
+                if now - last_check >= self.LIVENESS_INTERVAL_S and not self.core.has_unfinished_requests():
+                    last_check = now
+                    self.core.check_alive()
         finally:
             self.core.shutdown()
 

@@ -121,6 +121,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.structured_output.num_waiting > 0
 
+    def check_alive(self) -> None:
+        """Raises if a part of this engine outside its process (a tensor-parallel worker) is gone."""
+        self.runner.check_alive()
+
     def has_work(self) -> bool:
         """Requests to run, a launched step to collect, or transfers whose outcome must still be collected."""
         return (self.has_unfinished_requests() or self._in_flight is not None

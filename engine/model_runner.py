@@ -118,6 +118,11 @@ class ModelRunner:
             raise
         return TensorParallelModel(local, self.tp)
 
+    def check_alive(self) -> None:
+        """Raises if a tensor-parallel worker has exited (a step would fail on it)."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (joined, none left behind)."""
         if self.tp is not None:
