@@ -24,6 +24,15 @@ def completion(router: RouterProcess, prompt: str) -> dict:
         return json.load(r)["choices"][0]
 
 
+def tp_workers(svc: Service) -> list[int]:
+    """The service's tensor-parallel worker processes (children of its engine core)."""
+    def cmdline(pid: int) -> str:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+
+    return [p for p in children_of(svc.proc.pid) if "engine.parallel.worker" in cmdline(p)]
+
+
 def test_colocated_tp2_behind_the_router_answers_as_tp1(e2e_model):
     answers, processes = {}, {}
     for tp in (1, 2):
@@ -52,8 +61,7 @@ def test_a_worker_lost_while_idle_stops_the_service_before_any_request(e2e_model
     service exits (its supervisor restarts it) instead of failing the next request."""
     svc = Service("colocated", e2e_model, "--num-blocks", "128", "--tensor-parallel-size", "2").wait_ready()
     try:
-        (worker,) = [p for p in children_of(svc.proc.pid)
-                     if "engine.parallel.worker" in open(f"/proc/{p}/cmdline").read()]
+        (worker,) = tp_workers(svc)
         os.kill(worker, signal.SIGKILL)
         assert svc.proc.wait(60) != 0
         out = svc.output()
@@ -62,7 +70,6 @@ def test_a_worker_lost_while_idle_stops_the_service_before_any_request(e2e_model
     finally:
         if svc.proc.poll() is None:
             svc.kill()
-
 
 
 def test_ctrl_c_drains_a_tp_service_with_every_shard(e2e_model):
@@ -78,7 +85,7 @@ def test_ctrl_c_drains_a_tp_service_with_every_shard(e2e_model):
     svc = Service("colocated", e2e_model, "--num-blocks", "128", "--tensor-parallel-size", "2").wait_ready()
     try:
         stack = children_of(svc.proc.pid)
-        assert any("engine.parallel.worker" in open(f"/proc/{p}/cmdline").read() for p in stack)
+        assert tp_workers(svc)
         with grpc.insecure_channel(svc.address) as ch:
             stream = pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(
                 request_id="in-flight", prompt_token_ids=[1, 2, 3],
