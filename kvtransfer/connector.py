@@ -23,7 +23,8 @@ from kvtransfer.lease import FreedBlocks
 class TransferEvents:
     """What happened since the last `get_finished()`; collected without blocking.
 
-    decode: `finished` pulls have their blocks in place and the lease released; `failed` pulls
+    decode: `finished` pulls have their blocks in place and the lease released (a pull from several
+    prefill ranks releases each right after it is reported, once every part is in); `failed` pulls
     (error, deadline, abort) no longer touch their reserved blocks, which the engine may reuse.
     A failure is a KVTransferError, unless the pull hit a bug (any other exception, as raised).
     prefill: `finished` requests were pulled and released by a decode instance; `freed` lists

@@ -35,6 +35,7 @@ class _Pull:
     done: "Future[None]" = field(default_factory=Future)
     socks: set[socket.socket] = field(default_factory=set)  # connections in use; abort() shuts them down
     errors: list[BaseException] = field(default_factory=list)  # of its sources, in the order they happened
+    held: dict[int, Link] = field(default_factory=dict)  # prefill rank -> its pulled connection, kept to release on
 
 
 class DecodeConnector(KVConnector):
@@ -193,10 +194,37 @@ class DecodeConnector(KVConnector):
             pull.done.set_exception(error)
             # Nobody pulls these blocks now (the engine recomputes instead): the prefill side
             # gets them back at once, not when the lease expires. Best effort, after reporting.
+            for conn in pull.held.values():  # clean (their parts finished): Abort may take them
+                self._links.put_back(conn)
             if not isinstance(error, (LeaseExpired, AuthError)):
                 self._abort_remote(pull)
         else:
             pull.done.set_result(None)
+            if len(pull.sources) > 1:
+                self._release_sources(pull)
+
+    def _release_sources(self, pull: _Pull) -> None:
+        """A pull from several prefill ranks releases their leases only once every part is in:
+        a rank whose part landed before another rank failed is aborted with the rest, so each
+        prefill rank counts a transfer finished exactly when the decode has the whole request.
+        After the pull is reported (it costs the request nothing), on the connection each part
+        came over (so the prefill rank has counted its part first; every source's connection was
+        opened during the pull, in parallel); a rank not reached keeps its blocks until the lease
+        expires."""
+        for source in pull.sources:
+            conn = pull.held.pop(source.ref.rank)
+            try:
+                settimeout(conn, time.monotonic() + self.default_timeout_s)
+                wire.send_msg(conn.sock, self._release_msg(pull.handle))
+                wire.expect(conn.sock, wire.Ok)
+            except Exception as e:  # noqa: BLE001 - the pull is done; the lease expires instead
+                self._links.drop(conn)
+                with self._lock:
+                    self._counters["releases_failed"] += 1
+                log.warning("release of %s on prefill rank %d (%s) failed, its blocks stay until the lease "
+                            "expires: %s", pull.request_id, source.ref.rank, source.ref.endpoint, e)
+            else:
+                self._links.put_back(conn)
 
     def _pull_sources(self, pull: _Pull) -> int:
         """Every prefill rank of the pull at once (each its own connection and its own heads of
@@ -248,13 +276,21 @@ class DecodeConnector(KVConnector):
         finally:
             with self._lock:
                 pull.socks.discard(conn.sock)
-        self._links.put_back(conn)
+        if len(pull.sources) > 1:
+            with self._lock:
+                pull.held[source.ref.rank] = conn
+        else:
+            self._links.put_back(conn)
         return received
 
     def _pull_on(self, conn: Link, pull: _Pull, source: PullSource) -> int:
-        """Pull (or only release) one prefill rank's part; returns the bytes received."""
+        """Pull (or only release) one prefill rank's part; returns the bytes received. With
+        several sources the releases wait for every part (`_release_sources`)."""
         n = len(pull.local_block_ids)
+        alone = len(pull.sources) == 1
         if not n or not source.pulls:  # every block was already here, or nobody reads this replica
+            if not alone:
+                return 0  # released with the others, once every part is in
             settimeout(conn, pull.deadline)
             wire.send_msg(conn.sock, self._release_msg(pull.handle))
             wire.expect(conn.sock, wire.Ok)
@@ -267,7 +303,7 @@ class DecodeConnector(KVConnector):
         # blocks that nobody could free or reuse meanwhile. Past it, nothing is guaranteed.
         settimeout(conn, pull.deadline)
         shard = self._transport.layout.shard
-        wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), True, shard.tp_rank, shard.tp_size))
+        wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), alone, shard.tp_rank, shard.tp_size))
         return nbytes
 
     def _transfer(self, conn: Link, pull: _Pull, source: PullSource, n: int, transfer_id: int) -> int:

@@ -6,6 +6,7 @@ every decode rank pulled, the decode shards put together are the reference's blo
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -208,11 +209,48 @@ def test_a_lost_prefill_rank_fails_the_pull_and_frees_the_others(engines):
     decode.connectors[0].start_pull("half-gone", handle, [4, 5, 6])
     error = wait_events(decode.connectors[0], ["half-gone"]).failed["half-gone"]
     assert isinstance(error, PeerLost)
-    # The request is recomputed: rank 0 gets its blocks back now, not at lease expiry. Rank 0's
-    # part runs on its own connection at the same time as rank 1's failing one: either the
-    # failure aborts it first, or it completed and released its blocks before the failure was
-    # seen (its part was delivered). Never left to expire.
-    assert [f.reason for f in wait_freed(prefill, 0, "half-gone")] in (["aborted"], ["released"])
+    # The request is recomputed: rank 0 gets its blocks back now, not at lease expiry, and counts
+    # no finished transfer, whether the failure stopped its part or came after it.
+    assert [f.reason for f in wait_freed(prefill, 0, "half-gone")] == ["aborted"]
+
+
+def test_a_part_that_landed_is_not_released_when_another_rank_fails(engines, monkeypatch):
+    """Rank 0's part completes first, then rank 1's fails: the decode recomputes the request, so
+    rank 0 must not count a finished transfer (its lease is aborted, not released)."""
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    decode = engines("decode", "tcp", {}, 4, 1)
+    connector = decode.connectors[0]
+    first_done = threading.Event()
+    pull_on = connector._pull_on
+
+    def ordered(conn, pull, source):
+        if source.ref.rank == 1:
+            assert first_done.wait(10)
+            raise PeerLost("rank 1 lost after rank 0's part landed")
+        nbytes = pull_on(conn, pull, source)
+        first_done.set()
+        return nbytes
+
+    monkeypatch.setattr(connector, "_pull_on", ordered)
+    handle = publish(prefill, "late-failure", [1, 2, 3])
+    connector.start_pull("late-failure", handle, [4, 5, 6])
+    assert isinstance(wait_events(connector, ["late-failure"]).failed["late-failure"], PeerLost)
+    for rank in range(2):
+        assert [f.reason for f in wait_freed(prefill, rank, "late-failure")] == ["aborted"]
+        assert prefill.connectors[rank].num_published_blocks == 0
+    assert prefill.connectors[0].stats()["pulls_served"] == 1  # its part was sent, and not counted as kept
+
+
+def test_a_pull_from_several_ranks_releases_each_once_every_part_is_in(engines):
+    prefill = engines("prefill", "tcp", {}, 4, 2)
+    prefill.load(reference(4))
+    decode = engines("decode", "tcp", {}, 4, 1)
+    handle = publish(prefill, "whole", [7, 8])
+    decode.connectors[0].start_pull("whole", handle, [0, 1])
+    assert wait_events(decode.connectors[0], ["whole"]).finished == ["whole"]
+    for rank in range(2):
+        assert [f.reason for f in wait_freed(prefill, rank, "whole")] == ["released"]
+    assert "releases_failed" not in decode.connectors[0].stats()
 
 
 def test_whole_shard_pull_keeps_the_zero_copy_path(engines):
