@@ -116,19 +116,23 @@ class _Instance:
         self.sim, self.name, self.role = sim, name, role
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
-        self.loading = 0  # requests admitted whose KV is being pulled (they hold seats)
+        self.loading: list[_Seq] = []  # admitted, their KV being pulled (they hold seats)
+        # The sum of every held sequence's `outstanding` (waiting, loading, running), kept as
+        # they change: least-load routing reads it for every instance at every arrival.
+        self.outstanding = 0
         self.link_free_at = 0.0  # pulls into this instance share its link, first come first served
         self.busy = False
         self.neighbours: list[_Instance] = []  # the other instances on this one's host
         self.num_steps = 0
         self.busy_s = 0.0
 
-    @property
-    def outstanding(self) -> int:
-        return sum(s.outstanding for s in itertools.chain(self.waiting, self.running)) + self.sim.loading_tokens(self)
+    def recount(self) -> int:
+        """`outstanding` summed afresh (what the kept count must always equal)."""
+        return sum(s.outstanding for s in itertools.chain(self.waiting, self.loading, self.running))
 
     def add(self, seq: _Seq, now: float) -> None:
         self.waiting.append(seq)
+        self.outstanding += seq.outstanding
         if not self.busy:
             self.start_step(now)
 
@@ -144,11 +148,11 @@ class _Instance:
             if n > 0:
                 batch.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) + self.loading < max_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < max_seqs:
             seq = self.waiting[0]
             if seq.remote:  # a seat, no budget: the pull runs beside the steps
                 self.waiting.popleft()
-                self.loading += 1
+                self.loading.append(seq)
                 sim.start_pull(self, seq, now)
                 continue
             n = seq.known - seq.computed
@@ -188,16 +192,19 @@ class _Instance:
         done = False
         for seq, n in batch:
             seq.computed += n
+            self.outstanding -= n
             if seq.computed < seq.known:
                 continue  # a prefill chunk
-            seq.known += 1
+            seq.known += 1  # and one token more: outstanding unchanged
             trace = seq.trace
             trace.token_times.append(now + self.sim.profile.request_overhead_s)
             if self.role == "prefill":
+                self.outstanding -= seq.outstanding
                 seq.known = -1  # finished here (prefill_only); its KV waits for the decode's pull
                 done = True
                 self.sim.prefill_done(trace, now)
             elif trace.finished:
+                self.outstanding -= seq.outstanding
                 seq.known = -1
                 done = True
         if done:
@@ -205,7 +212,8 @@ class _Instance:
         self.start_step(now)
 
     def kv_loaded(self, now: float, seq: _Seq) -> None:
-        self.loading -= 1
+        self.loading.remove(seq)
+        self.outstanding -= seq.known - 1 - seq.computed
         seq.computed = seq.known - 1  # the prompt is here; the prefill's token is computed next
         self.running.append(seq)
         if not self.busy:
@@ -222,7 +230,6 @@ class Simulation:
         self._events: list = []
         self._order = itertools.count()
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._loading: dict[str, list[_Seq]] = {}
         if fleet.disaggregated:
             self.prefills = [_Instance(self, f"prefill{i}", "prefill") for i in range(fleet.num_prefill)]
             self.decodes = [_Instance(self, f"decode{i}", "decode") for i in range(fleet.num_decode)]
@@ -271,15 +278,7 @@ class Simulation:
         nbytes = self.profile.kv_bytes(seq.trace.request.isl)
         start = max(now, inst.link_free_at)
         inst.link_free_at = start + nbytes / self.transfer.bytes_per_s
-        self._loading.setdefault(inst.name, []).append(seq)
-        self.at(inst.link_free_at + self.transfer.latency_s, self._pulled, inst, seq)
-
-    def _pulled(self, now: float, inst: _Instance, seq: _Seq) -> None:
-        self._loading[inst.name].remove(seq)
-        inst.kv_loaded(now, seq)
-
-    def loading_tokens(self, inst: _Instance) -> int:
-        return sum(s.outstanding for s in self._loading.get(inst.name, ()))
+        self.at(inst.link_free_at + self.transfer.latency_s, inst.kv_loaded, seq)
 
     def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
         if not self.enable_chunked_prefill:

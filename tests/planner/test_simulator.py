@@ -151,6 +151,29 @@ def test_every_request_finishes_with_all_its_tokens(fleet):
     assert all(t.decode_instance == "" for t in traces if fleet.disaggregated and t.request.osl == 1)
 
 
+@pytest.mark.parametrize("fleet", [Fleet(num_colocated=4), Fleet(num_prefill=2, num_decode=3),
+                                   Fleet(num_prefill=1, num_decode=2, enable_chunked_prefill=False,
+                                         max_num_batched_tokens=1500)])
+def test_kept_outstanding_tokens_equal_a_recount_at_every_routing(fleet, monkeypatch):
+    """Least-load routing reads each instance's outstanding tokens, kept as steps, pulls and
+    finishes change them: at every routing decision they equal the sum over its sequences."""
+    from services.planner import simulator
+    checked = []
+    least_load = simulator.Simulation._least_load
+
+    def checking(self, pool, role):
+        for inst in self.instances:
+            assert inst.outstanding == inst.recount(), inst.name
+        checked.append(sum(inst.outstanding for inst in pool))
+        return least_load(self, pool, role)
+
+    monkeypatch.setattr(simulator.Simulation, "_least_load", checking)
+    w = poisson(20.0, 400, "uniform:16:1500", "uniform:1:60", seed=11)  # overloaded: queues build
+    simulate(profile(CPU_LIKE, budget=1024, max_seqs=8), fleet, list(w.requests))
+    assert len(checked) == 400 + fleet.disaggregated * sum(r.osl > 1 for r in w.requests)
+    assert max(checked) > 20_000  # the routing saw deep queues, not an idle fleet
+
+
 def test_thousands_of_requests_in_seconds():
     import time
     w = poisson(0.6, 3000, "uniform:1024:2048", "uniform:64:128", seed=1)
