@@ -9,8 +9,9 @@ SLOs (DistServe's goodput). Goodput per GPU is that capacity / N; P/D is its bes
     python -m bench.sim_cluster [--gpus h100,h200] [--instances 8,16,32,64] [--jobs 2] [--quick]
 
 Cost: simulating grows with requests x output tokens and each cell needs requests in proportion
-to N; on two shared cores a 64-GPU 10:1 cell takes ~25 min and the whole default grid hours
-(`--shapes 10:1 --slos tight` is the headline alone; `--quick` runs in well under a minute).
+to N; on this 2-core box a 64-GPU 10:1 cell takes ~6 min, an 8-GPU one ~16 s, and the whole
+default grid a few hours, the 1:10 cells most (`--shapes 10:1 --slos tight` is the headline
+alone; `--quick` runs in well under a minute).
 Prints the table and `sim_pd_vs_colocated_goodput_per_gpu` for the 10:1 shape at the tight SLO
 (the worst ratio over the fleet sizes); `--out` keeps every cell as JSON.
 """
