@@ -1,16 +1,19 @@
 """An engine's pairing descriptor: what a prefill and a decode must agree on, reported in GetLoad."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
+import struct
 
 from engine.config import EngineConfig
 from kvtransfer import KVLayout
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
-# The config.json keys that fix what a token's KV means; weights of the same shape are not told
-# apart (hashing them would cost a read of the checkpoint at every start).
+# The config.json keys that fix what a token's KV means (the weights have their own fingerprint,
+# weights_fingerprint, sampled from the checkpoint's files).
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
                      "rope_parameters")  # the keys are cached after RoPE: its parameters count
@@ -24,6 +27,45 @@ def model_fingerprint(hf_config: dict, vocab: dict[str, int]) -> str:
     digest.update(json.dumps(arch, sort_keys=True).encode())
     digest.update(b"\0")
     digest.update(json.dumps(sorted(vocab.items())).encode())
+    return digest.hexdigest()[:16]
+
+
+WEIGHT_SAMPLE_BYTES = 64  # read at the start, middle and end of every tensor's data
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on a header
+
+
+def weights_fingerprint(path: str) -> str:
+    """sha256 over every tensor of the checkpoint's *.safetensors files: its name, dtype, shape and
+    64 bytes from the start, middle and end of its data, in name order (so the same weights split
+    into other files, or copied elsewhere, match). Three small reads a tensor (a few thousand for
+    a 70B model), not a read of the checkpoint: a fine-tune or a re-quantisation changes the
+    samples; identical samples over every tensor of two different checkpoints are not expected."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    tensors = []
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise ValueError(f"{file}: a safetensors header of {size} bytes (corrupt?)")
+            header = json.loads(f.read(size))
+            base = 8 + size
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = (base + o for o in info["data_offsets"])
+                samples = []
+                for at in sorted({start, max(start, (start + end) // 2 - WEIGHT_SAMPLE_BYTES // 2),
+                                  max(start, end - WEIGHT_SAMPLE_BYTES)}):
+                    f.seek(at)
+                    samples.append(f.read(min(WEIGHT_SAMPLE_BYTES, end - at)))
+                tensors.append((name, info["dtype"], info["shape"], b"".join(samples)))
+    digest = hashlib.sha256(b"weights/v1\0")
+    for name, dtype, shape, sample in sorted(tensors, key=lambda t: t[0]):
+        digest.update(json.dumps([name, dtype, shape]).encode())
+        digest.update(b"\0")
+        digest.update(sample)
     return digest.hexdigest()[:16]
 
 
@@ -43,4 +85,5 @@ def describe_engine(config: EngineConfig, vocab: dict[str, int], model_name: str
         model_name=model_name, model_fingerprint=model_fingerprint(hf_config, vocab),
         kv_layout_fingerprint=layout.fingerprint, kv_block_size=config.cache.block_size, kv_dtype=dtype,
         total_kv_heads=arch.num_kv_heads,
-        tensor_parallel_size=config.parallel.tensor_parallel_size, kv_transport=kv_transport)
+        tensor_parallel_size=config.parallel.tensor_parallel_size, kv_transport=kv_transport,
+        weights_fingerprint=weights_fingerprint(config.model.path))

@@ -24,6 +24,11 @@ def pair_incompatibility(prefill: pb.PairingDescriptor, decode: pb.PairingDescri
     if prefill.model_fingerprint != decode.model_fingerprint:
         reasons.append(f"model {prefill.model_name or '?'} ({prefill.model_fingerprint}) vs "
                        f"{decode.model_name or '?'} ({decode.model_fingerprint})")
+    elif prefill.weights_fingerprint and decode.weights_fingerprint and \
+            prefill.weights_fingerprint != decode.weights_fingerprint:
+        reasons.append(f"model weights of {prefill.model_name or '?'} ({prefill.weights_fingerprint}) vs "
+                       f"{decode.model_name or '?'} ({decode.weights_fingerprint}): the same architecture "
+                       f"and tokenizer, another checkpoint")
     if prefill.kv_block_size != decode.kv_block_size:
         reasons.append(f"KV block size {prefill.kv_block_size} vs {decode.kv_block_size}")
     if prefill.kv_dtype != decode.kv_dtype:

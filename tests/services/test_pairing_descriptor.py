@@ -56,3 +56,69 @@ def test_the_tokenizer_is_part_of_the_model(tiny):
     renamed[token + "_x"] = renamed.pop(token)  # one id spelled differently
     assert model_fingerprint(hf_config, vocab) == model_fingerprint(hf_config, dict(reversed(vocab.items())))
     assert model_fingerprint(hf_config, vocab) != model_fingerprint(hf_config, renamed)
+
+
+def _rewrite(src: str, dst: str, change=None, shards: int = 1) -> str:
+    """A copy of checkpoint `src` at `dst`: its tensors (after `change`) written into `shards` files."""
+    import glob
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = {}
+    for file in glob.glob(os.path.join(dst, "*.safetensors")):
+        tensors.update(load_file(file))
+        os.remove(file)
+    if change:
+        change(tensors)
+    names = sorted(tensors)
+    for i in range(shards):
+        part = {n: tensors[n].contiguous() for n in names[i::shards]}
+        save_file(part, os.path.join(dst, f"model-{i + 1:05d}-of-{shards:05d}.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_fine_tune_of_the_same_architecture_is_another_model(tiny, tmp_path):
+    """Same config and tokenizer, other weights (a fine-tune, or a rolling update to the next
+    checkpoint): its KV means something else, so a prefill of one never feeds a decode of the other."""
+    base = describe(tiny)
+
+    def fine_tune(tensors):
+        name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+        tensors[name] = tensors[name] * 1.01
+
+    tuned = describe(_rewrite(tiny, str(tmp_path / "tuned"), fine_tune))
+    assert tuned.model_fingerprint == base.model_fingerprint  # architecture and tokenizer alike
+    assert tuned.weights_fingerprint != base.weights_fingerprint
+    reason = pair_incompatibility(base, tuned)
+    assert reason.startswith("model weights of m") and "another checkpoint" in reason
+    # One engine older than the field (it reports none): paired on the rest, as before.
+    older = type(tuned)()
+    older.CopyFrom(tuned)
+    older.weights_fingerprint = ""
+    assert pair_incompatibility(base, older) is None
+
+
+def test_the_same_weights_split_or_copied_elsewhere_are_the_same_model(tiny, tmp_path, tiny_model_factory):
+    base = describe(tiny)
+    assert len(base.weights_fingerprint) == 16
+    for dst, shards in (("copy", 1), ("split", 3)):
+        other = describe(_rewrite(tiny, str(tmp_path / dst), shards=shards))
+        assert other.weights_fingerprint == base.weights_fingerprint
+        assert pair_incompatibility(base, other) is None
+    # A changed architecture is named once, as the model (not again as its weights).
+    deeper = describe(tiny_model_factory("llama", num_layers=3))
+    assert deeper.weights_fingerprint != base.weights_fingerprint
+    assert "weights" not in pair_incompatibility(base, deeper)
+
+
+def test_a_corrupt_checkpoint_header_is_refused(tmp_path):
+    from services.common.pairing_descriptor import weights_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes((2 ** 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header"):
+        weights_fingerprint(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        weights_fingerprint(str(tmp_path / "missing"))
