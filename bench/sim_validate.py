@@ -8,7 +8,10 @@ p50/p90 with the relative error. Target: every |error| <= 20%.
 
     python -m bench.sim_validate [--quick] [--profile FILE] [--rates 0.1,0.2,0.3]
 
-Measure on a quiet machine: anything else on the cores skews both sides differently.
+Measure on a quiet machine: anything else on the cores skews both sides differently. A machine
+whose speed moves during the run (this VM's has moved 2x from one day to the next) skews them too:
+each configuration runs a lone probe request (1,024 prompt tokens, 64 out) before and after its
+rates, and the run prints the probe's TPOT against the profile's prediction and the largest drift.
 """
 from __future__ import annotations
 
@@ -65,6 +68,18 @@ def compare(name: str, rate: float, measured: dict, predicted: dict) -> list[flo
     return errors
 
 
+PROBE = ("fixed:1024", "fixed:64")  # the drift probe: one request alone on the fleet
+
+
+def drift(predicted_ms: float, before_ms: float, after_ms: float) -> tuple[float, str]:
+    """The machine's drift as a lone request's TPOT sees it: the largest relative move, between the
+    two probes or from the profile's prediction to either, and a line saying so."""
+    moves = [after_ms / before_ms - 1, before_ms / predicted_ms - 1, after_ms / predicted_ms - 1]
+    worst = max(moves, key=abs)
+    return worst, (f"lone-request TPOT {predicted_ms:.1f} ms predicted, {before_ms:.1f} measured before the "
+                   f"rates, {after_ms:.1f} after (drift {100 * worst:+.0f}%)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a quick profile, one rate, 4 requests: checks the "
@@ -98,12 +113,14 @@ def main(argv=None) -> int:
     workloads = {rate: synthetic(args.num_prompts, args.input_len, args.output_len, vocab_size=4000, seed=i + 1)
                  for i, rate in enumerate(rates)}
     warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
-    worst = 0.0
+    probe = synthetic(1, *PROBE, vocab_size=4000, seed=99)
+    worst = worst_drift = 0.0
     print(f"\n{'config':<14}{'rate':>6}  predicted / measured (error)", flush=True)
     for name in args.configs.split(","):
         cfg, url = start_pdserve(name, model, logs, name == "disaggregated", [])
         try:
             asyncio.run(run_benchmark(url, None, warmup, progress=False))
+            before = asyncio.run(run_benchmark(url, None, probe, progress=False))["p50_tpot_ms"]
             for rate in rates:
                 measured = asyncio.run(run_benchmark(url, None, workloads[rate], rate=rate, slos=slos,
                                                      seed=ARRIVAL_SEED, progress=False))
@@ -114,9 +131,16 @@ def main(argv=None) -> int:
                                       {k: v for k, v in slos.items() if k in ("ttft", "tpot")})
                 errors = compare(name, rate, measured, predicted)
                 worst = max([worst, *(abs(e) for e in errors)])
+            after = asyncio.run(run_benchmark(url, None, probe, progress=False))["p50_tpot_ms"]
+            alone = summarize(simulate(prof, FLEETS[name], sim_requests(probe, 1.0)))["p50_tpot_ms"]
+            moved, line = drift(alone, before, after)
+            worst_drift = max(worst_drift, abs(moved))
+            print(f"{name:<14}{'probe':>6}  {line}", flush=True)
         finally:
             cfg.stop()
     print(f"\nsim_max_rel_error={worst:.3f}  (target <= {args.max_error:g})")
+    print(f"machine_drift={worst_drift:.3f}  (the probes' largest move: errors of that size may be the "
+          f"machine's, not the simulator's)")
     if args.quick:
         print("(--quick: a rough profile and 4 requests; the error says nothing about the simulator)")
         return 0

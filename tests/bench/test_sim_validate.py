@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim_validate import ARRIVAL_SEED, compare, sim_requests
+from bench.sim_validate import ARRIVAL_SEED, compare, drift, sim_requests
 from bench.workloads import poisson_arrivals, synthetic
 
 
@@ -19,3 +19,12 @@ def test_compare_prints_signed_relative_errors(capsys):
     errors = compare("colocated", 0.3, dict(zip(keys, (1000, 2000, 20, 40))), dict(zip(keys, (1100, 1800, 20, 50))))
     assert errors == pytest.approx([0.1, -0.1, 0.0, 0.25])
     assert "TTFT p50     1100 /     1000 ms (  +10%)" in capsys.readouterr().out
+
+
+def test_drift_is_the_largest_move_of_the_lone_probe():
+    moved, line = drift(30.0, 29.0, 21.0)  # the machine sped up between the two probes
+    assert moved == pytest.approx(21 / 30 - 1)
+    assert "30.0 ms predicted, 29.0 measured before the rates, 21.0 after (drift -30%)" in line
+    assert drift(30.0, 29.0, 29.5)[0] == pytest.approx(29 / 30 - 1)
+    assert drift(20.0, 26.0, 25.0)[0] == pytest.approx(0.3)  # slower than when profiled
+    assert drift(20.0, 20.0, 20.0)[0] == 0.0
