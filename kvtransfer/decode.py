@@ -37,6 +37,11 @@ class _Pull:
     errors: list[BaseException] = field(default_factory=list)  # of its sources, in the order they happened
     held: dict[int, Link] = field(default_factory=dict)  # prefill rank -> its pulled connection, kept to release on
 
+    @property
+    def alone(self) -> bool:
+        """One prefill rank to pull from: it is released as its part finishes (no waiting on others)."""
+        return len(self.sources) == 1
+
 
 class DecodeConnector(KVConnector):
     """Pull model: the engine reserves local blocks first, then asks for exactly those bytes.
@@ -200,7 +205,7 @@ class DecodeConnector(KVConnector):
                 self._abort_remote(pull)
         else:
             pull.done.set_result(None)
-            if len(pull.sources) > 1:
+            if not pull.alone:
                 self._release_sources(pull)
 
     def _release_sources(self, pull: _Pull) -> None:
@@ -239,7 +244,7 @@ class DecodeConnector(KVConnector):
                         _shutdown(sock)
                 raise
 
-        if len(pull.sources) == 1:
+        if pull.alone:
             return run(pull.sources[0])
         received = [0] * len(pull.sources)
 
@@ -276,20 +281,19 @@ class DecodeConnector(KVConnector):
         finally:
             with self._lock:
                 pull.socks.discard(conn.sock)
-        if len(pull.sources) > 1:
+        if pull.alone:
+            self._links.put_back(conn)
+        else:
             with self._lock:
                 pull.held[source.ref.rank] = conn
-        else:
-            self._links.put_back(conn)
         return received
 
     def _pull_on(self, conn: Link, pull: _Pull, source: PullSource) -> int:
         """Pull (or only release) one prefill rank's part; returns the bytes received. With
         several sources the releases wait for every part (`_release_sources`)."""
         n = len(pull.local_block_ids)
-        alone = len(pull.sources) == 1
         if not n or not source.pulls:  # every block was already here, or nobody reads this replica
-            if not alone:
+            if not pull.alone:
                 return 0  # released with the others, once every part is in
             settimeout(conn, pull.deadline)
             wire.send_msg(conn.sock, self._release_msg(pull.handle))
@@ -303,7 +307,7 @@ class DecodeConnector(KVConnector):
         # blocks that nobody could free or reuse meanwhile. Past it, nothing is guaranteed.
         settimeout(conn, pull.deadline)
         shard = self._transport.layout.shard
-        wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), alone, shard.tp_rank, shard.tp_size))
+        wire.send_msg(conn.sock, wire.Finish(transfer_id, pull.handle.to_bytes(), pull.alone, shard.tp_rank, shard.tp_size))
         return nbytes
 
     def _transfer(self, conn: Link, pull: _Pull, source: PullSource, n: int, transfer_id: int) -> int:

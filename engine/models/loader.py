@@ -53,6 +53,14 @@ def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
     return [attn_or_mlp.intermediate_size] * 2
 
 
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's weight files, in name order; FileNotFoundError when it has none."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    return files
+
+
 def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
                device: torch.device | str = "cpu", show_progress: bool = False, tp=None,
                linear_backend: str = "auto") -> LlamaForCausalLM:
@@ -60,9 +68,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    files = safetensors_files(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, kernels, tp)
     model = model.to_empty(device=device).to(dtype)

@@ -1,10 +1,8 @@
 """An engine's pairing descriptor: what a prefill and a decode must agree on, reported in GetLoad."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import os
 import struct
 
 from engine.config import EngineConfig
@@ -40,11 +38,10 @@ def weights_fingerprint(path: str) -> str:
     into other files, or copied elsewhere, match). Three small reads a tensor (a few thousand for
     a 70B model), not a read of the checkpoint: a fine-tune or a re-quantisation changes the
     samples; identical samples over every tensor of two different checkpoints are not expected."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    from engine.models.loader import safetensors_files  # torch: only engine processes import this module
+
     tensors = []
-    for file in files:
+    for file in safetensors_files(path):
         with open(file, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > MAX_HEADER_BYTES:

@@ -137,7 +137,9 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(tiny_llama)
             await engine.shutdown()
 
     first, rest = asyncio.run(main())
-    assert len(rest) == 1 and rest[0].finished  # 23 steps' outputs, one update
+    # The rest of the 24 tokens in one update (the first read may itself have merged a step or two
+    # when the engine ran ahead of it on a busy machine).
+    assert len(rest) == 1 and rest[0].finished
     merged = rest[0].outputs[0]
     assert first.delta_token_ids + rest[0].delta_token_ids == expected.token_ids
     assert first.outputs[0].token_ids + merged.token_ids == expected.token_ids
@@ -146,7 +148,8 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(tiny_llama)
     assert [list(e) for e in got] == [list(e) for e in expected.logprobs]  # the same tokens, sampled first
     assert [v for e in got for v in e.values()] == pytest.approx([v for e in expected.logprobs for v in e.values()],
                                                                  abs=1e-4)
-    assert merged.finish_reason == "length" and len(merged.logprobs) == len(merged.token_ids) == 23
+    assert merged.finish_reason == "length"
+    assert len(merged.logprobs) == len(merged.token_ids) == 24 - len(first.outputs[0].token_ids) >= 20
 
 
 def test_an_engine_death_behind_a_backlog_comes_after_it():
