@@ -4,8 +4,10 @@ Pure Python plus numpy for the fits; the simulator itself only evaluates them.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,7 +51,14 @@ class StepCost:
     requests. `knee_tokens` is the roofline's flat part: on a GPU a step costs about the same up
     to a few hundred tokens (reading the weights dominates); on a CPU it is small.
     `per_decode_attn` left out (None; profiles written before it existed) means per_attn: one
-    price for every pair, as those profiles were fitted."""
+    price for every pair, as those profiles were fitted.
+
+    `decode_correction`: (batch, context, measured / linear) at the profile's decode-only grid
+    cells. The linear terms cannot bend with batch size the way a CPU's kernels do (measured on
+    this project's 2-core VM: batch 1 predicted ~10% high, batch 4 ~15% low, batch 32 ~6% high),
+    so a decode-only step is the linear figure times the ratio interpolated from the cells
+    (`decode_factor`), as Dynamo's planner corrects predicted ITL by measured over predicted.
+    Empty (a roofline profile, one written before it existed): the linear figure."""
     base: float
     per_token: float
     per_attn: float
@@ -57,6 +66,7 @@ class StepCost:
     per_seq: float
     knee_tokens: int = 0
     per_decode_attn: float | None = None
+    decode_correction: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.per_decode_attn is None:
@@ -64,10 +74,35 @@ class StepCost:
         if min(self.base, self.per_token, self.per_attn, self.per_decode_attn, self.per_kv_token,
                self.per_seq) < 0 or self.knee_tokens < 0:
             raise ValueError(f"step cost coefficients must be >= 0: {self}")
+        cells = tuple(sorted((int(b), float(c), float(f)) for b, c, f in self.decode_correction))
+        if any(b < 1 or c < 0 or not f > 0 for b, c, f in cells):
+            raise ValueError(f"decode correction cells are (batch >= 1, context >= 0, factor > 0): {cells}")
+        object.__setattr__(self, "decode_correction", cells)
 
-    def seconds(self, tokens: int, attn: float, kv: int, seqs: int, decode_attn: float = 0.0) -> float:
+    def linear_seconds(self, tokens: int, attn: float, kv: int, seqs: int, decode_attn: float = 0.0) -> float:
+        """The fitted linear terms alone (no decode correction)."""
         return (self.base + self.per_token * max(0, tokens - self.knee_tokens) + self.per_attn * attn
                 + self.per_decode_attn * decode_attn + self.per_kv_token * kv + self.per_seq * seqs)
+
+    def seconds(self, tokens: int, attn: float, kv: int, seqs: int, decode_attn: float = 0.0) -> float:
+        s = self.linear_seconds(tokens, attn, kv, seqs, decode_attn)
+        if self.decode_correction and attn == 0 and tokens == seqs > 0 and decode_attn > 0:
+            # decode_attn of one-token rows is the sum of (context + 1): the batch's mean context.
+            s *= self.decode_factor(seqs, decode_attn / seqs - 1)
+        return s
+
+    def decode_factor(self, batch: int, context: float) -> float:
+        """measured / linear for a decode-only step of `batch` sequences at `context` tokens each:
+        linear in context between a profiled batch size's cells, then linear in batch between
+        the two profiled sizes around it; outside the grid, the nearest edge's. 1.0 without cells."""
+        by_batch: dict[int, list[tuple[float, float]]] = {}
+        for b, c, f in self.decode_correction:
+            by_batch.setdefault(b, []).append((c, f))
+        if not by_batch:
+            return 1.0
+        sizes = sorted(by_batch)
+        at = {b: _interp(context, by_batch[b]) for b in sizes}
+        return _interp(float(batch), [(float(b), at[b]) for b in sizes])
 
     def batch_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """A step scheduling `chunks`: (new tokens, tokens already computed) per request."""
@@ -87,6 +122,16 @@ class StepCost:
     def decode_seconds(self, batch: int, context: int) -> float:
         """One decode step of `batch` sequences of `context` tokens each."""
         return self.seconds(batch, 0.0, batch * (context + 1), batch, batch * attn_units(1, context))
+
+
+def _interp(x: float, table: Sequence[tuple[float, float]]) -> float:
+    """Piecewise-linear through (x, y) sorted by x, flat beyond both ends."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return table[-1][1]
 
 
 @dataclass(frozen=True)
@@ -139,6 +184,9 @@ class StepPoint:
 
 
 KNEES = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# A decode grid cell's steps: contexts within this ratio of the previous are one cell, and a
+# cell needs this many steps for its median to be worth more than the linear fit.
+CELL_SPREAD, CELL_MIN_STEPS = 1.25, 3
 
 
 def fit_step_cost(points: Sequence[StepPoint], knees: Sequence[int] = KNEES) -> StepCost:
@@ -158,7 +206,30 @@ def fit_step_cost(points: Sequence[StepPoint], knees: Sequence[int] = KNEES) -> 
         cost = StepCost(knee_tokens=int(knee), **{f: float(c) for f, c in zip(FEATURES, coef)})
         if best is None or sse < best[0]:
             best = (sse, cost)
-    return best[1]
+    return dataclasses.replace(best[1], decode_correction=decode_cells(best[1], points))
+
+
+def decode_cells(cost: StepCost, points: Sequence[StepPoint]) -> tuple[tuple[int, float, float], ...]:
+    """(batch, median context, median measured / linear) for each cell of decode-only steps:
+    points of one batch size whose contexts lie within CELL_SPREAD of each other, at least
+    CELL_MIN_STEPS of them (the median of a handful of steps, not one step's noise)."""
+    by_batch: dict[int, list[tuple[float, float]]] = {}
+    for p in points:
+        if p.attn == 0 and p.tokens == p.seqs > 0 and p.decode_attn > 0:
+            ratio = p.seconds / cost.linear_seconds(p.tokens, p.attn, p.kv, p.seqs, p.decode_attn)
+            by_batch.setdefault(p.seqs, []).append((p.decode_attn / p.seqs - 1, ratio))
+    cells = []
+    for b, pts in sorted(by_batch.items()):
+        pts.sort()
+        group = [pts[0]]
+        for c, r in pts[1:] + [(math.inf, 0.0)]:
+            if c <= group[-1][0] * CELL_SPREAD:
+                group.append((c, r))
+                continue
+            if len(group) >= CELL_MIN_STEPS:
+                cells.append((b, statistics.median(g[0] for g in group), statistics.median(g[1] for g in group)))
+            group = [(c, r)]
+    return tuple(cells)
 
 
 def fit_transfer_cost(sizes: Sequence[int], seconds: Sequence[float]) -> TransferCost:

@@ -146,10 +146,12 @@ def _grid(quick: bool, budget: int, max_len: int) -> dict:
                 "decode": [(1, 64), (4, 128), (8, 32)], "mixed": [(2, 64, 64)], "steps": 3}
     lengths = [n for n in (16, 64, 256, 512, 1024, 1536, 2048) if n <= budget]
     # Decode batches of distinct contexts, up to 64 x 1k and 16 x 2k (64 x 2k would take two
-    # minutes of prompts on one CPU thread); the KV cache is sized to hold the largest.
+    # minutes of prompts on one CPU thread); the KV cache is sized to hold the largest. Batch 2
+    # because a CPU's step bends most between 1 and 4 (one GEMV row against a GEMM's), where a
+    # few requests at a time are decoded (the decode correction interpolates between sizes).
     return {"prefill": [[n] for n in lengths] + [[256] * 4, [64] * 8, [512] * 3],
             "chunk": [(n, c) for n in (256, 1024) for c in (budget, 2 * budget) if c + n < max_len],
-            "decode": [(b, c) for b in (1, 4, 16, 32, 64) for c in (128, 1024, 2048)
+            "decode": [(b, c) for b in (1, 2, 4, 16, 32, 64) for c in (128, 1024, 2048)
                        if c + 128 < max_len and (c <= 1024 or b <= 16)],
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
 

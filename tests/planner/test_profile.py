@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 from services.cli import main as pdserve
-from services.planner.costmodel import StepCost, StepPoint, fit_step_cost, fit_transfer_cost
+from services.planner.costmodel import (CELL_MIN_STEPS, StepCost, StepPoint, fit_quality, fit_step_cost,
+                                        fit_transfer_cost)
 from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
 from services.planner.profile_serve import ServeCost, ServePathError, charge_router_cpu, engine_step, fit_serve_path
 
@@ -45,6 +46,60 @@ def test_pair_prices_split_by_rows_and_older_profiles_keep_one_price():
     assert StepCost(**old).batch_seconds(chunks) == pytest.approx(0.01 + 1e-4 * 66 + 1e-7 * (64 * 132.5 + 802))
     with pytest.raises(ValueError, match=">= 0"):
         StepCost(base=0.01, per_token=0.0, per_attn=0.0, per_decode_attn=-1e-9, per_kv_token=0.0, per_seq=0.0)
+
+
+def test_decode_steps_take_the_grids_measured_over_linear_per_batch_size():
+    # A CPU's decode step bends with batch size where the linear terms cannot: batch 1 cheaper
+    # than the line through the rest, batch 4 dearer. Prefills and mixed steps are linear.
+    line = StepCost(base=0.012, per_token=6e-4, per_attn=3e-7, per_decode_attn=0.0, per_kv_token=1.5e-6,
+                    per_seq=3e-5)
+    bend = {1: 0.88, 2: 1.0, 4: 1.2, 16: 1.05}
+    points = [StepPoint.of(b, line.batch_seconds(b)) for b in
+              [[(n, 0)] for n in (16, 64, 256, 1024, 2048)] + [[(256, 2048)], [(1024, 2048)]]
+              + [[(1, 128)] * 4 + [(256, 0)], [(1, 1024)] * 16 + [(1024, 0)]]]
+    cells = {}
+    for b, f in bend.items():
+        for c in (128, 1024):
+            # Six steps of a cell, each its own noise (the median is the cell's figure).
+            secs = [line.decode_seconds(b, c) * f * n for n in (0.93, 1.0, 1.02, 1.04, 1.1, 0.97)]
+            cells[b, c] = sorted(secs)[2:4]
+            points += [StepPoint.of([(1, c)] * b, s) for s in secs]
+    fit = fit_step_cost(points)
+    assert [(b, c) for b, c, _ in fit.decode_correction] == sorted(cells)
+    for (b, c), mid in cells.items():  # at a grid cell: that cell's median step
+        assert fit.decode_seconds(b, c) == pytest.approx(sum(mid) / 2, rel=1e-9)
+    # Between cells linear in context, then in batch; beyond the grid the edge's factor.
+    f = {(b, c): fit.decode_factor(b, c) for b in (1, 2, 4, 16) for c in (128, 1024)}
+    assert fit.decode_factor(3, 576) == pytest.approx(((f[2, 128] + f[2, 1024]) / 2 + (f[4, 128] + f[4, 1024]) / 2) / 2)
+    assert fit.decode_factor(1, 4096) == pytest.approx(f[1, 1024]) and fit.decode_factor(64, 16) == pytest.approx(f[16, 128])
+    assert fit.decode_factor(1, 576) < 1 < fit.decode_factor(4, 576)
+    # Steps with a prefill chunk are the linear figure, corrected or not.
+    for chunks in ([(512, 0)], [(1, 128)] * 4 + [(256, 0)]):
+        assert fit.batch_seconds(chunks) == fit.linear_seconds(*_features(chunks))
+    assert fit_quality(fit, points)["max_rel_error"] < fit_quality(dataclasses.replace(fit, decode_correction=()),
+                                                                  points)["max_rel_error"]
+    # The profile file keeps the cells; one without them (older, or a roofline) is the line alone.
+    back = Profile.from_json(json.loads(json.dumps(dataclasses.replace(
+        roofline_profile("h100", LLAMA3_8B), step=fit).to_json())))
+    assert back.step == fit and back.step.decode_seconds(3, 700) == fit.decode_seconds(3, 700)
+    plain = {k: v for k, v in dataclasses.asdict(fit).items() if k != "decode_correction"}
+    assert StepCost(**plain).decode_seconds(4, 1024) == fit.linear_seconds(*_features([(1, 1024)] * 4))
+    with pytest.raises(ValueError, match="factor > 0"):
+        StepCost(**plain, decode_correction=[[4, 1024.0, 0.0]])
+
+
+def test_a_decode_cell_needs_a_few_steps_to_correct_anything():
+    line = StepCost(base=0.01, per_token=1e-4, per_attn=1e-7, per_kv_token=1e-6, per_seq=1e-4)
+    points = [StepPoint.of(b, line.batch_seconds(b)) for b in [[(n, 0)] for n in (16, 64, 256, 1024)]]
+    points += [StepPoint.of([(1, 512)] * 4, line.decode_seconds(4, 512) * 1.3) for _ in range(CELL_MIN_STEPS - 1)]
+    points += [StepPoint.of([(1, 100)] * 2, line.decode_seconds(2, 100) * s) for s in (1.0, 1.1, 1.2)]
+    fit = fit_step_cost(points)
+    assert [(b, round(c)) for b, c, _ in fit.decode_correction] == [(2, 100)]
+
+
+def _features(chunks):
+    p = StepPoint.of(chunks, 1.0)
+    return p.tokens, p.attn, p.kv, p.seqs, p.decode_attn
 
 
 def test_transfer_fit_and_refusals():

@@ -2,6 +2,7 @@
 conservation, monotonicity, and P/D's isolated decodes against colocated stalls."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -39,6 +40,19 @@ def test_serving_overhead_is_charged_per_sampled_sequence_per_step():
                        Fleet(num_colocated=1), reqs)
     assert stepped[0].ttft == pytest.approx(plain[0].ttft + 0.005 + 0.003)
     assert stepped[0].itls == pytest.approx([itl + 0.005 + 2 * 0.003 for itl in plain[0].itls])
+
+
+def test_decode_only_steps_take_the_profiles_decode_correction():
+    # Batch 1 measured at 0.8 of the line, batch 2 at 1.2: a lone request's decode steps cost
+    # 0.8 x, two requests' 1.2 x, and a step computing a prompt is the line's.
+    bent = dataclasses.replace(FLAT, decode_correction=((1, 100.0, 0.8), (2, 100.0, 1.2)))
+    [t] = simulate(profile(bent), Fleet(num_colocated=1), [SimRequest(1.0, 100, 5)])
+    assert t.ttft == pytest.approx(0.1 + 0.1) and t.itls == pytest.approx([0.8 * 0.101] * 4)
+    both = simulate(profile(bent, budget=256), Fleet(num_colocated=1), [SimRequest(0.0, 100, 4)] * 2)
+    plain = simulate(profile(FLAT, budget=256), Fleet(num_colocated=1), [SimRequest(0.0, 100, 4)] * 2)
+    # The second's prompt rides with the first's decode (a mixed step: the line's), then batch-2 decodes.
+    assert both[0].itls[0] == pytest.approx(plain[0].itls[0])
+    assert both[0].itls[1:] == pytest.approx([1.2 * i for i in plain[0].itls[1:]])
 
 
 def test_a_busy_neighbour_on_the_host_slows_a_step_by_the_profiles_factor():
