@@ -364,6 +364,12 @@ def run_cli(args) -> int:
     for kind, kq in q["by_kind"].items():
         print(f"  {kind:<8} {kq['num_points']:>3} steps: median error {100 * kq['median_rel_error']:.1f}%, "
               f"worst {100 * kq['max_rel_error']:.1f}%")
+    if s.decode_correction:
+        by_batch: dict[int, list[str]] = {}
+        for b, c, f in s.decode_correction:
+            by_batch.setdefault(b, []).append(f"x{f:.2f} at {c:.0f}")
+        print("decode steps, measured over the linear terms: "
+              + "; ".join(f"batch {b} {', '.join(cells)}" for b, cells in by_batch.items()))
     if not args.no_serve_overhead:
         serve = prof.raw["serve"]
         lone = statistics.median(p["tpot_s"] - p["step_s"] for p in serve["points"])

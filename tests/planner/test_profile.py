@@ -157,7 +157,7 @@ def test_pdserve_profile_roofline_writes_a_gpu_profile(tmp_path, capsys):
     assert "h200 roofline" in capsys.readouterr().out
 
 
-def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path):
+def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",
                   "--transports", "tcp,shm", "--out", str(out)])
@@ -184,6 +184,9 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path)
     assert all(p["decode_attn"] > 0 and p["attn"] > 0 for p in points if p["kind"] == "mixed")
     assert all(p["kv"] == p["tokens"] for p in points if p["kind"] == "prefill")
     assert prof.raw["step"]["quality"]["num_points"] == len(points)
+    # Each decode cell of the grid (three steps each) corrects the linear terms there, and says so.
+    assert [b for b, _, _ in prof.step.decode_correction] == [1, 4, 8]
+    assert "decode steps, measured over the linear terms: batch 1 x" in capsys.readouterr().out
     by_kind = prof.raw["step"]["quality"]["by_kind"]
     assert set(by_kind) == kinds and sum(q["num_points"] for q in by_kind.values()) == len(points)
     tcp = prof.transfer("tcp")
