@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim_validate import ARRIVAL_SEED, compare, drift, sim_requests
+from bench.sim_validate import ARRIVAL_SEED, compare, corrected, drift, probe_correction, sim_requests
 from bench.workloads import poisson_arrivals, synthetic
 
 
@@ -28,3 +28,14 @@ def test_drift_is_the_largest_move_of_the_lone_probe():
     assert drift(30.0, 29.0, 29.5)[0] == pytest.approx(29 / 30 - 1)
     assert drift(20.0, 26.0, 25.0)[0] == pytest.approx(0.3)  # slower than when profiled
     assert drift(20.0, 20.0, 20.0)[0] == 0.0
+
+
+def test_the_probe_corrects_ttft_and_tpot_apart_as_the_sla_planner_does():
+    predicted_probe = {"p50_ttft_ms": 800.0, "p50_tpot_ms": 16.0}
+    measured_probe = {"p50_ttft_ms": 840.0, "p50_tpot_ms": 12.0}  # prefill as profiled, decode 25% faster
+    factors = probe_correction(predicted_probe, measured_probe)
+    assert factors == pytest.approx((1.05, 0.75))
+    keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
+    cell = dict(zip(keys, (1500.0, 3000.0, 16.0, 20.0)))
+    assert corrected(cell, factors) == pytest.approx(dict(zip(keys, (1575.0, 3150.0, 12.0, 15.0))))
+    assert cell["p50_tpot_ms"] == 16.0  # the raw prediction is left as it was
