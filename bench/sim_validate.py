@@ -78,6 +78,12 @@ def compare(name: str, rate: float, measured: dict, predicted: dict) -> list[flo
 PROBE = ("fixed:1024", "fixed:64")  # the drift probe: one request alone on the fleet
 
 
+def probe_requests() -> tuple[list, list, list]:
+    """The probe's warm-up, first and last requests: one each, the probe's lengths, each its own
+    prompt (a repeat would hit the prefix cache, and its TTFT would measure no prefill)."""
+    return tuple(synthetic(1, *PROBE, vocab_size=4000, seed=seed) for seed in (99, 100, 101))
+
+
 def drift(predicted_ms: float, before_ms: float, after_ms: float) -> tuple[float, str]:
     """The machine's drift as a lone request's TPOT sees it: the largest relative move, between the
     two probes or from the profile's prediction to either, and a line saying so."""
@@ -132,14 +138,14 @@ def main(argv=None) -> int:
     workloads = {rate: synthetic(args.num_prompts, args.input_len, args.output_len, vocab_size=4000, seed=i + 1)
                  for i, rate in enumerate(rates)}
     warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
-    probe = synthetic(1, *PROBE, vocab_size=4000, seed=99)
+    warm_probe, probe, last_probe = probe_requests()
     worst = worst_drift = worst_corrected = 0.0
     print(f"\n{'config':<14}{'rate':>6}  predicted / measured (error)", flush=True)
     for name in args.configs.split(","):
         cfg, url = start_pdserve(name, model, logs, name == "disaggregated", [])
         try:
             asyncio.run(run_benchmark(url, None, warmup, progress=False))
-            asyncio.run(run_benchmark(url, None, probe, progress=False))  # its first run warms its shapes up
+            asyncio.run(run_benchmark(url, None, warm_probe, progress=False))  # warms the probe's shapes up
             first = asyncio.run(run_benchmark(url, None, probe, progress=False))
             before = first["p50_tpot_ms"]
             lone = summarize(simulate(prof, FLEETS[name], sim_requests(probe, 1.0)))
@@ -160,7 +166,7 @@ def main(argv=None) -> int:
                 errors = compare("  corrected", rate, measured,
                                  corrected(predicted, factors))
                 worst_corrected = max([worst_corrected, *(abs(e) for e in errors)])
-            after = asyncio.run(run_benchmark(url, None, probe, progress=False))["p50_tpot_ms"]
+            after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))["p50_tpot_ms"]
             moved, line = drift(lone["p50_tpot_ms"], before, after)
             worst_drift = max(worst_drift, abs(moved))
             print(f"{name:<14}{'probe':>6}  {line}", flush=True)

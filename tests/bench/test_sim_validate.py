@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim_validate import ARRIVAL_SEED, compare, corrected, drift, probe_correction, sim_requests
+from bench.sim_validate import (ARRIVAL_SEED, compare, corrected, drift, probe_correction, probe_requests,
+                                 sim_requests)
 from bench.workloads import poisson_arrivals, synthetic
 
 
@@ -39,3 +40,11 @@ def test_the_probe_corrects_ttft_and_tpot_apart_as_the_sla_planner_does():
     cell = dict(zip(keys, (1500.0, 3000.0, 16.0, 20.0)))
     assert corrected(cell, factors) == pytest.approx(dict(zip(keys, (1575.0, 3150.0, 12.0, 15.0))))
     assert cell["p50_tpot_ms"] == 16.0  # the raw prediction is left as it was
+
+
+def test_each_probe_is_a_fresh_prompt_so_its_ttft_measures_a_prefill():
+    probes = probe_requests()
+    assert len(probes) == 3 and all(len(p) == 1 for p in probes)
+    assert {(p[0].prompt_len, p[0].output_len) for p in probes} == {(1024, 64)}
+    first_blocks = {tuple(p[0].prompt[:16]) for p in probes}  # the prefix cache matches whole 16-token blocks
+    assert len(first_blocks) == 3
