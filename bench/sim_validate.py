@@ -38,6 +38,7 @@ from bench.workloads import poisson_arrivals, synthetic  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
 from services.planner.sim_metrics import summarize  # noqa: E402
 from services.planner.simulator import Fleet, SimRequest, simulate  # noqa: E402
+from services.planner.sla import correction_factor  # noqa: E402
 
 FLEETS = {"disaggregated": Fleet(num_prefill=1, num_decode=1, transport="tcp"), "colocated": Fleet(num_colocated=2)}
 KEYS = [("TTFT p50", "p50_ttft_ms"), ("TTFT p90", "p90_ttft_ms"), ("TPOT p50", "p50_tpot_ms"), ("TPOT p90", "p90_tpot_ms")]
@@ -94,9 +95,9 @@ def drift(predicted_ms: float, before_ms: float, after_ms: float) -> tuple[float
 
 
 def probe_correction(predicted: dict, measured: dict) -> tuple[float, float]:
-    """(TTFT, TPOT) factors, measured over predicted, of the lone probe: what the planner's SLA
-    mode multiplies its predictions by."""
-    return (measured["p50_ttft_ms"] / predicted["p50_ttft_ms"], measured["p50_tpot_ms"] / predicted["p50_tpot_ms"])
+    """(TTFT, TPOT) factors, measured over predicted, of the lone probe, by the planner's SLA mode's
+    own rule (correction_factor: within its limits)."""
+    return tuple(correction_factor(measured[key], predicted[key]) for key in ("p50_ttft_ms", "p50_tpot_ms"))
 
 
 def corrected(predicted: dict, factors: tuple[float, float]) -> dict:

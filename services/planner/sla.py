@@ -49,6 +49,12 @@ class SlaPlan:
     reason: str
 
 
+def correction_factor(measured: float | None, predicted: float) -> float:
+    """measured / predicted within CORRECTION_LIMITS; 1.0 where nothing was measured or predicted."""
+    lo, hi = CORRECTION_LIMITS
+    return 1.0 if not measured or predicted <= 0 else min(hi, max(lo, measured / predicted))
+
+
 def _p90(values: list[float]) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
@@ -78,13 +84,8 @@ class SlaSizer:
         """measured / predicted for the current fleet: TTFT p90 and ITL p90 (1 where unmeasured)."""
         if prefill < 1 or decode < 1 or (obs.ttft_p90_s is None and obs.itl_p90_s is None):
             return 1.0, 1.0
-        lo, hi = CORRECTION_LIMITS
-
-        def factor(measured, predicted):
-            return 1.0 if not measured or predicted <= 0 else min(hi, max(lo, measured / predicted))
-
         ttft, itl = self.predict(obs, prefill, decode)
-        return factor(obs.ttft_p90_s, ttft), factor(obs.itl_p90_s, itl)
+        return correction_factor(obs.ttft_p90_s, ttft), correction_factor(obs.itl_p90_s, itl)
 
     def size(self, obs: Observation, current_prefill: int, current_decode: int) -> SlaPlan:
         """The fewest prefills whose (corrected) TTFT meets the SLO for `attainment` of the requests

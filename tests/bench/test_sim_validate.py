@@ -40,6 +40,8 @@ def test_the_probe_corrects_ttft_and_tpot_apart_as_the_sla_planner_does():
     cell = dict(zip(keys, (1500.0, 3000.0, 16.0, 20.0)))
     assert corrected(cell, factors) == pytest.approx(dict(zip(keys, (1575.0, 3150.0, 12.0, 15.0))))
     assert cell["p50_tpot_ms"] == 16.0  # the raw prediction is left as it was
+    # The planner's limits hold: a probe 20x faster than predicted says another deployment.
+    assert probe_correction(predicted_probe, {"p50_ttft_ms": 42.0, "p50_tpot_ms": 16.0}) == (0.5, 1.0)
 
 
 def test_each_probe_is_a_fresh_prompt_so_its_ttft_measures_a_prefill():
