@@ -21,9 +21,17 @@ async def sse_events(resp: aiohttp.ClientResponse):
             yield None if data == b"[DONE]" else json.loads(data)
 
 
+def carries_tokens(choice: dict) -> bool:
+    """A streamed choice that brings tokens: with text, or without while the request goes on (a
+    token whose text is held back, such as one byte of a UTF-8 character, streams with empty text,
+    as vLLM and pdserve send it). Not a closing chunk that only carries the finish reason."""
+    return bool(choice.get("text")) or ("text" in choice and choice.get("finish_reason") is None)
+
+
 async def send_one(session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest,
                    headers: dict, exact_output: bool) -> RequestResult:
-    """One streamed completion; times each chunk that carries tokens."""
+    """One streamed completion; times each chunk that carries tokens (`carries_tokens`: the first
+    one is the time to first token, as vLLM's benchmark times it, whether or not it has text yet)."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     if exact_output:  # vLLM's extensions: generate exactly output_len tokens
@@ -44,7 +52,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, req: Be
                     result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     result.cached_tokens = details.get("cached_tokens") or 0
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if any(carries_tokens(c) for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start

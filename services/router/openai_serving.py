@@ -192,7 +192,12 @@ class OpenAIServing:
                             text, lp = "", None
                         await write(choice, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]},
                                     None, None)
-            if not text and lp is None and finish_reason is None:
+            # A token whose text is held back (part of a UTF-8 character, or maybe a stop string's
+            # start) still gets its chunk, with empty text, as vLLM streams it: a client times its
+            # first token (and every token after) by chunks, not by text. Tool calls hold their
+            # text back by design and stream it when the call is known.
+            new_tokens = bool(chunk.token_ids) and not req.echo_only and choice.tool_stream is None
+            if not text and lp is None and finish_reason is None and not new_tokens:
                 return
             payload = {"content": text} if chat else text
             if chat and not text and finish_reason is not None:

@@ -76,3 +76,15 @@ def test_result_json_has_vllm_compatible_fields():
                 "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "input_lens",
                 "output_lens", "ttfts", "itls", "errors"):
         assert key in s, key
+
+
+def test_a_chunk_with_a_held_back_token_times_the_first_token():
+    from bench.serve import carries_tokens
+    # A token whose text is not out yet (one byte of a UTF-8 character) streams with empty text:
+    # it is the first token all the same, as vLLM's benchmark times it.
+    assert carries_tokens({"index": 0, "text": "", "finish_reason": None})
+    assert carries_tokens({"index": 0, "text": "\u00e9t\u00e9", "finish_reason": None})
+    assert carries_tokens({"index": 0, "text": "end", "finish_reason": "length"})
+    # A closing chunk that only says why it ended, and a chat role chunk, bring no token.
+    assert not carries_tokens({"index": 0, "text": "", "finish_reason": "stop"})
+    assert not carries_tokens({"index": 0, "delta": {"role": "assistant"}})

@@ -43,6 +43,24 @@ def test_streamed_completion_concatenates_to_the_whole(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
 
 
+def test_a_token_whose_text_is_held_back_still_streams_its_chunk(client, tokenizer):
+    # The fakes answer prompt [7] with token 230 first: one byte of a UTF-8 character, no text
+    # of its own until the next token completes it. Its chunk still comes (empty text, as vLLM
+    # streams it): a client's time to first token is the first token's, not the second's.
+    ids, _ = toy_generate([7], 6)
+    assert "\ufffd" in tokenizer.decode(ids[:1])
+    kwargs = dict(model="tiny", prompt=[7], max_tokens=6, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert len(chunks) == 6  # one a token
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None
+    assert "".join(c.choices[0].text for c in chunks) == whole == tokenizer.decode(ids)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = [c for c in client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                                       temperature=0, stream=True) if c.choices]
+    assert len(chat) == 1 + 6  # the role, then one a token
+
+
 def test_chat_completion_uses_the_chat_template(client, tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
