@@ -10,6 +10,7 @@ import queue
 import tempfile
 import threading
 import uuid
+from collections import deque
 from typing import Callable
 
 import msgspec
@@ -73,6 +74,10 @@ class _Loop:
     def __init__(self, core, get_input: Callable[[float | None], object | None], emit: OutputCallback,
                  emit_stats: Callable[[dict], None] | None = None) -> None:
         self.core, self.get_input, self.emit, self.emit_stats = core, get_input, emit, emit_stats
+        self.num_received = 0  # AddRequest messages taken in, in the order they were sent
+
+    def stats(self) -> dict:
+        return {**self.core.stats(), "requests_received": self.num_received}
 
     def run(self) -> None:
         import time
@@ -99,7 +104,7 @@ class _Loop:
                 now = time.monotonic()
                 if self.emit_stats is not None and now - last_stats > self.STATS_INTERVAL_S:
                     last_stats = now
-                    self.emit_stats(self.core.stats())
+                    self.emit_stats(self.stats())
                 if now - last_check >= self.LIVENESS_INTERVAL_S and not self.core.has_unfinished_requests():
                     last_check = now
                     self.core.check_alive()
@@ -108,6 +113,7 @@ class _Loop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
+            self.num_received += 1
             try:
                 self.core.add_request(msg.to_request())
             except ValueError as e:  # validated in the front end; a last line of defence
@@ -116,6 +122,41 @@ class _Loop:
                 self.emit([EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e), finished=True)])
         elif isinstance(msg, Abort):
             self.core.abort_requests(msg.request_ids)
+
+
+def owed_tokens(msg: AddRequest) -> int:
+    """The outstanding tokens the core counts for a request it has just added: its prompt (still
+    to compute, or to load) plus the tokens it may generate (one for a prefill-only request)."""
+    budget = 1 if msg.prefill_only else msg.sampling_params.max_tokens
+    return len(msg.prompt_token_ids) + budget
+
+
+class UnseenWork:
+    """Requests sent to the core that its last stats do not show yet. The core reports its stats
+    between steps, and a step may run for a second (a long prompt on a CPU): a load report that
+    leaves out what was sent meanwhile shows a busy engine as idle to every router that polls it.
+    Stats carry `requests_received`; what was sent after it is added to `outstanding_tokens`."""
+
+    def __init__(self) -> None:
+        self._num_sent = 0
+        self._owed: deque[tuple[int, int]] = deque()  # (send number, tokens) not yet received
+        self._lock = threading.Lock()  # a thread core's stats are read from the front end's thread
+
+    def sent(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            with self._lock:
+                self._num_sent += 1
+                self._owed.append((self._num_sent, owed_tokens(msg)))
+
+    def add_to(self, stats: dict) -> dict:
+        """The core's stats, its outstanding tokens counting the requests it has not received."""
+        if "requests_received" not in stats:
+            return stats  # no stats yet
+        with self._lock:
+            while self._owed and self._owed[0][0] <= stats["requests_received"]:
+                self._owed.popleft()
+            owed = sum(tokens for _, tokens in self._owed)
+        return {**stats, "outstanding_tokens": stats.get("outstanding_tokens", 0) + owed}
 
 
 class InprocClient:
@@ -129,6 +170,7 @@ class InprocClient:
         self.info = Ready(self.core.max_model_len, self.core.vocab_size, self.core.runner.num_blocks)
         self._inputs: queue.Queue = queue.Queue()
         self._loop = _Loop(self.core, self._get, on_output)
+        self._unseen = UnseenWork()
         self._on_death = on_death
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
@@ -148,9 +190,13 @@ class InprocClient:
             return None
 
     def stats(self) -> dict:
-        return self.core.stats()
+        # Read from another thread than the core's: a request taken in between the two reads is
+        # counted twice for this report, never left out.
+        received = self._loop.num_received
+        return self._unseen.add_to({**self.core.stats(), "requests_received": received})
 
     def send(self, msg) -> None:
+        self._unseen.sent(msg)
         self._inputs.put(msg)
 
     def shutdown(self) -> None:
@@ -241,6 +287,7 @@ class MPClient:
         self._out_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
         self.info: Ready | None = None
         self._stats: dict = {}
+        self._unseen = UnseenWork()
         self._start_timeout = start_timeout
         self._task: asyncio.Task | None = None
         self.on_death = on_death
@@ -288,9 +335,10 @@ class MPClient:
                 self._stats = msgspec.msgpack.decode(payload)
 
     def stats(self) -> dict:
-        return self._stats
+        return self._unseen.add_to(self._stats)
 
     def send(self, msg) -> None:
+        self._unseen.sent(msg)
         self.inbound.send(_encoder.encode(msg))
 
     def stop_watching(self) -> None:

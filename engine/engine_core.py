@@ -195,9 +195,11 @@ class EngineCore:
             **spec_decode_stats(s, self.proposer),
             **self.runner.stats,
             **self.structured_output.stats(),
-            # Work still owed: prompt tokens to compute plus tokens to generate (for routing).
+            # Work still owed: prompt tokens to compute plus tokens to generate (for routing; a
+            # prefill-only request generates one). core_client.owed_tokens counts it the same way.
             "outstanding_tokens": sum(r.num_tokens - r.num_computed_tokens
-                                      + r.sampling_params.max_tokens - r.num_output_tokens
+                                      + max(0, (1 if r.prefill_only else r.sampling_params.max_tokens)
+                                            - r.num_output_tokens)
                                       for r in s.requests.values()),
         }
         if self.kv_event_publisher is not None:

@@ -11,7 +11,10 @@ in P/D the first token comes from the prefill and the request then goes to the l
 decode, which pulls its KV. Instances share hosts as on the profiled machine (a CPU profile: its
 cores over an instance's width, filled in order, prefills first): a step that starts while another
 instance on its host is busy costs the profile's neighbour factor more. Not modelled: the KV cache's size (no preemption), prefix-cache hits,
-the router's stale load reports, retries and migration.
+retries and migration, and the age of the router's load reports: the simulator reads every
+instance's outstanding tokens at each arrival, the router the engine's count at its last poll
+(every 0.5 s, as of the engine's last step) plus what it routed there since, so work that
+finished since the poll is still counted there.
 """
 from __future__ import annotations
 
@@ -100,15 +103,16 @@ class RequestTrace:
 
 class _Seq:
     """One request on one instance: computed tokens catching up to known tokens."""
-    __slots__ = ("trace", "known", "computed", "remote")
+    __slots__ = ("trace", "known", "computed", "remote", "budget")
 
-    def __init__(self, trace: RequestTrace, known: int, remote: bool) -> None:
+    def __init__(self, trace: RequestTrace, known: int, remote: bool, budget: int) -> None:
         self.trace, self.known, self.computed, self.remote = trace, known, 0, remote
+        self.budget = budget  # tokens it generates here: the output's length; one on a prefill instance
 
     @property
     def outstanding(self) -> int:
         """The engine's outstanding_tokens: prompt left to compute plus tokens left to generate."""
-        return self.known - self.computed + self.trace.request.osl - len(self.trace.token_times)
+        return self.known - self.computed + max(0, self.budget - len(self.trace.token_times))
 
 
 class _Instance:
@@ -262,7 +266,7 @@ class Simulation:
         else:
             inst = self._least_load(self.decodes, "decode")
             trace.decode_instance = inst.name
-        inst.add(_Seq(trace, req.isl, remote=False), now)
+        inst.add(_Seq(trace, req.isl, remote=False, budget=1 if inst.role == "prefill" else req.osl), now)
 
     def prefill_done(self, trace: RequestTrace, now: float) -> None:
         if trace.finished:  # osl == 1: the prefill's token was the whole answer
@@ -272,7 +276,7 @@ class Simulation:
     def _to_decode(self, now: float, trace: RequestTrace) -> None:
         inst = self._least_load(self.decodes, "decode")
         trace.decode_instance = inst.name
-        inst.add(_Seq(trace, trace.request.isl + 1, remote=True), now)
+        inst.add(_Seq(trace, trace.request.isl + 1, remote=True, budget=trace.request.osl), now)
 
     def start_pull(self, inst: _Instance, seq: _Seq, now: float) -> None:
         nbytes = self.profile.kv_bytes(seq.trace.request.isl)

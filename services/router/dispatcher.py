@@ -211,7 +211,8 @@ class Dispatcher:
                        deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
         """One upstream request: prefill (when disaggregated) then a decode stream; raises
         StreamLost when the decode instance is lost after it began."""
-        decode_route = RouteRequest(request_id, "decode", prompt_token_ids, sampling.cache_salt or None)
+        decode_route = RouteRequest(request_id, "decode", prompt_token_ids, sampling.cache_salt or None,
+                                    max_new_tokens=sampling.max_tokens)
         local = not self.disaggregated
         if not local and self.pd_policy is not None:
             decision = self.pd_policy.decide(decode_route, lost)
@@ -255,7 +256,8 @@ class Dispatcher:
                        deadline: float, lost: list[Instance]) -> tuple[Instance, pb.PrefillResponse]:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                 sampling=sampling, publish_kv=True)
-        route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None)
+        route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None,
+                             max_new_tokens=1)
         tried: list[Instance] = []
         failures: list[str] = []
         codes: set[grpc.StatusCode] = set()

@@ -41,7 +41,8 @@ class Instance:
         # Its pairing descriptor (in `load`) is this life's: false from each start until a report
         # comes, for a pod restarted behind the same address may be another version.
         self.described = False
-        # Tokens routed here since the last load report: keeps least-load honest between polls.
+        # Tokens routed here that the last load report cannot show (routed after it was asked
+        # for): keeps least-load honest between polls.
         self.routed_tokens = 0
 
     def __repr__(self) -> str:
@@ -192,12 +193,16 @@ class InstancePool:
         await asyncio.gather(*(self._fetch_load(i) for role in ROLES for i in self.healthy(role)))
 
     async def _fetch_load(self, inst: Instance) -> None:
+        # What was routed before the ask went out reached the engine first (the same channel) and
+        # is in the report; what was routed while the report was on its way is not: it stays.
+        routed_before = inst.routed_tokens
         try:
             report = await inst.get_load(timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", inst, e.code().name)
             return
-        previous, inst.load, inst.routed_tokens = inst.load, report, 0
+        previous, inst.load = inst.load, report
+        inst.routed_tokens = max(0, inst.routed_tokens - routed_before)
         if not inst.described or previous.HasField("pairing") != report.HasField("pairing") or (
                 previous.pairing != report.pairing):  # a first descriptor, or a pod of another version
             inst.described = True

@@ -23,6 +23,9 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     cache_salt: str | None = None
     prefer: str | None = None  # an instance address
+    # Tokens the request may generate on the instance (max_tokens; one on a prefill instance):
+    # an engine's outstanding tokens count them, so the load added until its next report does.
+    max_new_tokens: int = 0
 
 
 class RoutingPolicy(abc.ABC):
@@ -52,8 +55,9 @@ class RoutingPolicy(abc.ABC):
         return False
 
     def added_load(self, inst: Instance, request: RouteRequest) -> int:
-        """Tokens of work routing the request adds to the instance, until its next load report."""
-        return len(request.prompt_token_ids)
+        """Tokens of work routing the request adds to the instance until a load report shows it,
+        counted as the engine counts its outstanding tokens: prompt plus tokens to generate."""
+        return len(request.prompt_token_ids) + request.max_new_tokens
 
 
 class RoundRobin(RoutingPolicy):
@@ -119,7 +123,7 @@ class KvAware(RoutingPolicy):
 
     def added_load(self, inst: Instance, request: RouteRequest) -> int:
         uncached = self.uncached_tokens(inst, request)  # the cached part is no work for the instance
-        return len(request.prompt_token_ids) if uncached is None else uncached
+        return (len(request.prompt_token_ids) if uncached is None else uncached) + request.max_new_tokens
 
     def costs(self, candidates: Sequence[Instance], request: RouteRequest) -> list[float]:
         hashes_by_size: dict[int, list[bytes]] = {}

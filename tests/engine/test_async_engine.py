@@ -175,3 +175,54 @@ def test_an_engine_death_behind_a_backlog_comes_after_it():
 
     assert asyncio.run(main()) == [[3, 4, 5]]
     assert aborted == []  # a dead engine has nothing left to abort
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["thread", "process"])
+def test_load_counts_a_request_the_core_has_not_taken_in(tiny_llama, multiprocess):
+    # A core in a long step (a long prompt on a CPU runs a second) takes nothing in and reports
+    # nothing: a request sent meanwhile counts in the outstanding tokens at once, or a router
+    # polling this engine sees it idle and sends it the next request too. Held here: a stopped
+    # process, or a thread core held before it takes the request in.
+    import os
+    import signal
+    import threading
+
+    async def settled(engine, check):
+        for _ in range(500):
+            stats = engine.stats()
+            if check(stats):
+                return stats
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"stats never settled: {stats}")
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, multiprocess=multiprocess)
+        try:
+            await collect(engine, "warm up")
+            await settled(engine, lambda s: s.get("outstanding_tokens") == 0 and s.get("requests_received") == 1)
+            prompt = list(range(5, 45))
+            params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+            if multiprocess:
+                pid = engine.client.proc.pid
+                os.kill(pid, signal.SIGSTOP)
+                resume = lambda: os.kill(pid, signal.SIGCONT)  # noqa: E731
+            else:
+                loop, gate = engine.client._loop, threading.Event()
+                handle = loop._handle
+                loop._handle = lambda msg: (gate.wait(), handle(msg))
+                resume = gate.set
+            try:
+                stream = asyncio.ensure_future(collect(engine, prompt, params))
+                await asyncio.sleep(0.2)
+                assert engine.stats()["outstanding_tokens"] == len(prompt) + 30
+                assert engine.stats()["requests_received"] == 1  # the core has not taken it
+            finally:
+                resume()
+            final, token_ids, _ = await stream
+            assert len(token_ids) == 30
+            # Taken in, computed and finished: counted once, then not at all.
+            await settled(engine, lambda s: s["requests_received"] == 2 and s["outstanding_tokens"] == 0)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -14,7 +14,7 @@ from engine.request import Request, SamplingParams
 from engine.scheduler import ModelOutput, Scheduler
 from services.planner.costmodel import StepCost, attn_units
 from services.planner.sim_metrics import parse_slo, summarize
-from services.planner.simulator import Fleet, SimRequest, simulate
+from services.planner.simulator import Fleet, RequestTrace, SimRequest, simulate
 from services.planner.workload import from_trace, load, poisson
 from sim_profiles import CPU_LIKE, FLAT, SHAPE, profile
 
@@ -186,6 +186,15 @@ def test_kept_outstanding_tokens_equal_a_recount_at_every_routing(fleet, monkeyp
     simulate(profile(CPU_LIKE, budget=1024, max_seqs=8), fleet, list(w.requests))
     assert len(checked) == 400 + fleet.disaggregated * sum(r.osl > 1 for r in w.requests)
     assert max(checked) > 20_000  # the routing saw deep queues, not an idle fleet
+
+
+def test_a_prefill_instance_owes_one_token_to_generate():
+    """As the engine counts a prefill-only request: its prompt and one token, not max_tokens."""
+    from services.planner.simulator import Simulation
+    sim = Simulation(profile(CPU_LIKE), Fleet(num_prefill=1, num_decode=1))
+    trace = RequestTrace(SimRequest(0.0, 1000, 100))
+    sim._arrive(0.0, trace)
+    assert sim.prefills[0].outstanding == 1000 + 1
 
 
 def test_thousands_of_requests_in_seconds():

@@ -73,3 +73,42 @@ def test_max_model_len_comes_from_the_instances(make_stack):
     assert status == 400 and "512" in body["error"]["message"]
     # Load reports come from the Engine service, which every instance serves whatever its role.
     assert all("/pdserve.v1.Engine/GetLoad" in fake.calls for fake in stack.prefills + stack.decodes)
+
+
+def test_a_report_keeps_what_was_routed_while_it_was_on_its_way():
+    # The report was made before the engine saw what the router sent after asking for it: those
+    # tokens stay on the instance's score; what was routed before the ask is in the report.
+    from services.api.pdserve.v1 import pdserve_pb2 as pb
+    from services.router.instances import InstancePool
+    from services.router.metrics import RouterMetrics
+
+    pool = InstancePool((), (), RouterMetrics(), health_interval_s=1.0, load_interval_s=None)
+
+    async def main():
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def get_load(timeout):
+            asked.set()
+            await answer.wait()
+            return pb.LoadReport(outstanding_tokens=300)
+
+        inst = SimpleNamespace(load=None, routed_tokens=300, described=False, get_load=get_load)
+        fetch = asyncio.ensure_future(pool._fetch_load(inst))
+        await asyncio.wait_for(asked.wait(), 5)
+        inst.routed_tokens += 200  # a request routed while the report is on its way
+        answer.set()
+        await fetch
+        assert inst.load.outstanding_tokens == 300 and inst.routed_tokens == 200
+        await pool._fetch_load(inst)  # the next report includes it
+        assert inst.routed_tokens == 0
+
+    asyncio.run(main())
+
+
+def test_routing_adds_what_the_engine_will_count():
+    # An engine counts a request's prompt and the tokens it may generate (one on a prefill):
+    # until the next report the router adds the same to the instance's score.
+    inst = SimpleNamespace(name="a", load_score=0)
+    ll = LeastLoad()
+    assert ll.added_load(inst, RouteRequest("r", "decode", [1] * 100, max_new_tokens=64)) == 164
+    assert ll.added_load(inst, RouteRequest("r", "prefill", [1] * 100, max_new_tokens=1)) == 101
