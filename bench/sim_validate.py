@@ -106,6 +106,17 @@ def corrected(predicted: dict, factors: tuple[float, float]) -> dict:
     return {key: predicted[key] * (c_ttft if "ttft" in key else c_tpot) for _, key in KEYS}
 
 
+def per_request(measured: dict, traces) -> None:
+    """Each request's TTFT, predicted against measured, with where the simulator sent it: which
+    requests make a percentile's error."""
+    for k, (trace, ttft) in enumerate(zip(traces, measured["ttfts"])):
+        r = trace.request
+        where = "+".join(n for n in (trace.prefill_instance, trace.decode_instance) if n)
+        print(f"    request {k:3d} at {r.arrival:7.1f} s  {r.isl:5d} in {r.osl:4d} out  {where:<20} "
+              f"TTFT {1e3 * trace.ttft:7.0f} / {1e3 * ttft:7.0f} ms ({100 * (trace.ttft / ttft - 1):+5.0f}%)",
+              flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a quick profile, one rate, 4 requests: checks the "
@@ -117,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", default="uniform:64:128")
     ap.add_argument("--configs", default="disaggregated,colocated")
     ap.add_argument("--max-error", type=float, default=0.2)
+    ap.add_argument("--per-request", action="store_true",
+                    help="print every request's TTFT, predicted / measured, and the instance it was simulated on")
     args = ap.parse_args(argv)
     if args.quick:
         args.rates, args.num_prompts = "0.3", 4
@@ -160,9 +173,11 @@ def main(argv=None) -> int:
                 if measured["failed"]:
                     print(f"{name} @ {rate:g}: {measured['failed']} requests failed: {measured['errors']}")
                     return 1
-                predicted = summarize(simulate(prof, FLEETS[name], sim_requests(workloads[rate], rate)),
-                                      {k: v for k, v in slos.items() if k in ("ttft", "tpot")})
+                traces = simulate(prof, FLEETS[name], sim_requests(workloads[rate], rate))
+                predicted = summarize(traces, {k: v for k, v in slos.items() if k in ("ttft", "tpot")})
                 errors = compare(name, rate, measured, predicted)
+                if args.per_request:
+                    per_request(measured, traces)
                 worst = max([worst, *(abs(e) for e in errors)])
                 errors = compare("  corrected", rate, measured,
                                  corrected(predicted, factors))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim_validate import (ARRIVAL_SEED, compare, corrected, drift, probe_correction, probe_requests,
-                                 sim_requests)
+from bench.sim_validate import (ARRIVAL_SEED, compare, corrected, drift, per_request, probe_correction,
+                                 probe_requests, sim_requests)
 from bench.workloads import poisson_arrivals, synthetic
 
 
@@ -20,6 +20,17 @@ def test_compare_prints_signed_relative_errors(capsys):
     errors = compare("colocated", 0.3, dict(zip(keys, (1000, 2000, 20, 40))), dict(zip(keys, (1100, 1800, 20, 50))))
     assert errors == pytest.approx([0.1, -0.1, 0.0, 0.25])
     assert "TTFT p50     1100 /     1000 ms (  +10%)" in capsys.readouterr().out
+
+
+def test_per_request_lines_name_the_instance_and_the_ttft_error(capsys):
+    from services.planner.simulator import RequestTrace, SimRequest
+    a = RequestTrace(SimRequest(0.0, 1500, 80), [1.2, 1.21], decode_instance="colocated1")
+    b = RequestTrace(SimRequest(2.5, 1200, 64), [4.0], prefill_instance="prefill0", decode_instance="decode0")
+    per_request({"ttfts": [1.5, 1.5]}, [a, b])
+    out = capsys.readouterr().out.splitlines()
+    assert "request   0 at     0.0 s   1500 in   80 out  colocated1" in out[0]
+    assert out[0].endswith("TTFT    1200 /    1500 ms (  -20%)")
+    assert "prefill0+decode0" in out[1] and out[1].endswith("TTFT    1500 /    1500 ms (   +0%)")
 
 
 def test_drift_is_the_largest_move_of_the_lone_probe():
