@@ -17,7 +17,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.cpu_allocator import device_type_of, preload_for, preloading
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, generation_budget
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ class _Loop:
 def owed_tokens(msg: AddRequest) -> int:
     """The outstanding tokens the core counts for a request it has just added: its prompt (still
     to compute, or to load) plus the tokens it may generate (one for a prefill-only request)."""
-    budget = 1 if msg.prefill_only else msg.sampling_params.max_tokens
-    return len(msg.prompt_token_ids) + budget
+    return len(msg.prompt_token_ids) + generation_budget(msg.sampling_params, msg.prefill_only)
 
 
 class UnseenWork:

@@ -13,7 +13,7 @@ from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
-from engine.request import DuplicateRequestError, Request, RequestStatus
+from engine.request import DuplicateRequestError, Request, RequestStatus, generation_budget
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 from engine.spec_decode import make_proposer, spec_decode_stats
 from engine.structured_output.manager import StructuredOutputManager
@@ -195,10 +195,9 @@ class EngineCore:
             **spec_decode_stats(s, self.proposer),
             **self.runner.stats,
             **self.structured_output.stats(),
-            # Work still owed: prompt tokens to compute plus tokens to generate (for routing; a
-            # prefill-only request generates one). core_client.owed_tokens counts it the same way.
+            # Work still owed: prompt tokens to compute plus tokens to generate (for routing).
             "outstanding_tokens": sum(r.num_tokens - r.num_computed_tokens
-                                      + max(0, (1 if r.prefill_only else r.sampling_params.max_tokens)
+                                      + max(0, generation_budget(r.sampling_params, r.prefill_only)
                                             - r.num_output_tokens)
                                       for r in s.requests.values()),
         }

@@ -151,6 +151,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def generation_budget(params: SamplingParams, prefill_only: bool) -> int:
+    """Tokens a request may generate on this engine: max_tokens; one for a prefill-only request.
+    What its outstanding tokens (routing load) count beside the prompt."""
+    return 1 if prefill_only else params.max_tokens
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1  # blocks allocated, KV arriving from a prefill instance
