@@ -131,4 +131,5 @@ def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_mod
         block_size=block_size, outstanding_tokens=stats.get("outstanding_tokens", 0),
         max_model_len=max_model_len, kv_events_endpoint=stats.get("kv_events_endpoint", ""),
         kv_events_replay_endpoint=stats.get("kv_events_replay_endpoint", ""),
-        kv_events_epoch=stats.get("kv_events_epoch", 0))
+        kv_events_epoch=stats.get("kv_events_epoch", 0),
+        max_num_batched_tokens=stats.get("max_num_batched_tokens", 0))

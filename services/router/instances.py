@@ -53,6 +53,16 @@ class Instance:
         reported = self.load.outstanding_tokens if self.load is not None else 0
         return reported + self.routed_tokens
 
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens surely waiting behind the step the instance may be running: its load beyond one
+        step's budget. A report is made between steps, so its outstanding tokens include the step
+        that starts next, which runs while the router reads the report; counting that step as a
+        queue made one long prompt in flight look like a queue of its own length. Without the
+        budget (an older engine), the whole load."""
+        step = self.load.max_num_batched_tokens if self.load is not None else 0
+        return max(0, self.load_score - step)
+
     async def check_health(self, timeout: float) -> tuple[bool, str]:
         try:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

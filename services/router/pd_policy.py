@@ -10,8 +10,10 @@
     * the prompt tokens it would still compute (after its own prefix cache, as the KV index knows
       it) are at most `max_local_prefill_tokens` (a short or mostly cached prompt: a transfer and a
       second hop cost more than the compute), or
-    * the prefill pool is queueing: its least loaded instance has more than
-      `max_prefill_queue_tokens` outstanding (by default, more than the prompt's own uncached
+    * the prefill pool is queueing: its least queued instance has more than
+      `max_prefill_queue_tokens` tokens surely waiting behind the step it may be running (its
+      outstanding tokens beyond one step's budget, `Instance.queued_tokens`: a prompt in the
+      running step is computing, not queueing; by default, more than the prompt's own uncached
       tokens: the prompt would wait there longer than computing it takes, the decode's compute
       being the same model on the same kind of device), while that decode has room (no request
       waiting and KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs
@@ -82,7 +84,7 @@ class PdPolicy:
         prefills = [p for p in self.pool.healthy("prefill") if self.pool.pairs.can_pair(p, decode)]
         if not prefills:  # none healthy, or none this decode can pull from
             return PdDecision(False, "no_prefill", local)
-        queue = min(i.load_score for i in prefills)
+        queue = min(i.queued_tokens for i in prefills)
         bound = uncached if self.max_prefill_queue_tokens is None else self.max_prefill_queue_tokens
         if queue > bound and self._has_room(decode):
             return PdDecision(False, "prefill_queue", local)

@@ -12,6 +12,7 @@ from engine.block_hash import hash_request_tokens
 from engine.kv_events import BlockStored, KVEventBatch, KVEventsConfig, ZmqEventPublisher
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.router.config import RouterConfig
+from services.router.instances import Instance
 from services.router.kv_index import KvIndex
 from services.router.metrics import RouterMetrics
 from services.router.pd_policy import PdPolicy
@@ -26,7 +27,9 @@ PROMPT = list(range(100, 140))  # 10 blocks
 
 
 def inst(address: str, load: int = 0, **report):
-    return SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None)
+    fake = SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None)
+    fake.queued_tokens = Instance.queued_tokens.fget(fake)  # the router's own rule
+    return fake
 
 
 def index_with(holdings: dict[str, list[int]], salt: str | None = None, gap_before: dict | None = None) -> KvIndex:
@@ -116,10 +119,10 @@ class FakePool:
 
 
 def decide(mode: str, index: KvIndex, prefill_load: int = 0, decode_report=None, prompt=PROMPT,
-           refused: tuple = (), **kw):
+           refused: tuple = (), prefill_report=None, **kw):
     metrics = RouterMetrics()
     decode = inst("d", **(decode_report or {}))
-    pool = FakePool([inst("p", load=prefill_load)], [decode], refused)
+    pool = FakePool([inst("p", load=prefill_load, **(prefill_report or {}))], [decode], refused)
     pd = PdPolicy(mode, make_policy("auto", index), pool, metrics, **kw)
     decision = pd.decide(route(prompt))
     return decision, metrics
@@ -153,6 +156,17 @@ def test_conditional_decisions(cached, prefill_load, report, expect):
 def test_by_default_the_prefill_queue_bound_is_the_prompts_own_uncached_tokens(cached, prefill_load, expect):
     decision, _ = decide("conditional", index_with({"d": PROMPT[:cached]}), prefill_load,
                          dict(num_waiting=0, kv_cache_usage=0.3), max_local_prefill_tokens=8)
+    assert (decision.disaggregate, decision.reason) == expect
+
+
+@pytest.mark.parametrize("prefill_load,expect", [
+    (2048 + 40, (True, "long_uncached")),  # one step's worth may be running now: 40 queued, as long as the prompt
+    (2048 + 41, (False, "prefill_queue")),  # 41 surely wait behind the running step
+    (1100, (True, "long_uncached")),  # a long prompt in the running step is computing, not queueing
+])
+def test_the_prefill_queue_leaves_out_what_its_running_step_may_hold(prefill_load, expect):
+    decision, _ = decide("conditional", index_with({"d": []}), prefill_load, dict(num_waiting=0, kv_cache_usage=0.3),
+                         prefill_report=dict(max_num_batched_tokens=2048), max_local_prefill_tokens=8)
     assert (decision.disaggregate, decision.reason) == expect
 
 

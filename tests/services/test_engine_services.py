@@ -130,7 +130,9 @@ def test_wrong_role_is_refused_with_its_own_code(tcp_stack, colocated):
         tokens = [t for r in pb_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(**request), timeout=30)
                   for t in r.token_ids]
     assert len(tokens) == GREEDY.max_tokens
-    assert colocated.load().role == "colocated"
+    report = colocated.load()
+    assert report.role == "colocated"
+    assert report.max_num_batched_tokens == 2048  # the default step budget: the router's measure of a queue
 
 
 def test_client_disconnect_frees_blocks_on_both_sides(tcp_stack):
