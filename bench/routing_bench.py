@@ -23,6 +23,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import sys
 import urllib.request
 
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
                     help="(b): equal: two cores for every configuration (1 prefill + 1 decode, each pinned to a "
                          "core, against 2 decodes computing their own prompts); shared: every configuration over "
                          "the same unpinned 1 prefill + 2 decodes (three engines on two cores)")
+    ap.add_argument("--router-args", default="", help="more flags for every router, as one string "
+                    "(e.g. '--load-poll-interval 0.1 --kv-overlap-score-weight 2')")
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--out", default=os.path.join(BUILD, "results"))
     args = ap.parse_args(argv)
@@ -189,6 +192,7 @@ def main(argv=None) -> int:
     local = ["--max-local-prefill-length", str(args.max_local_prefill_length)]
     if args.max_prefill_queue_tokens is not None:
         local += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
+    local += shlex.split(args.router_args)
     print(f"model: random Llama {MODEL_SHAPE}, float32; 1 prefill + 2 decode engines (1 thread each, "
           f"{args.num_blocks} KV blocks of 16 tokens), every one publishing KV events", flush=True)
     results: dict[str, dict] = {}

@@ -58,7 +58,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "kv_aware where the instances publish KV events (--kv-events-config), else round_robin",
           default="auto", choices=["auto", "kv_aware", "least_load", "round_robin"])
     _flag(p, "--kv-overlap-score-weight", "kv_aware: weight of the prompt tokens left to prefill against the "
-          "instance's load in tokens", default=1.0, type=float)
+          "instance's load in tokens (2: a prefix computed again costs its tokens twice, as this request's "
+          "compute and as load ahead of the instance's later requests, and a second copy in a cache)",
+          default=2.0, type=float)
     _flag(p, "--router-temperature", "kv_aware: softmax temperature over the normalised costs (0: the least "
           "cost, ties rotate)", default=0.0, type=float)
     _flag(p, "--kv-low-confidence-weight", "kv_aware: weight of cached blocks an instance reported before "

@@ -102,7 +102,7 @@ class KvAware(RoutingPolicy):
     name = "kv_aware"
     needs_load_reports = True
 
-    def __init__(self, index: KvIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
+    def __init__(self, index: KvIndex, overlap_weight: float = 2.0, temperature: float = 0.0,
                  rng: random.Random | None = None) -> None:
         self.index = index
         self.overlap_weight = overlap_weight

@@ -2,7 +2,9 @@
 then through the HTTP gateway with fake engines that publish real KV events."""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from engine.kv_events import BlockStored, KVEventBatch, KVEventsConfig, ZmqEventPublisher
 from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.router.cli import add_router_parser
 from services.router.config import RouterConfig
 from services.router.instances import Instance
 from services.router.kv_index import KvIndex
@@ -61,11 +64,27 @@ def test_cost_is_tokens_left_to_prefill_plus_load():
     assert policy.uncached_tokens(warm, route()) == 8 and policy.uncached_tokens(inst("unknown"), route()) is None
 
 
+def test_by_default_a_tenant_stays_on_its_warm_instance_while_it_computes_a_prompt_as_long():
+    # A tenant's prefix (32 of 40 tokens) is cached on "warm", which is busy with another
+    # tenant's cold prompt as long as this whole one (40 tokens + 16 to generate); "cold" is
+    # idle. Moving costs as much time as waiting, and computes the prefix a second time into a
+    # second cache: the router's default weight keeps the tenant where its prefix is.
+    index = index_with({"warm": PROMPT[:32], "cold": []})
+    parser = add_router_parser(argparse.ArgumentParser().add_subparsers())
+    default = parser.parse_args(["--model", "m", "--decode", "d:1"]).kv_overlap_score_weight  # what `pdserve router` runs with
+    assert default == next(f.default for f in dataclasses.fields(RouterConfig) if f.name == "kv_overlap_score_weight")
+    policy = make_policy("kv_aware", index, overlap_weight=default)
+    warm, cold = inst("warm", load=40 + 16), inst("cold", load=0)
+    assert policy.select([cold, warm], route()) is warm
+    warm.load_score = 40 * 3  # several prompts queued there: it is worth moving
+    assert policy.select([cold, warm], route()) is cold
+
+
 def test_only_the_leading_run_of_blocks_counts_and_salts_isolate():
     index = index_with({"a": PROMPT[:8] + [0] * 4 + PROMPT[12:40]})  # block 2 differs: the run stops there
-    assert KvAware(index).costs([inst("a")], route()) == [32]
+    assert KvAware(index, overlap_weight=1.0).costs([inst("a")], route()) == [32]
     salted = index_with({"a": PROMPT}, salt="tenant-1")
-    policy = KvAware(salted)
+    policy = KvAware(salted, overlap_weight=1.0)
     assert policy.costs([inst("a")], route(salt="tenant-1")) == [0]
     assert policy.costs([inst("a")], route(salt="tenant-2")) == [40]
     assert policy.costs([inst("a")], route()) == [40]
@@ -74,7 +93,7 @@ def test_only_the_leading_run_of_blocks_counts_and_salts_isolate():
 def test_entries_older_than_an_unreplayed_gap_count_less():
     index = index_with({"stale": PROMPT, "fresh": PROMPT[:20]}, gap_before={"stale": 5})
     index.low_confidence_weight = 0.5
-    policy = KvAware(index)
+    policy = KvAware(index, overlap_weight=1.0)
     # stale: 40 cached tokens at half confidence -> 20 left; fresh: 20 certain -> 20 left; a tie.
     assert policy.costs([inst("stale"), inst("fresh")], route()) == [20, 20]
     index.low_confidence_weight = 0.25
