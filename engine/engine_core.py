@@ -192,7 +192,6 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
             "num_async_steps": self.num_async_steps,
-            "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
             **spec_decode_stats(s, self.proposer),
             **self.runner.stats,
             **self.structured_output.stats(),

@@ -123,7 +123,8 @@ def token_logprob(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:
                            if len(entry) > 1 else [])
 
 
-def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_model_len: int) -> pb.LoadReport:
+def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_model_len: int,
+                max_num_batched_tokens: int) -> pb.LoadReport:
     return pb.LoadReport(
         engine_id=engine_id, role=role, num_running=stats.get("num_running", 0),
         num_waiting=stats.get("num_waiting", 0), kv_cache_usage=stats.get("kv_cache_usage", 0.0),
@@ -132,4 +133,4 @@ def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_mod
         max_model_len=max_model_len, kv_events_endpoint=stats.get("kv_events_endpoint", ""),
         kv_events_replay_endpoint=stats.get("kv_events_replay_endpoint", ""),
         kv_events_epoch=stats.get("kv_events_epoch", 0),
-        max_num_batched_tokens=stats.get("max_num_batched_tokens", 0))
+        max_num_batched_tokens=max_num_batched_tokens)

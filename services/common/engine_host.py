@@ -78,7 +78,8 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def GetLoad(self, request, context) -> pb.LoadReport:
         engine = self.host.engine
         report = convert.load_report(engine.stats(), self.host.engine_id, self.host.role.value,
-                                     engine.config.cache.block_size, engine.max_model_len)
+                                     engine.config.cache.block_size, engine.max_model_len,
+                                     engine.config.scheduler.max_num_batched_tokens)
         report.pairing.CopyFrom(self.pairing)
         return report
 

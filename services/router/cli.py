@@ -11,6 +11,7 @@ from services.common.auth import ChannelAuth
 from services.common.flags import add
 from services.router.config import RouterConfig, parse_addresses
 from services.router.discovery import pod_namespace
+from services.router.policy import OVERLAP_WEIGHT
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "PDSERVE_ROUTER_"
@@ -60,7 +61,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--kv-overlap-score-weight", "kv_aware: weight of the prompt tokens left to prefill against the "
           "instance's load in tokens (2: a prefix computed again costs its tokens twice, as this request's "
           "compute and as load ahead of the instance's later requests, and a second copy in a cache)",
-          default=2.0, type=float)
+          default=OVERLAP_WEIGHT, type=float)
     _flag(p, "--router-temperature", "kv_aware: softmax temperature over the normalised costs (0: the least "
           "cost, ties rotate)", default=0.0, type=float)
     _flag(p, "--kv-low-confidence-weight", "kv_aware: weight of cached blocks an instance reported before "

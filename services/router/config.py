@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.auth import ChannelAuth
+from services.router.policy import OVERLAP_WEIGHT
 
 
 def parse_addresses(value: str | list | tuple | None) -> tuple[str, ...]:
@@ -42,7 +43,7 @@ class RouterConfig:
     port: int = 8000
     grpc_port: int = 50050  # < 0: no gRPC front
     policy: str = "auto"  # auto: kv_aware where the instances publish KV events, else round_robin
-    kv_overlap_score_weight: float = 2.0  # kv_aware: weight of the tokens left to prefill against load
+    kv_overlap_score_weight: float = OVERLAP_WEIGHT  # kv_aware: weight of the tokens left to prefill against load
     router_temperature: float = 0.0  # kv_aware: softmax temperature over normalised costs; 0: least cost
     kv_low_confidence_weight: float = 0.5  # KV index entries older than an unreplayed gap count this much
     pd_policy: str = "auto"  # auto | always | never | conditional (disaggregated mode only)

@@ -88,6 +88,12 @@ class LeastLoad(RoutingPolicy):
         return best[0] if len(best) == 1 else self._tiebreak.choose(best, request)
 
 
+# The default weight of a prompt's uncached tokens against load (Dynamo's is 1): a prefix computed
+# again costs its tokens twice, as this request's compute and as load ahead of the instance's later
+# requests, besides a second cached copy that evicts other prefixes (docs/routing.md, "Why 2").
+OVERLAP_WEIGHT = 2.0
+
+
 class KvAware(RoutingPolicy):
     """The instance of least cost, as NVIDIA Dynamo's KV router, counted in tokens:
 
@@ -102,7 +108,7 @@ class KvAware(RoutingPolicy):
     name = "kv_aware"
     needs_load_reports = True
 
-    def __init__(self, index: KvIndex, overlap_weight: float = 2.0, temperature: float = 0.0,
+    def __init__(self, index: KvIndex, overlap_weight: float = OVERLAP_WEIGHT, temperature: float = 0.0,
                  rng: random.Random | None = None) -> None:
         self.index = index
         self.overlap_weight = overlap_weight
