@@ -55,6 +55,7 @@ SETTLED = 0.10  # ... this fraction of their median
 SETTLED_S = 0.5e-3  # or this much (a small model's millisecond steps jitter by more than 10%)
 BATCH = 16  # requests at once (their prompts fit one step), 48 tokens out
 NOISE = 0.15  # of the engine's step: a served step this much faster than the engine steps refutes the points
+NOISE_S = SETTLED_S  # ... or this much, whichever is more (a millisecond step's jitter, as SETTLED_S)
 NEAR = 0.25  # a measured decode step stands for a served one of the same batch within this of its context
 NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
 
@@ -309,18 +310,19 @@ def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float,
     (b = its size: the median gap over its step); medians over rounds on each side. A part a
     straight line through the two medians would make negative is 0 and the other part carries
     the whole figure; a side whose served steps run faster than the engine's by more than NOISE
-    of its step refutes the measurement (ServePathError)."""
+    of its step (or NOISE_S, on a small model's millisecond steps) refutes the measurement
+    (ServePathError)."""
     def side(pts: list[dict], served: str) -> tuple[int, float]:
         sizes = {p["batch"] for p in pts}
         if len(sizes) != 1:
             raise ValueError(f"points of one side come from one batch size, got {sorted(sizes)}")
         gap = statistics.median(p[served] - p["step_s"] for p in pts)
         step_s = statistics.median(p["step_s"] for p in pts)
-        if gap < -NOISE * step_s:
+        if gap < -max(NOISE * step_s, NOISE_S):
             raise ServePathError(
                 f"served {'batches of ' + str(pts[0]['batch']) if pts[0]['batch'] > 1 else 'lone requests'} "
                 f"stepped {-gap * 1e3:.2f} ms faster than the engine's {step_s * 1e3:.2f} ms step "
-                f"(more than {NOISE:.0%}): the profile's steps do not describe this instance; "
+                f"(more than {NOISE:.0%} and {NOISE_S * 1e3:.1f} ms): the profile's steps do not describe this instance; "
                 f"profile again on a quiet machine. Points: {pts}")
         return sizes.pop(), max(0.0, gap)
 

@@ -302,6 +302,12 @@ def test_served_path_fit_refuses_steps_faster_than_the_engines_beyond_noise():
         fit_serve_path(_lone([1.0]), _batches([-10.0, -9.0, -11.0]))
     with pytest.raises(ServePathError, match="lone requests"):
         fit_serve_path(_lone([-5.0, -6.0]), _batches([3.0]))
+    # On a small model's 2 ms step the bound is a step's jitter, 0.5 ms, not 15% of it (0.3 ms):
+    # the quick profile on a tiny checkpoint measured lone requests 0.35 ms under the engine's
+    # 2.06 ms step on a busy 2-core box and refused itself.
+    assert fit_serve_path(_lone([-0.35], step_ms=2.06), _batches([3.0])) == pytest.approx((0.0, 3e-3 * 16 / 257))
+    with pytest.raises(ServePathError, match="lone requests stepped 0.60 ms faster"):
+        fit_serve_path(_lone([-0.6], step_ms=2.06), _batches([3.0]))
 
 
 def test_served_steps_are_measured_against_the_engines_own_step_of_that_batch():
