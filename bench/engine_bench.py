@@ -142,6 +142,30 @@ def ensure_checkpoint(python: str) -> str:
     return path
 
 
+def length_range(text: str) -> tuple[int, int]:
+    """"32:512" -> (32, 512); "128" -> (128, 128)."""
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = int(lo), int(hi or lo)
+    except ValueError:
+        raise SystemExit(f"a length range is MIN:MAX or N, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise SystemExit(f"a length range needs 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
+def checkpoint(path: str | None) -> tuple[str, int]:
+    """The checkpoint to measure and its vocab size: `path` if given, else the benchmark's own."""
+    if path is None:
+        return ensure_checkpoint(sys.executable), MODEL_SPEC["vocab_size"]
+    path = os.path.abspath(path)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return path, json.load(f)["vocab_size"]
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"--model {path}: not a checkpoint with a config.json naming vocab_size ({e})") from None
+
+
 # -- pdserve's engine (worker) ------------------------------------------------------------------
 def pdserve_worker(spec: dict) -> None:
     pin_cpus(spec["cpus"], spec["threads"])
@@ -240,6 +264,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="extra pdserve LLM(...) keyword (value parsed as JSON when it parses)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM LLM(...) keyword, e.g. distributed_executor_backend=uni")
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory to measure instead of the benchmark's random Llama "
+                        "(prompts are token ids below its vocab_size)")
+    p.add_argument("--requests", type=int, default=64, help="requests, all submitted at once")
+    p.add_argument("--prompt-len", default="32:512", help="prompt lengths, uniform MIN:MAX (or one N)")
+    p.add_argument("--output-len", default="16:256", help="output lengths, uniform MIN:MAX (or one N)")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke workload (8 requests, short prompts, 1 pass): not the benchmark")
     p.add_argument("--profile", action="store_true",
@@ -323,15 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     threads = args.threads or len(parse_cpu_list(args.cpus))
     passes, hf_batches = args.passes, [int(b) for b in args.hf_batch_sizes.split(",")]
-    prompt_len, output_len, num_requests = (32, 512), (16, 256), 64
+    prompt_len, output_len, num_requests = length_range(args.prompt_len), length_range(args.output_len), args.requests
     if args.quick:
         prompt_len, output_len, num_requests, passes = (32, 128), (8, 32), 8, 1
         hf_batches = [4, 8]
     if args.profile:
         engines = ["pdserve"]
 
-    model = ensure_checkpoint(sys.executable)
-    workload = make_workload(num_requests, prompt_len, output_len, MODEL_SPEC["vocab_size"], seed=0)
+    model, vocab_size = checkpoint(args.model)
+    workload = make_workload(num_requests, prompt_len, output_len, vocab_size, seed=0)
     workload_path = os.path.join(BENCH_DIR, "workload.json")
     with open(workload_path, "w") as f:
         json.dump(workload, f)
@@ -348,13 +378,16 @@ def main(argv: list[str] | None = None) -> int:
                               cwd=REPO).returncode
 
     total_out = sum(r["output_len"] for r in workload)
-    m = MODEL_SPEC
     print(f"engine benchmark: {num_requests} requests, prompt lengths {prompt_len[0]}..{prompt_len[1]}, "
           f"output lengths {output_len[0]}..{output_len[1]} ({total_out} output tokens), fixed seeds, "
           f"token-id prompts, every request generates exactly its output length")
-    print(f"model: random Llama (vocab {m['vocab_size']}, hidden {m['hidden_size']}, intermediate "
-          f"{m['intermediate_size']}, {m['num_layers']} layers, {m['num_heads']} heads, {m['num_kv_heads']} "
-          f"KV heads), float32, CPU; checkpoint {os.path.relpath(model, REPO)}", flush=True)
+    if args.model is None:
+        m = MODEL_SPEC
+        print(f"model: random Llama (vocab {m['vocab_size']}, hidden {m['hidden_size']}, intermediate "
+              f"{m['intermediate_size']}, {m['num_layers']} layers, {m['num_heads']} heads, {m['num_kv_heads']} "
+              f"KV heads), float32, CPU; checkpoint {os.path.relpath(model, REPO)}", flush=True)
+    else:
+        print(f"model: {model} (vocab {vocab_size}), float32, CPU", flush=True)
 
     results: dict[str, dict | str] = {}
     if "vllm" in engines:
