@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-tp bench-kvtransfer bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-tp bench-kvtransfer bench-kernels-cpu bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -55,6 +55,10 @@ bench-tp: $(STAMP)
 
 bench-kvtransfer: $(STAMP)
 	$(VPY) bench/kvtransfer_bench.py
+
+# The CPU decode attention kernel against the torch path, on caches past the L3 (~1 min).
+bench-kernels-cpu: $(STAMP)
+	$(VPY) -m bench.cpu_attention_bench
 
 bench-kernels-gpu: $(STAMP)
 	$(VPY) bench/kernels_gpu.py
