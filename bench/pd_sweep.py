@@ -18,7 +18,16 @@ Prints per cell whether the plan's choice was the measured winner (or within noi
 in SLO over the run, or 10%), and `planned_vs_vllm_goodput_min_ratio` over the cells (vLLM not
 runnable here: reported as not run, the ratio nan).
 
+`--capacity` measures what the plan predicts instead: each configuration's capacity, the highest
+arrival rate at which `--attainment` (0.9) of a rung's requests meet both SLOs (DistServe's
+goodput). Rungs step by `--rung-factor` (1.2) from the cell's rate, up while a rung passes and
+down while it fails, each rung `--rung-prompts` (40) fresh requests of the cell's shape (the same
+ones for every configuration). A finite rung overstates a steady state's capacity a little (the
+queue of an overloaded rung has only its own requests to grow from), alike for every
+configuration; two capacities within one rung are a tie.
+
     python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
+    python -m bench.pd_sweep --capacity [--shapes 1:1,1:10] [--slos loose] [--profile FILE]...
 """
 from __future__ import annotations
 
@@ -61,6 +70,8 @@ class Cell:
     rate: float
     planned: str  # "disaggregated" | "colocated" | "colocated-wide"
     predicted: dict  # config -> simulated capacity (req/s)
+    lengths: tuple[str, str] = ("", "")  # the shape's input and output length distributions
+    seed: int = 0  # of the cell's requests; capacity rungs draw theirs from it
 
 
 def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
@@ -78,7 +89,7 @@ def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo
         raise ValueError(f"cell {shape} {slo}: no fleet meets the SLOs at any rate in the simulation; "
                          "give --rate")
     best = choose(results, cell_rate)  # what `pdserve plan` picks at the cell's rate
-    return Cell(shape, slo, reqs, slos, cell_rate, FLEET_OF[best.name], capacity)
+    return Cell(shape, slo, reqs, slos, cell_rate, FLEET_OF[best.name], capacity, lengths, seed)
 
 
 def measure(url: str, cell: Cell) -> dict:
@@ -90,6 +101,105 @@ def measure(url: str, cell: Cell) -> dict:
     for k in ("input_lens", "output_lens", "ttfts", "itls"):
         s.pop(k)
     return s
+
+
+@dataclass
+class Ladder:
+    """One configuration's capacity search on one cell: every rung run, and the answer."""
+    rungs: list  # each rung's summary (its rate among it), in the order run
+    capacity: float  # highest passing rate (0.0: none passed)
+    bounded: bool  # a failing rung above it was run (else capacity is only a lower bound)
+
+
+def rung_rate(cell: Cell, k: int, factor: float) -> float:
+    return cell.rate * factor ** k
+
+
+def rung_requests(cell: Cell, k: int, num: int) -> list:
+    """Rung k's requests: fresh prompts (no prefix-cache hits from other rungs), the same for every
+    configuration."""
+    return synthetic(num, *cell.lengths, vocab_size=4000, seed=cell.seed * 1000 + 500 + k)
+
+
+def find_capacity(run_rung, target: float, max_up: int, max_down: int) -> Ladder:
+    """run_rung(k) -> summary of rung k (rate cell.rate x factor^k). Up from rung 0 while rungs
+    pass, down while they fail; capacity is the highest passing rung's rate."""
+    rungs, k = [], 0
+    passed = lambda s: s["slo_attainment"] >= target - 1e-9  # noqa: E731
+    s = run_rung(0)
+    rungs.append(s)
+    if passed(s):
+        best = s
+        while k < max_up:
+            k += 1
+            s = run_rung(k)
+            rungs.append(s)
+            if not passed(s):
+                return Ladder(rungs, best["rate"], True)
+            best = s
+        return Ladder(rungs, best["rate"], False)
+    while k > -max_down:
+        k -= 1
+        s = run_rung(k)
+        rungs.append(s)
+        if passed(s):
+            return Ladder(rungs, s["rate"], True)
+    return Ladder(rungs, 0.0, True)
+
+
+def measure_capacity(url: str, cell: Cell, num: int, factor: float, target: float, max_up: int,
+                     max_down: int, log=print) -> Ladder:
+    def run_rung(k: int) -> dict:
+        rate = rung_rate(cell, k, factor)
+        s = asyncio.run(run_benchmark(url, None, rung_requests(cell, k, num), rate=rate, slos=cell.slos,
+                                      seed=ARRIVAL_SEED + k, progress=False))
+        out = {"rate": rate, "slo_attainment": s["slo_attainment"], "request_goodput": s["request_goodput"],
+               "p90_ttft_ms": s["p90_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"], "failed": s["failed"]}
+        log(f"    rung {k:+d} {rate:.3f} req/s: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
+            f"{s['p90_ttft_ms']:.0f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms"
+            + (f", {s['failed']} failed" if s["failed"] else ""))
+        return out
+
+    return find_capacity(run_rung, target, max_up, max_down)
+
+
+def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
+                    factor: float, target: float) -> int:
+    print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g}; "
+          "'>=' where no rung above failed)")
+    print(f"{'cell':<16}{'config':<16}{'measured':>10}{'predicted':>11}{'pred/meas':>11}  rungs (req/s: % in SLO)")
+    wins, worst = [], math.inf
+    for i, c in enumerate(cells):
+        print(f"-- {c.shape} {c.slo} (TTFT {1000 * c.slos['ttft']:.0f} ms, TPOT {1000 * c.slos['tpot']:.1f} ms); "
+              f"plan: {c.planned}")
+        for name in (*PDSERVE, "vllm"):
+            lad = ladders.get(name, {}).get(i)
+            if lad is None:
+                continue
+            mark = "*" if name == c.planned else " "
+            pred = c.predicted.get(name)
+            cap = f"{'' if lad.bounded else '>='}{lad.capacity:.3f}"
+            rel = f"{pred / lad.capacity:.2f}" if pred is not None and lad.capacity > 0 else ""
+            steps = ", ".join(f"{r['rate']:.2f}: {100 * r['slo_attainment']:.0f}%"
+                              for r in sorted(lad.rungs, key=lambda r: r["rate"]))
+            print(f"{'':<15}{mark}{name:<16}{cap:>9}{'' if pred is None else format(pred, '.3f'):>11}{rel:>11}  {steps}")
+        mine = {n: ladders[n][i] for n in PDSERVE if i in ladders.get(n, {})}
+        if len(mine) > 1 and c.planned in mine:
+            best = max(mine.values(), key=lambda lad: lad.capacity)
+            # Within one rung: the ladder cannot order two capacities closer than its step.
+            won = mine[c.planned].capacity * factor >= best.capacity * (1 - 1e-9)
+            wins.append(won)
+            print(f"{'':<16}plan's choice {c.planned}: "
+                  f"{'measured winner or within one rung' if won else 'LOST'} ({mine[c.planned].capacity:.3f} vs "
+                  f"best {best.capacity:.3f} req/s)")
+        if c.planned in mine and i in ladders.get("vllm", {}):
+            worst = min(worst, ratio(mine[c.planned].capacity, ladders["vllm"][i].capacity))
+    for name, why in not_run.items():
+        print(f"{name}: not run ({why})")
+    vllm_note = "" if "vllm" in ladders else "  (vLLM not run)"
+    print(f"\nplan_choice_won_capacity_cells={sum(wins)}/{len(wins)}")
+    print(f"planned_vs_vllm_capacity_min_ratio={worst if worst != math.inf else math.nan:.3f}{vllm_note}")
+    return 0
 
 
 def within_noise(planned: dict, best: dict) -> bool:
@@ -150,6 +260,15 @@ def main(argv=None) -> int:
                                                               "the higher simulated capacity)")
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--configs", default="disaggregated,colocated,colocated-wide,vllm")
+    ap.add_argument("--capacity", action="store_true",
+                    help="measure each configuration's capacity per cell (rungs of rates) instead of one run "
+                         "at the cell's rate")
+    ap.add_argument("--rung-prompts", type=int, default=40, help="--capacity: requests per rung")
+    ap.add_argument("--rung-factor", type=float, default=1.2, help="--capacity: rate ratio of adjacent rungs")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="--capacity: share of a rung's requests in SLO for the rung to pass (as `pdserve plan`)")
+    ap.add_argument("--max-rungs-up", type=int, default=6)
+    ap.add_argument("--max-rungs-down", type=int, default=6)
     ap.add_argument("--out", default=os.path.join(BUILD, "sweep"))
     args = ap.parse_args(argv)
     shapes, slos = args.shapes.split(","), args.slos.split(",")
@@ -157,8 +276,11 @@ def main(argv=None) -> int:
         ap.error(f"--shapes from {', '.join(SHAPES)}; --slos from {', '.join(SLOS)}")
     configs = args.configs.split(",")
     not_run = {}
+    if args.rung_factor <= 1 or args.rung_prompts < 1 or not 0 < args.attainment <= 1:
+        ap.error("--rung-factor > 1, --rung-prompts >= 1 and 0 < --attainment <= 1")
     if args.quick:
         shapes, slos, args.num_prompts = ["1:1"], ["loose"], 4
+        args.rung_prompts, args.max_rungs_up, args.max_rungs_down = 4, 1, 1
         for name in ("vllm", "colocated-wide"):
             if name in configs:
                 configs.remove(name)
@@ -175,12 +297,15 @@ def main(argv=None) -> int:
         print(f"profile: {prof.width} thread(s), {prof.source}; unloaded decode step "
               f"{1000 * prof.step.decode_seconds(1, 512):.1f} ms at 512 tokens", flush=True)
     lengths = {sh: QUICK_SHAPE if args.quick else SHAPES[sh] for sh in shapes}
-    cells = [plan_cell(profiles, shape, lengths[shape], slo, args.num_prompts, 100 + i, args.rate, args.load)
-             for i, (shape, slo) in enumerate((sh, sl) for sh in shapes for sl in slos)]
+    # Seeds by the cell's place in the full sweep: a subset (--shapes, --slos) draws the same requests.
+    cells = [plan_cell(profiles, shape, lengths[shape], slo, args.num_prompts,
+                       100 + list(SHAPES).index(shape) * len(SLOS) + list(SLOS).index(slo), args.rate, args.load)
+             for shape, slo in ((sh, sl) for sh in shapes for sl in slos)]
     for c in cells:
         print(f"cell {c.shape} {c.slo}: rate {c.rate:.3f} req/s; simulated capacity "
               + ", ".join(f"{k} {v:.3f}" for k, v in c.predicted.items()) + f"; plan: {c.planned}", flush=True)
     results: dict[str, dict[int, dict]] = {}
+    ladders: dict[str, dict[int, Ladder]] = {}
     warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
     logs = os.path.join(args.out, "logs")
     for name in configs:
@@ -195,6 +320,15 @@ def main(argv=None) -> int:
         try:
             asyncio.run(run_benchmark(url, None, warmup, progress=False))
             for i, c in enumerate(cells):
+                if args.capacity:
+                    print(f"  {name} {c.shape} {c.slo}: capacity", flush=True)
+                    lad = measure_capacity(url, c, args.rung_prompts, args.rung_factor, args.attainment,
+                                           args.max_rungs_up, args.max_rungs_down,
+                                           log=lambda line: print(line, flush=True))
+                    ladders.setdefault(name, {})[i] = lad
+                    with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
+                        json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
+                    continue
                 s = measure(url, c)
                 if s["failed"]:
                     print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
@@ -206,6 +340,8 @@ def main(argv=None) -> int:
                     json.dump(results[name], f)
         finally:
             cfg.stop()
+    if args.capacity:
+        return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment)
     return report(cells, results, not_run)
 
 

@@ -28,3 +28,61 @@ def test_quick_sweep_prints_each_config_the_plans_verdict_and_the_vllm_ratio(tmp
     assert "vllm: not run (--quick)" in out
     assert re.search(r"^plan_choice_won_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_goodput_min_ratio=nan  \(vLLM not run\)", out, re.M)
+
+
+def _rungs(capacity: float, base: float = 1.0, factor: float = 1.2):
+    """A fake fleet: rung k (rate base x factor^k) is all in SLO up to `capacity`, then half."""
+    ran = []
+
+    def run_rung(k):
+        rate = base * factor ** k
+        ran.append(k)
+        return {"rate": rate, "slo_attainment": 1.0 if rate <= capacity + 1e-9 else 0.5}
+    return run_rung, ran
+
+
+def test_capacity_ladder_climbs_until_a_rung_fails():
+    run, ran = _rungs(capacity=1.2 ** 3)
+    lad = pd_sweep.find_capacity(run, 0.9, max_up=6, max_down=6)
+    assert ran == [0, 1, 2, 3, 4]
+    assert abs(lad.capacity - 1.2 ** 3) < 1e-9 and lad.bounded
+
+
+def test_capacity_ladder_descends_when_the_cells_rate_fails():
+    run, ran = _rungs(capacity=1.2 ** -2)
+    lad = pd_sweep.find_capacity(run, 0.9, max_up=6, max_down=6)
+    assert ran == [0, -1, -2]
+    assert abs(lad.capacity - 1.2 ** -2) < 1e-9 and lad.bounded
+
+
+def test_capacity_ladder_says_when_it_is_only_a_lower_bound_or_nothing_passed():
+    run, ran = _rungs(capacity=100.0)
+    lad = pd_sweep.find_capacity(run, 0.9, max_up=2, max_down=6)
+    assert ran == [0, 1, 2] and not lad.bounded and abs(lad.capacity - 1.44) < 1e-9
+    run, ran = _rungs(capacity=0.01)
+    lad = pd_sweep.find_capacity(run, 0.9, max_up=2, max_down=3)
+    assert ran == [0, -1, -2, -3] and lad.capacity == 0.0
+
+
+def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
+    cell = pd_sweep.Cell("1:1", "loose", [], {"ttft": 4, "tpot": 0.1}, 2.0, "colocated", {},
+                         ("uniform:48:80", "uniform:16:24"), 100)
+    a, b = pd_sweep.rung_requests(cell, 1, 5), pd_sweep.rung_requests(cell, 1, 5)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert {tuple(r.prompt) for r in a}.isdisjoint({tuple(r.prompt) for r in pd_sweep.rung_requests(cell, 2, 5)})
+    assert all(48 <= len(r.prompt) <= 80 for r in a)
+
+
+def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
+    prof = tmp_path / "profile.json"
+    profile(CPU_LIKE).save(str(prof))
+    assert pd_sweep.main(["--quick", "--capacity", "--profile", str(prof), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    rows = {name: float(cap) for name, cap in
+            re.findall(r"^\s+[* ](disaggregated|colocated)\s+(?:>=)?([\d.]+)\s+[\d.]+\s", out, re.M)}
+    assert set(rows) == {"disaggregated", "colocated"}, out
+    # The tiny model serves 4 short requests well inside the loose SLO at the cell's rate.
+    assert all(cap > 0 for cap in rows.values()), out
+    assert re.search(r"rung \+0 [\d.]+ req/s: \d+% in SLO", out)
+    assert re.search(r"^plan_choice_won_capacity_cells=[01]/1$", out, re.M)
+    assert re.search(r"^planned_vs_vllm_capacity_min_ratio=nan  \(vLLM not run\)", out, re.M)
