@@ -20,11 +20,13 @@ runnable here: reported as not run, the ratio nan).
 
 `--capacity` measures what the plan predicts instead: each configuration's capacity, the highest
 arrival rate at which `--attainment` (0.9) of a rung's requests meet both SLOs (DistServe's
-goodput). Rungs step by `--rung-factor` (1.2) from the cell's rate, up while a rung passes and
-down while it fails, each rung `--rung-prompts` (40) fresh requests of the cell's shape (the same
-ones for every configuration). A finite rung overstates a steady state's capacity a little (the
-queue of an overloaded rung has only its own requests to grow from), alike for every
-configuration; two capacities within one rung are a tie.
+goodput). Rungs step by `--rung-factor` (1.2) from the configuration's simulated capacity (the
+cell's rate for vLLM), up while a rung passes and down while it fails; each rung is
+`--rung-seconds` (60) of arrivals at its rate (at least `--rung-prompts`), fresh requests of the
+cell's shape drawn from one stream per rung. A rung must last: an overloaded fleet's queue grows
+by the excess rate, and a short burst is absorbed by the batch (40 requests of the 1:1 and 1:10
+shapes held the loose SLOs at 3-5x the simulated capacity, and at 21 req/s). Two capacities within
+one rung are a tie.
 
     python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
     python -m bench.pd_sweep --capacity [--shapes 1:1,1:10] [--slos loose] [--profile FILE]...
@@ -111,19 +113,19 @@ class Ladder:
     bounded: bool  # a failing rung above it was run (else capacity is only a lower bound)
 
 
-def rung_rate(cell: Cell, k: int, factor: float) -> float:
-    return cell.rate * factor ** k
-
-
 def rung_requests(cell: Cell, k: int, num: int) -> list:
-    """Rung k's requests: fresh prompts (no prefix-cache hits from other rungs), the same for every
-    configuration."""
+    """Rung k's requests: fresh prompts (no prefix-cache hits from other rungs); every configuration's
+    rung k draws from the same stream."""
     return synthetic(num, *cell.lengths, vocab_size=4000, seed=cell.seed * 1000 + 500 + k)
 
 
+def rung_size(rate: float, seconds: float, min_prompts: int) -> int:
+    return max(min_prompts, math.ceil(rate * seconds))
+
+
 def find_capacity(run_rung, target: float, max_up: int, max_down: int) -> Ladder:
-    """run_rung(k) -> summary of rung k (rate cell.rate x factor^k). Up from rung 0 while rungs
-    pass, down while they fail; capacity is the highest passing rung's rate."""
+    """run_rung(k) -> summary of rung k (rate base x factor^k). Up from rung 0 while rungs pass,
+    down while they fail; capacity is the highest passing rung's rate."""
     rungs, k = [], 0
     passed = lambda s: s["slo_attainment"] >= target - 1e-9  # noqa: E731
     s = run_rung(0)
@@ -147,15 +149,17 @@ def find_capacity(run_rung, target: float, max_up: int, max_down: int) -> Ladder
     return Ladder(rungs, 0.0, True)
 
 
-def measure_capacity(url: str, cell: Cell, num: int, factor: float, target: float, max_up: int,
-                     max_down: int, log=print) -> Ladder:
+def measure_capacity(url: str, cell: Cell, base: float, factor: float, seconds: float, min_prompts: int,
+                     target: float, max_up: int, max_down: int, log=print) -> Ladder:
     def run_rung(k: int) -> dict:
-        rate = rung_rate(cell, k, factor)
+        rate = base * factor ** k
+        num = rung_size(rate, seconds, min_prompts)
         s = asyncio.run(run_benchmark(url, None, rung_requests(cell, k, num), rate=rate, slos=cell.slos,
                                       seed=ARRIVAL_SEED + k, progress=False))
-        out = {"rate": rate, "slo_attainment": s["slo_attainment"], "request_goodput": s["request_goodput"],
-               "p90_ttft_ms": s["p90_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"], "failed": s["failed"]}
-        log(f"    rung {k:+d} {rate:.3f} req/s: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
+        out = {"rate": rate, "num_prompts": num, "slo_attainment": s["slo_attainment"],
+               "request_goodput": s["request_goodput"], "p90_ttft_ms": s["p90_ttft_ms"],
+               "median_tpot_ms": s["median_tpot_ms"], "failed": s["failed"]}
+        log(f"    rung {k:+d} {rate:.3f} req/s x {num}: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
             f"{s['p90_ttft_ms']:.0f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms"
             + (f", {s['failed']} failed" if s["failed"] else ""))
         return out
@@ -165,8 +169,8 @@ def measure_capacity(url: str, cell: Cell, num: int, factor: float, target: floa
 
 def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
                     factor: float, target: float) -> int:
-    print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g}; "
-          "'>=' where no rung above failed)")
+    print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g} "
+          "from the simulated capacity; '>=' where no rung above failed)")
     print(f"{'cell':<16}{'config':<16}{'measured':>10}{'predicted':>11}{'pred/meas':>11}  rungs (req/s: % in SLO)")
     wins, worst = [], math.inf
     for i, c in enumerate(cells):
@@ -263,7 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", action="store_true",
                     help="measure each configuration's capacity per cell (rungs of rates) instead of one run "
                          "at the cell's rate")
-    ap.add_argument("--rung-prompts", type=int, default=40, help="--capacity: requests per rung")
+    ap.add_argument("--rung-seconds", type=float, default=60.0,
+                    help="--capacity: seconds of arrivals per rung (rate x seconds requests)")
+    ap.add_argument("--rung-prompts", type=int, default=20, help="--capacity: fewest requests per rung")
     ap.add_argument("--rung-factor", type=float, default=1.2, help="--capacity: rate ratio of adjacent rungs")
     ap.add_argument("--attainment", type=float, default=0.9,
                     help="--capacity: share of a rung's requests in SLO for the rung to pass (as `pdserve plan`)")
@@ -276,11 +282,11 @@ def main(argv=None) -> int:
         ap.error(f"--shapes from {', '.join(SHAPES)}; --slos from {', '.join(SLOS)}")
     configs = args.configs.split(",")
     not_run = {}
-    if args.rung_factor <= 1 or args.rung_prompts < 1 or not 0 < args.attainment <= 1:
-        ap.error("--rung-factor > 1, --rung-prompts >= 1 and 0 < --attainment <= 1")
+    if args.rung_factor <= 1 or args.rung_prompts < 1 or args.rung_seconds < 0 or not 0 < args.attainment <= 1:
+        ap.error("--rung-factor > 1, --rung-prompts >= 1, --rung-seconds >= 0 and 0 < --attainment <= 1")
     if args.quick:
         shapes, slos, args.num_prompts = ["1:1"], ["loose"], 4
-        args.rung_prompts, args.max_rungs_up, args.max_rungs_down = 4, 1, 1
+        args.rung_prompts, args.rung_seconds, args.max_rungs_up, args.max_rungs_down = 4, 0.0, 1, 1
         for name in ("vllm", "colocated-wide"):
             if name in configs:
                 configs.remove(name)
@@ -322,7 +328,8 @@ def main(argv=None) -> int:
             for i, c in enumerate(cells):
                 if args.capacity:
                     print(f"  {name} {c.shape} {c.slo}: capacity", flush=True)
-                    lad = measure_capacity(url, c, args.rung_prompts, args.rung_factor, args.attainment,
+                    lad = measure_capacity(url, c, c.predicted.get(name) or c.rate, args.rung_factor,
+                                           args.rung_seconds, args.rung_prompts, args.attainment,
                                            args.max_rungs_up, args.max_rungs_down,
                                            log=lambda line: print(line, flush=True))
                     ladders.setdefault(name, {})[i] = lad

@@ -73,6 +73,13 @@ def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
     assert all(48 <= len(r.prompt) <= 80 for r in a)
 
 
+def test_a_rung_lasts_its_seconds_at_its_rate():
+    # An overloaded fleet's queue grows by the excess rate: a rung is sized by time, not count.
+    assert pd_sweep.rung_size(5.0, 60.0, 20) == 300
+    assert pd_sweep.rung_size(0.1, 60.0, 20) == 20
+    assert pd_sweep.rung_size(2.01, 10.0, 1) == 21
+
+
 def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
     prof = tmp_path / "profile.json"
     profile(CPU_LIKE).save(str(prof))
@@ -83,6 +90,6 @@ def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
     assert set(rows) == {"disaggregated", "colocated"}, out
     # The tiny model serves 4 short requests well inside the loose SLO at the cell's rate.
     assert all(cap > 0 for cap in rows.values()), out
-    assert re.search(r"rung \+0 [\d.]+ req/s: \d+% in SLO", out)
+    assert re.search(r"rung \+0 [\d.]+ req/s x 4: \d+% in SLO", out)
     assert re.search(r"^plan_choice_won_capacity_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio=nan  \(vLLM not run\)", out, re.M)
