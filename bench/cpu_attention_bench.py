@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.gpu_check import timed  # noqa: E402  (median after a warm-up; no sync on the CPU)
 from kernels import cpu_ops, torch_attention  # noqa: E402
 
 # bench-pd's model (bench/pd_bench.py): 8 query heads, 4 KV heads of 64, 8 layers.
@@ -49,16 +48,6 @@ def block_tables(batch: int, context: int, in_turn: bool, first: int = 1) -> tor
             tables[i, j] = nxt
             nxt += 1
     return tables
-
-
-def timed(run, reps: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

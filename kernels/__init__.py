@@ -1,5 +1,6 @@
 """Attention and KV-block kernels behind one small interface (see kernels.backend)."""
 import importlib.metadata
+import os
 
 from kernels.backend import KernelBackend, get_backend
 
@@ -18,7 +19,10 @@ def __getattr__(name: str):
     # Hugging Face's `kernels` (a dependency of transformers >= 5.25) has the same import name as
     # this package. Where both are installed and this one comes first on sys.path, transformers
     # imports this package for Hugging Face's and fails on a name it lacks: say why, not just which.
-    hub = _hub_kernels_version()
+    # A submodule not imported yet is missing too: `from kernels import x` must go on to import it.
+    own = any(os.path.exists(os.path.join(d, name + ".py")) or os.path.isdir(os.path.join(d, name))
+              for d in __path__)
+    hub = None if own else _hub_kernels_version()
     if hub is not None and not name.startswith("__"):
         raise ImportError(
             f"kernels.{name}: `kernels` here is pdserve's kernel package ({__file__}), which shadows "

@@ -29,6 +29,12 @@ def test_transformers_reaching_for_hub_kernels_is_told_why(monkeypatch):
         from kernels import CUDAProperties  # noqa: F401
     # Dunder probes (copy, pickle, inspect) still get AttributeError.
     assert not hasattr(kernels, "__wrapped__")
+    # Its own submodules, imported or not, stay importable: the import system sees AttributeError
+    # for one not imported yet and goes on to load it.
+    with pytest.raises(AttributeError):
+        kernels.__getattr__("triton_cache")
+    from kernels import reference
+    assert reference.paged_decode_attention is not None
 
 
 def test_the_installed_transformers_does_not_pull_hub_kernels():
