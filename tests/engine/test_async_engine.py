@@ -120,36 +120,49 @@ def test_admission_control_sheds_beyond_the_bounds_and_recovers(tiny_llama):
     asyncio.run(main())
 
 
+def _expect_merged(pieces, expected):
+    """The streamed pieces put together are the offline output: tokens, text, logprobs."""
+    assert [p.outputs[0].token_ids for p in pieces] == [p.delta_token_ids for p in pieces]
+    assert sum((p.delta_token_ids for p in pieces), []) == expected.token_ids
+    assert "".join(p.outputs[0].text for p in pieces) == expected.text
+    got = [e for p in pieces for e in p.outputs[0].logprobs]
+    for p in pieces:
+        assert len(p.outputs[0].logprobs) == len(p.outputs[0].token_ids)
+    assert [list(e) for e in got] == [list(e) for e in expected.logprobs]  # the same tokens, sampled first
+    assert [v for e in got for v in e.values()] == pytest.approx([v for e in expected.logprobs for v in e.values()],
+                                                                 abs=1e-4)
+    assert pieces[-1].finished and pieces[-1].outputs[0].finish_reason == "length"
+
+
 def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(tiny_llama):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
     expected = LLM(tiny_llama).generate(["The old king"], params)[0].outputs[0]
 
     async def main():
         engine = await AsyncEngine.create(tiny_llama, multiprocess=True)
         try:
+            async def finished_unread():  # nobody reads until the engine has produced every step
+                while engine.streams:
+                    await asyncio.sleep(0.01)
+
+            whole = [out async for out in engine.generate("The old king", params, admitted=finished_unread)]
+
             stream = engine.generate("The old king", params)
             first = await stream.__anext__()
-            while engine.streams:  # every step's output is queued while nobody reads
-                await asyncio.sleep(0.01)
+            await finished_unread()  # every later step's output is queued while nobody reads
             rest = [out async for out in stream]
-            return first, rest
+            return whole, first, rest
         finally:
             await engine.shutdown()
 
-    first, rest = asyncio.run(main())
-    # The rest of the 24 tokens in one update (the first read may itself have merged a step or two
-    # when the engine ran ahead of it on a busy machine).
-    assert len(rest) == 1 and rest[0].finished
-    merged = rest[0].outputs[0]
-    assert first.delta_token_ids + rest[0].delta_token_ids == expected.token_ids
-    assert first.outputs[0].token_ids + merged.token_ids == expected.token_ids
-    assert first.outputs[0].text + merged.text == expected.text
-    got = first.outputs[0].logprobs + merged.logprobs
-    assert [list(e) for e in got] == [list(e) for e in expected.logprobs]  # the same tokens, sampled first
-    assert [v for e in got for v in e.values()] == pytest.approx([v for e in expected.logprobs for v in e.values()],
-                                                                 abs=1e-4)
-    assert merged.finish_reason == "length"
-    assert len(merged.logprobs) == len(merged.token_ids) == 24 - len(first.outputs[0].token_ids) >= 20
+    whole, first, rest = asyncio.run(main())
+    # All 64 steps' outputs were queued before the first read: one output carries them all.
+    assert len(whole) == 1 and len(whole[0].delta_token_ids) == 64
+    _expect_merged(whole, expected)
+    # Read once, then fallen behind: whatever the first read did not take (it may itself have
+    # merged a few steps when the engine ran ahead of it) comes as one output.
+    assert not first.finished and len(rest) == 1
+    _expect_merged([first, *rest], expected)
 
 
 def test_an_engine_death_behind_a_backlog_comes_after_it():
