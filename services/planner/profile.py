@@ -280,7 +280,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                    token_overhead_s=serve.token_overhead_s, step_overhead_s=serve.step_overhead_s,
-                   neighbour_prefill=serve.neighbour_prefill,
+                   offcore_token_s=serve.offcore_token_s, neighbour_prefill=serve.neighbour_prefill,
                    neighbour_decode=serve.neighbour_decode, machine=machine, source="measured", raw=raw)
 
 

@@ -65,6 +65,10 @@ class Profile:
     # outputs, the engine host, its gRPC stream; on a CPU host also the router's and client's
     # CPU), measured through a live service (profile_serve).
     token_overhead_s: float = 0.0
+    # Of token_overhead_s: the router's and client's CPU a token, measured on cores beside the
+    # instance (profile_serve.charge_router_cpu). The simulator charges it to a step only when no
+    # core of the host is free to run it.
+    offcore_token_s: float = 0.0
     # ... and per step that samples (the engine core's one output message a step, its host's
     # loop), fitted with the above from lone requests and a batch's (profile_serve).
     step_overhead_s: float = 0.0
@@ -80,6 +84,9 @@ class Profile:
         if self.token_overhead_s < 0 or self.step_overhead_s < 0:
             raise ValueError(f"serving-path overheads must be >= 0, got {self.step_overhead_s} s a step and "
                              f"{self.token_overhead_s} s a token")
+        if not 0 <= self.offcore_token_s <= self.token_overhead_s:
+            raise ValueError(f"the off-core share of the per-token overhead ({self.offcore_token_s} s) must be "
+                             f"between 0 and the per-token overhead ({self.token_overhead_s} s)")
         if not (self.neighbour_prefill > 0 and self.neighbour_decode > 0):
             raise ValueError(f"neighbour slowdown factors must be > 0, got prefill {self.neighbour_prefill}, "
                              f"decode {self.neighbour_decode}")
@@ -119,7 +126,7 @@ class Profile:
                              "token_s": self.token_overhead_s, "step_s": self.step_overhead_s,
                              "token_points": self.raw.get("serve", {}).get("points", []),
                              "batch_points": self.raw.get("serve", {}).get("batch_points", []),
-                             "offcore_token_s": self.raw.get("serve", {}).get("offcore_token_s", 0.0),
+                             "offcore_token_s": self.offcore_token_s,
                              "router_token_s": self.raw.get("serve", {}).get("router_token_s", 0.0),
                              "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
                                            "points": self.raw.get("serve", {}).get("neighbour_points", []),
@@ -153,6 +160,7 @@ class Profile:
                        pd_hop_s=data.get("overhead", {}).get("pd_hop_s", 0.0),
                        token_overhead_s=overhead.get("token_s", 0.0),
                        step_overhead_s=overhead.get("step_s", 0.0),
+                       offcore_token_s=overhead.get("offcore_token_s", 0.0),
                        neighbour_prefill=neighbour.get("prefill", 1.0), neighbour_decode=neighbour.get("decode", 1.0),
                        machine=data.get("machine", {}), source=data.get("source", "measured"), raw=raw)
         except (KeyError, TypeError) as e:

@@ -10,8 +10,12 @@ request to the instance with the fewest outstanding tokens (ties in turn), as le
 in P/D the first token comes from the prefill and the request then goes to the least-loaded
 decode, which pulls its KV. Instances share hosts as on the profiled machine (a CPU profile: its
 cores over an instance's width, filled in order, prefills first): a step that starts while another
-instance on its host is busy costs the profile's neighbour factor more. Not modelled: the KV cache's size (no preemption), prefix-cache hits,
-retries and migration, and the age of the router's load reports: the simulator reads every
+instance on its host is busy costs the profile's neighbour factor more. The serving path's work a
+token is charged to the step that samples it, except the router's and client's CPU
+(offcore_token_s), which takes the step's time only when every core of its host is stepping: with
+one free (an idle neighbour, a host the fleet does not fill) it runs there (its load on that core
+is not modelled: an idle core takes it at no cost). Not modelled: the KV cache's size (no
+preemption), prefix-cache hits, retries and migration, and the age of the router's load reports: the simulator reads every
 instance's outstanding tokens at each arrival, the router the engine's count at its last poll
 (every 0.5 s, as of the engine's last step) plus what it routed there since, so work that
 finished since the poll is still counted there.
@@ -127,6 +131,7 @@ class _Instance:
         self.link_free_at = 0.0  # pulls into this instance share its link, first come first served
         self.busy = False
         self.neighbours: list[_Instance] = []  # the other instances on this one's host
+        self.spare_core = False  # its host has room for more instances than the fleet put there
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -179,9 +184,15 @@ class _Instance:
             kv += seq.computed + n
             sampled += seq.computed + n >= seq.known
         chunked = attn > 0
-        # The engine's step, then the serving path's per-token work on the same cores.
+        # The engine's step, then the serving path's per-token work on the same cores; the
+        # router's and client's share of it (offcore_token_s) runs on a core of the host that no
+        # instance is stepping on, when there is one (1P+1D's prefill between prompts), and takes
+        # this step's cycles only when every core of the host is stepping.
         prof = sim.profile
-        seconds = prof.step.seconds(tokens, attn, kv, len(batch), decode_attn) + sampled * prof.token_overhead_s
+        per_token = prof.token_overhead_s
+        if prof.offcore_token_s and (self.spare_core or any(not o.busy for o in self.neighbours)):
+            per_token -= prof.offcore_token_s
+        seconds = prof.step.seconds(tokens, attn, kv, len(batch), decode_attn) + sampled * per_token
         if sampled:
             seconds += prof.step_overhead_s
         if any(o.busy for o in self.neighbours):
@@ -245,6 +256,7 @@ class Simulation:
         for i, inst in enumerate(instances):
             host = i // per_host
             inst.neighbours = [o for o in instances[host * per_host:(host + 1) * per_host] if o is not inst]
+            inst.spare_core = len(inst.neighbours) + 1 < per_host
 
     @property
     def instances(self) -> list[_Instance]:

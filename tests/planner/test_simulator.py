@@ -84,6 +84,33 @@ def test_a_busy_neighbour_on_the_host_slows_a_step_by_the_profiles_factor():
         profile(FLAT, neighbour_decode=0.0)
 
 
+def test_the_routers_cpu_takes_a_steps_time_only_when_every_core_of_the_host_steps():
+    # 3 ms a token on the serving path, 2 of them the router's and client's CPU (off-core): that
+    # share runs on a core no instance is stepping on, if the host has one.
+    reqs = [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3)]
+    two_cores = {"device": "cpu", "threads": 1, "cpu_count": 2}
+    shared = profile(FLAT, token_overhead_s=0.003, offcore_token_s=0.002, machine=two_cores)
+    a, b = simulate(shared, Fleet(num_colocated=2), reqs)
+    # a's prompt starts while b's core is free (1 ms charged), b's beside a's (3 ms); every later
+    # step starts while the other instance is mid-step: both cores step, 3 ms a token.
+    assert a.token_times == pytest.approx([0.201, 0.305, 0.409])
+    assert b.token_times == pytest.approx([0.203, 0.307, 0.411])
+    # On four cores the two instances leave two free: 1 ms a token throughout.
+    four = profile(FLAT, token_overhead_s=0.003, offcore_token_s=0.002,
+                   machine={"device": "cpu", "threads": 1, "cpu_count": 4})
+    for t in simulate(four, Fleet(num_colocated=2), reqs):
+        assert t.token_times == pytest.approx([0.201, 0.303, 0.405])
+    # 1P+1D on two cores: the decode's steps run while the prefill idles, whose core takes the router's work.
+    [t] = simulate(shared, Fleet(num_prefill=1, num_decode=1), [SimRequest(0.0, 100, 3)])
+    assert t.ttft == pytest.approx(0.201) and t.itls[1:] == pytest.approx([0.102])
+    # Measured where the router shared the instance's cores (no off-core share): all of it, always.
+    on_core = profile(FLAT, token_overhead_s=0.003, machine=two_cores)
+    [t] = simulate(on_core, Fleet(num_prefill=1, num_decode=1), [SimRequest(0.0, 100, 3)])
+    assert t.ttft == pytest.approx(0.203) and t.itls[1:] == pytest.approx([0.104])
+    with pytest.raises(ValueError, match="off-core share"):
+        profile(FLAT, token_overhead_s=0.001, offcore_token_s=0.002)
+
+
 def test_chunked_prefill_and_context_cost_exact():
     step = StepCost(base=0.05, per_token=0.001, per_attn=1e-6, per_decode_attn=3e-6, per_kv_token=1e-5,
                     per_seq=0.002)
