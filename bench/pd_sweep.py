@@ -25,8 +25,9 @@ cell's rate for vLLM), up while a rung passes and down while it fails; each rung
 `--rung-seconds` (60) of arrivals at its rate (at least `--rung-prompts`), fresh requests of the
 cell's shape drawn from one stream per rung. A rung must last: an overloaded fleet's queue grows
 by the excess rate, and a short burst is absorbed by the batch (40 requests of the 1:1 and 1:10
-shapes held the loose SLOs at 3-5x the simulated capacity, and at 21 req/s). Two capacities within
-one rung are a tie.
+shapes held the loose SLOs at 3-5x the simulated capacity, and at 21 req/s). The simulated
+capacities (and the plan) come from `--plan-requests` (300) requests of the shape, as the rungs
+serve many draws of it, not the cell's 12. Two capacities within one rung are a tie.
 
     python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
     python -m bench.pd_sweep --capacity [--shapes 1:1,1:10] [--slos loose] [--profile FILE]...
@@ -77,10 +78,14 @@ class Cell:
 
 
 def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
-              rate: float | None, load: float) -> Cell:
+              rate: float | None, load: float, plan_requests: int = 0) -> Cell:
+    """plan_requests: plan on that many requests of the shape (a capacity ladder serves fresh
+    draws of it) instead of the cell's own `num`."""
     reqs = synthetic(num, *lengths, vocab_size=4000, seed=seed)
-    # The cell's own requests at 1 req/s; plan() scales their arrivals to find each fleet's capacity.
-    wl = Workload(tuple(sim_requests(reqs, 1.0)), f"{shape} ({num} requests)")
+    # The cell's own requests (or the shape's sample) at 1 req/s; plan() scales their arrivals to
+    # find each fleet's capacity.
+    planned_on = synthetic(plan_requests, *lengths, vocab_size=4000, seed=seed * 1000 + 499) if plan_requests else reqs
+    wl = Workload(tuple(sim_requests(planned_on, 1.0)), f"{shape} ({len(planned_on)} requests)")
     slos = resolve_slo(SLOS[slo], profiles[0], wl)
     transport = "tcp" if "tcp" in profiles[0].transfers else next(iter(profiles[0].transfers))
     # Capacities do not depend on wl's own rate.
@@ -273,6 +278,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rung-factor", type=float, default=1.2, help="--capacity: rate ratio of adjacent rungs")
     ap.add_argument("--attainment", type=float, default=0.9,
                     help="--capacity: share of a rung's requests in SLO for the rung to pass (as `pdserve plan`)")
+    ap.add_argument("--plan-requests", type=int, default=300,
+                    help="--capacity: the simulated capacities (and the plan) from this many requests of the "
+                         "shape, as the rungs draw theirs (a cell's 12 requests are too few: the 10:1 shape's "
+                         "1-2k-token prompts put 1P+1D's at 1.44x what 300 give)")
     ap.add_argument("--max-rungs-up", type=int, default=6)
     ap.add_argument("--max-rungs-down", type=int, default=6)
     ap.add_argument("--out", default=os.path.join(BUILD, "sweep"))
@@ -282,10 +291,12 @@ def main(argv=None) -> int:
         ap.error(f"--shapes from {', '.join(SHAPES)}; --slos from {', '.join(SLOS)}")
     configs = args.configs.split(",")
     not_run = {}
-    if args.rung_factor <= 1 or args.rung_prompts < 1 or args.rung_seconds < 0 or not 0 < args.attainment <= 1:
-        ap.error("--rung-factor > 1, --rung-prompts >= 1, --rung-seconds >= 0 and 0 < --attainment <= 1")
+    if (args.rung_factor <= 1 or args.rung_prompts < 1 or args.rung_seconds < 0 or not 0 < args.attainment <= 1
+            or args.plan_requests < 1):
+        ap.error("--rung-factor > 1, --rung-prompts >= 1, --rung-seconds >= 0, 0 < --attainment <= 1 and "
+                 "--plan-requests >= 1")
     if args.quick:
-        shapes, slos, args.num_prompts = ["1:1"], ["loose"], 4
+        shapes, slos, args.num_prompts, args.plan_requests = ["1:1"], ["loose"], 4, 4
         args.rung_prompts, args.rung_seconds, args.max_rungs_up, args.max_rungs_down = 4, 0.0, 1, 1
         for name in ("vllm", "colocated-wide"):
             if name in configs:
@@ -305,7 +316,8 @@ def main(argv=None) -> int:
     lengths = {sh: QUICK_SHAPE if args.quick else SHAPES[sh] for sh in shapes}
     # Seeds by the cell's place in the full sweep: a subset (--shapes, --slos) draws the same requests.
     cells = [plan_cell(profiles, shape, lengths[shape], slo, args.num_prompts,
-                       100 + list(SHAPES).index(shape) * len(SLOS) + list(SLOS).index(slo), args.rate, args.load)
+                       100 + list(SHAPES).index(shape) * len(SLOS) + list(SLOS).index(slo), args.rate, args.load,
+                       args.plan_requests if args.capacity else 0)
              for shape, slo in ((sh, sl) for sh in shapes for sl in slos)]
     for c in cells:
         print(f"cell {c.shape} {c.slo}: rate {c.rate:.3f} req/s; simulated capacity "
