@@ -25,7 +25,8 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   refused with the points, not clamped. Where the profile left cores idle beside the instance,
   the router and the client ran there, out of the instance's latency; a fleet that fills the
   host runs that work on instances' cores, so their CPU time per streamed token (from /proc and
-  the client thread's clock, over the batches) is added to the per-token figure, unless the
+  the client thread's clock, over the batches) is added to the per-token figure (the simulator
+  charges that share to a step only while every core of its host steps), unless the
   fleet's router and clients run on other hosts (`pdserve profile --router-elsewhere`: a
   cluster's router pods); it is recorded either way.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
