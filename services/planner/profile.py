@@ -273,7 +273,6 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     raw = {"step": {"quality": quality,
                     "points": [{**vars(p), "kind": k["kind"]} for p, k in zip(points, timer.points)]},
            "transfer": raw_transfers, "serve": {"points": serve.points, "batch_points": serve.batch_points,
-                                                "offcore_token_s": serve.offcore_token_s,
                                                 "router_token_s": serve.router_token_s,
                                                 "neighbour_points": serve.neighbour_points,
                                                 "neighbour_note": serve.neighbour_note}}
@@ -378,8 +377,8 @@ def run_cli(args) -> int:
               f"sampled token (a live instance through a router over the engine's own steps: lone requests "
               f"{lone * 1e3:+.2f} ms a step, batches of {batched[0]['batch']} "
               f"{statistics.median(p['gap_s'] - p['step_s'] for p in batched) * 1e3:+.2f} ms a step"
-              + (f"; of the per-token figure, {serve['offcore_token_s'] * 1e3:.2f} ms is the router's and "
-                 f"client's CPU, which ran on cores beside the instance" if serve["offcore_token_s"] else
+              + (f"; of the per-token figure, {prof.offcore_token_s * 1e3:.2f} ms is the router's and "
+                 f"client's CPU, which ran on cores beside the instance" if prof.offcore_token_s else
                  f"; the router's and client's CPU, {serve['router_token_s'] * 1e3:.2f} ms a token, is not "
                  f"charged (--router-elsewhere)" if serve.get("router_token_s") else "")
               + ")")

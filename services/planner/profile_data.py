@@ -146,7 +146,6 @@ class Profile:
             neighbour = overhead.get("neighbour", {})
             raw = {"serve": {"points": overhead.get("token_points", []),
                              "batch_points": overhead.get("batch_points", []),
-                             "offcore_token_s": overhead.get("offcore_token_s", 0.0),
                              "router_token_s": overhead.get("router_token_s", 0.0),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},

@@ -15,10 +15,10 @@ token is charged to the step that samples it, except the router's and client's C
 (offcore_token_s), which takes the step's time only when every core of its host is stepping: with
 one free (an idle neighbour, a host the fleet does not fill) it runs there (its load on that core
 is not modelled: an idle core takes it at no cost). Not modelled: the KV cache's size (no
-preemption), prefix-cache hits, retries and migration, and the age of the router's load reports: the simulator reads every
-instance's outstanding tokens at each arrival, the router the engine's count at its last poll
-(every 0.5 s, as of the engine's last step) plus what it routed there since, so work that
-finished since the poll is still counted there.
+preemption), prefix-cache hits, retries and migration, and the age of the router's load reports:
+the simulator reads every instance's outstanding tokens at each arrival, the router the engine's
+count at its last poll (every 0.5 s, as of the engine's last step) plus what it routed there
+since, so work that finished since the poll is still counted there.
 """
 from __future__ import annotations
 

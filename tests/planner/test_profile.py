@@ -212,7 +212,7 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path,
     # With a core beside the instance, the router and the client ran there, outside its latency:
     # their CPU time per streamed token (48 tokens x 4 requests a batch) joins the per-token figure.
     assert all(p["tokens"] == 4 * 48 for p in batches)
-    offcore = prof.raw["serve"]["offcore_token_s"]
+    offcore = prof.offcore_token_s
     if (os.cpu_count() or 1) >= 2:
         assert all(p["router_cpu_s"] > 0 and p["client_cpu_s"] > 0 for p in batches)
         assert offcore == pytest.approx(statistics.median((p["router_cpu_s"] + p["client_cpu_s"]) / p["tokens"]
