@@ -235,10 +235,12 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
     block_counts = [1, 8, 32] if quick else [1, 8, 32, 64, 128]
-    from services.planner.profile_serve import BATCH, ROUNDS, ServeCost, measure_serve_cost
+    from services.planner.profile_serve import (BATCH, ROUNDS, SUSTAINED, ServeCost, calibrate_sustained,
+                                                measure_serve_cost)
+    sustained = (4,) if quick else SUSTAINED
 
     total = (_num_tasks(quick, max_num_batched_tokens, timer.max_model_len) + len(transports) * len(block_counts)
-             + (ROUNDS if serve_overhead else 0))
+             + (ROUNDS + len(sustained) if serve_overhead else 0))
     with tqdm(total=total, desc="profiling", file=sys.stderr, disable=not progress) as bar:
         points = measure_steps(timer, quick, bar)
         timer.core.shutdown()
@@ -248,7 +250,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
             serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
                                        tick=lambda: bar.update(1), batch=4 if quick else BATCH,
                                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                       measured=points, router_elsewhere=router_elsewhere)
+                                       measured=points, router_elsewhere=router_elsewhere, sustained=sustained)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -275,12 +277,18 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
            "transfer": raw_transfers, "serve": {"points": serve.points, "batch_points": serve.batch_points,
                                                 "router_token_s": serve.router_token_s,
                                                 "neighbour_points": serve.neighbour_points,
-                                                "neighbour_note": serve.neighbour_note}}
-    return Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
-                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                   token_overhead_s=serve.token_overhead_s, step_overhead_s=serve.step_overhead_s,
-                   offcore_token_s=serve.offcore_token_s, neighbour_prefill=serve.neighbour_prefill,
-                   neighbour_decode=serve.neighbour_decode, machine=machine, source="measured", raw=raw)
+                                                "neighbour_note": serve.neighbour_note,
+                                                "sustained_runs": serve.sustained_runs}}
+    profile = Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      token_overhead_s=serve.token_overhead_s, step_overhead_s=serve.step_overhead_s,
+                      offcore_token_s=serve.offcore_token_s, neighbour_prefill=serve.neighbour_prefill,
+                      neighbour_decode=serve.neighbour_decode, machine=machine, source="measured", raw=raw)
+    # What lock-step batches miss of sustained traffic, found by replaying the closed loops on
+    # the profile as measured so far; it joins the per-token figure (on the instance's cores).
+    extra, found = calibrate_sustained(profile, serve.sustained_runs)
+    raw["serve"].update(sustained_token_s=extra, sustained_points=found)
+    return dataclasses.replace(profile, token_overhead_s=profile.token_overhead_s + extra)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:

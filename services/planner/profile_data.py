@@ -63,7 +63,8 @@ class Profile:
     pd_hop_s: float = 0.0
     # The serving path's time per sampled token on the instance's cores (the engine core's
     # outputs, the engine host, its gRPC stream; on a CPU host also the router's and client's
-    # CPU), measured through a live service (profile_serve).
+    # CPU), measured through a live service (profile_serve): lock-step batches, plus what
+    # sustained traffic costs beyond them (raw["serve"]["sustained_token_s"], from closed loops).
     token_overhead_s: float = 0.0
     # Of token_overhead_s: the router's and client's CPU a token, measured on cores beside the
     # instance (profile_serve.charge_router_cpu). The simulator charges it to a step only when no
@@ -128,6 +129,9 @@ class Profile:
                              "batch_points": self.raw.get("serve", {}).get("batch_points", []),
                              "offcore_token_s": self.offcore_token_s,
                              "router_token_s": self.raw.get("serve", {}).get("router_token_s", 0.0),
+                             "sustained": {"token_s": self.raw.get("serve", {}).get("sustained_token_s", 0.0),
+                                           "points": self.raw.get("serve", {}).get("sustained_points", []),
+                                           "runs": self.raw.get("serve", {}).get("sustained_runs", [])},
                              "neighbour": {"prefill": self.neighbour_prefill, "decode": self.neighbour_decode,
                                            "points": self.raw.get("serve", {}).get("neighbour_points", []),
                                            "note": self.raw.get("serve", {}).get("neighbour_note", "")}},
@@ -144,7 +148,11 @@ class Profile:
             transfers = data.get("transfer", {})
             overhead = data.get("overhead", {})
             neighbour = overhead.get("neighbour", {})
+            sustained = overhead.get("sustained", {})
             raw = {"serve": {"points": overhead.get("token_points", []),
+                             "sustained_token_s": sustained.get("token_s", 0.0),
+                             "sustained_points": sustained.get("points", []),
+                             "sustained_runs": sustained.get("runs", []),
                              "batch_points": overhead.get("batch_points", []),
                              "router_token_s": overhead.get("router_token_s", 0.0),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},

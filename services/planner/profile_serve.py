@@ -29,6 +29,14 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   charges that share to a step only while every core of its host steps), unless the
   fleet's router and clients run on other hosts (`pdserve profile --router-elsewhere`: a
   cluster's router pods); it is recorded either way.
+- sustained traffic: the rounds above run lock-step batches, which steady serving never does:
+  there requests arrive and finish every few steps, so most steps admit a prompt beside the
+  decodes and the batch's composition changes under them. Closed loops through the router
+  (SUSTAINED requests kept in flight, each replaced as it finishes, output lengths spread so
+  finishes stagger) measure each request's TPOT; calibrate_sustained() replays their arrivals
+  in the simulator on the profile and finds the per-token time the model still lacks (on this
+  2-core VM 0.08-0.2 ms a token: staggered steps run ~20% over the grid's uniform ones in
+  process, and the served path's per-request work lands beside them). It joins token_s.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
   machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -59,6 +68,9 @@ NOISE = 0.15  # of the engine's step: a served step this much faster than the en
 NOISE_S = SETTLED_S  # ... or this much, whichever is more (a millisecond step's jitter, as SETTLED_S)
 NEAR = 0.25  # a measured decode step stands for a served one of the same batch within this of its context
 NEIGHBOUR_REQUEST = (1024, 32)  # what keeps the neighbour busy: mostly prefill, some decode
+SUSTAINED = (16, 64)  # requests kept in flight through the router, one closed loop each
+SUSTAINED_REQUESTS = 6  # x the concurrency, a loop
+SUSTAINED_MAX_TOKEN_S = 0.05  # the calibration's search bound: 50 ms a token is no served path
 
 
 @dataclass
@@ -73,6 +85,9 @@ class ServeCost:
     batch_points: list[dict] = field(default_factory=list)
     neighbour_points: list[dict] = field(default_factory=list)
     neighbour_note: str = ""  # why the neighbour was not measured, if it was not
+    # Closed loops (sustained traffic): per loop its concurrency and each request's
+    # [arrival_s, prompt, output, tpot_s]; calibrate_sustained() turns them into sustained_token_s.
+    sustained_runs: list[dict] = field(default_factory=list)
 
 
 def _env() -> dict:
@@ -173,6 +188,12 @@ def _client(url: str, requests: list, together: bool = False) -> list:
 
 def _client_cpu(url: str, requests: list, together: bool = False) -> tuple[list, float]:
     """_client, and the CPU seconds its thread used."""
+    return _on_any_core(lambda: _served(url, requests, together), "profile-client")
+
+
+def _on_any_core(make_coroutine, name: str) -> tuple[object, float]:
+    """asyncio.run(make_coroutine()) on a thread of its own allowed every core; its result and
+    the CPU seconds the thread used. Its exception, if any, is raised here."""
     out: dict = {}
 
     def run() -> None:
@@ -180,17 +201,17 @@ def _client_cpu(url: str, requests: list, together: bool = False) -> tuple[list,
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, _all_cpus())  # this thread only
             start = time.thread_time()
-            out["results"] = asyncio.run(_served(url, requests, together))
+            out["result"] = asyncio.run(make_coroutine())
             out["cpu_s"] = time.thread_time() - start
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             out["error"] = e
 
-    t = threading.Thread(target=run, name="profile-client")
+    t = threading.Thread(target=run, name=name)
     t.start()
     t.join()
     if "error" in out:
         raise out["error"]
-    return out["results"], out["cpu_s"]
+    return out["result"], out["cpu_s"]
 
 
 async def _served(url: str, requests: list, together: bool = False) -> list:
@@ -212,6 +233,77 @@ async def _served(url: str, requests: list, together: bool = False) -> list:
             if not res.success or res.tpot is None:
                 raise RuntimeError(f"a {req.prompt_len}-token request through the router failed: {res.error}")
         return results
+
+
+def _closed_loop(url: str, requests: list, concurrency: int) -> list[tuple[float, object]]:
+    """`requests` through the router's completions endpoint, `concurrency` in flight, each sent as
+    one finishes (bench-pd's client), from a thread that may run on any core (_on_any_core);
+    [(seconds from the start it was sent, its result)] in the order sent."""
+    import aiohttp
+
+    from bench.serve import send_one
+
+    async def run() -> list:
+        sent: list = []
+        pending = iter(requests)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async with session.get(f"{url}/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+            start = time.perf_counter()
+
+            async def worker() -> None:
+                for req in pending:  # one shared iterator: each request is sent once
+                    at = time.perf_counter() - start
+                    res = await send_one(session, f"{url}/v1/completions", model, req, {}, True)
+                    if not res.success or res.tpot is None:
+                        raise RuntimeError(f"a {req.prompt_len}-token request of a closed loop through the router "
+                                           f"failed: {res.error}")
+                    sent.append((at, res))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return sorted(sent, key=lambda x: x[0])
+
+    return _on_any_core(run, "profile-closed-loop")[0]
+
+
+def calibrate_sustained(profile, runs: list[dict]) -> tuple[float, list[dict]]:
+    """The per-token time to add to `profile`'s token_overhead_s so that the simulator, replaying
+    each closed loop's arrivals on one colocated instance, gives the loop's measured mean TPOT
+    (over the middle half of its requests by arrival: the first are a lock-step start, the last
+    a drain); the mean over the loops, and per loop what it measured and found. A loop the
+    simulator already runs as slow as measured adds nothing (0, recorded), so a profile is never
+    made faster than its steps."""
+    import dataclasses
+
+    from services.planner.simulator import Fleet, SimRequest, simulate
+
+    def middle(xs: list) -> list:
+        return xs[len(xs) // 4: max(len(xs) // 4 + 1, 3 * len(xs) // 4)]
+
+    def simulated_tpot(reqs: list, extra: float) -> float:
+        prof = dataclasses.replace(profile, token_overhead_s=profile.token_overhead_s + extra)
+        traces = sorted(simulate(prof, Fleet(num_colocated=1), reqs), key=lambda t: t.request.arrival)
+        return statistics.mean(t.tpot for t in middle(traces))
+
+    found = []
+    for run in runs:
+        reqs = [SimRequest(a, p, o) for a, p, o, _ in run["requests"]]
+        measured = statistics.mean(t for *_, t in middle(run["requests"]))
+        lo, hi = 0.0, SUSTAINED_MAX_TOKEN_S
+        base = simulated_tpot(reqs, 0.0)
+        if base >= measured:
+            hi = 0.0
+        elif simulated_tpot(reqs, hi) < measured:
+            raise ServePathError(f"a closed loop of {run['concurrency']} measured a mean TPOT of {measured * 1e3:.1f} ms, "
+                                 f"more than the simulator gives even at {hi * 1e3:.0f} ms a token over the profile's "
+                                 f"steps: the machine is too busy to measure the served path; profile again on a quiet one")
+        while hi - lo > 1e-6:  # microseconds a token
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if simulated_tpot(reqs, mid) < measured else (lo, mid)
+        found.append({"concurrency": run["concurrency"], "requests": len(reqs), "measured_tpot_s": measured,
+                      "simulated_tpot_s": base, "token_s": hi})
+    if not found:
+        return 0.0, []
+    return statistics.mean(f["token_s"] for f in found), found
 
 
 class _Neighbour:
@@ -341,15 +433,17 @@ def fit_serve_path(points: list[dict], batch_points: list[dict]) -> tuple[float,
 
 
 def charge_router_cpu(cost: ServeCost, offcore: bool, router_elsewhere: bool) -> None:
-    """The router's and client's CPU per streamed token, from the batches (recorded in
+    """The router's and client's CPU per streamed token over the batches (recorded in
     router_token_s), joins the per-token figure when they ran on cores the profile left idle
     beside the instance (`offcore`: out of its latency, where a fleet filling the host would run
     them on instances' cores), unless the fleet runs them on other hosts. Where they shared the
     instance's cores, they are in its latency already."""
     if not offcore or not cost.batch_points or any(p["router_cpu_s"] is None for p in cost.batch_points):
         return
-    cost.router_token_s = statistics.median((p["router_cpu_s"] + p["client_cpu_s"]) / p["tokens"]
-                                            for p in cost.batch_points)
+    # Over all the batches, not a median of each: /proc counts CPU in clock ticks (10 ms), so one
+    # batch's router reads 0 or 20 ms on a fast machine; the sum over the rounds averages that out.
+    cost.router_token_s = (sum(p["router_cpu_s"] + p["client_cpu_s"] for p in cost.batch_points)
+                           / sum(p["tokens"] for p in cost.batch_points))
     if not router_elsewhere:
         cost.offcore_token_s = cost.router_token_s
         cost.token_overhead_s += cost.offcore_token_s
@@ -358,11 +452,13 @@ def charge_router_cpu(cost: ServeCost, offcore: bool, router_elsewhere: bool) ->
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
                        vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                       measured: list[StepPoint] = (), router_elsewhere: bool = False) -> ServeCost:
+                       measured: list[StepPoint] = (), router_elsewhere: bool = False,
+                       sustained: tuple[int, ...] = SUSTAINED) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
     The instance runs with the profile's engine settings; `measured` are the profile's steps.
     router_elsewhere: the fleet's router and clients run on other hosts (charge_router_cpu).
+    sustained: the closed loops' concurrencies (sustained_runs; none: not measured).
     Rounds alternate: requests alone, a
     batch, then beside the busy neighbour, so that the machine's drift over the measurement
     touches every side alike."""
@@ -388,6 +484,17 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
         return [BenchRequest(prompt(7 + i * 7919 + salt * 104729 + 1_000_003, batch_prompt), batch_prompt, out_len)
                 for i in range(batch)]
 
+    def fresh_loop(salt: int, concurrency: int) -> list:
+        """A closed loop's requests: short prompts, outputs from half to 1.5x out_len (finishes stagger)."""
+        rng = random.Random(salt)
+        out = []
+        for i in range(concurrency * SUSTAINED_REQUESTS):
+            prompt_len = rng.randint(max(1, batch_prompt // 2), batch_prompt)
+            n = rng.randint(max(2, out_len // 2), 3 * out_len // 2)
+            out.append(BenchRequest(prompt(13 + i * 7919 + salt * 104729 + 2_000_003, prompt_len), prompt_len, n))
+        return out
+
+    sustained = sorted({max(2, min(c, max_num_seqs)) for c in sustained})
     cost = ServeCost()
     on_cpu = device.startswith("cpu")
     own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -453,6 +560,12 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                     f"and {SETTLED_S * 1e3:.1f} ms): "
                     f"the machine is too busy to measure the served path; profile again on a quiet one, "
                     f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
+        for i, concurrency in enumerate(sustained):
+            loop = fresh_loop(i, concurrency)
+            sent = _closed_loop(url, loop, concurrency)
+            cost.sustained_runs.append({"concurrency": concurrency, "requests": [
+                [round(at, 6), res.prompt_len, res.output_len, res.tpot] for at, res in sent]})
+            tick()
     cost.step_overhead_s, cost.token_overhead_s = fit_serve_path(cost.points, cost.batch_points)
     charge_router_cpu(cost, bool(spare), router_elsewhere)
     if cost.neighbour_points:

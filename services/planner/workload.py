@@ -11,6 +11,7 @@ Distributions are bench's: fixed:N, uniform:LO:HI, normal:MEAN:STD[:MIN]; arriva
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -38,14 +39,20 @@ class Workload:
     def mean_osl(self) -> float:
         return sum(r.osl for r in self.requests) / len(self.requests)
 
-    def scaled(self, factor: float, min_requests: int = 0) -> "Workload":
+    def scaled(self, factor: float, min_requests: int = 0, min_seconds: float = 0.0,
+               max_requests: int | None = None) -> "Workload":
         """The same requests arriving `factor` times as fast, repeated one copy after another until
-        there are `min_requests`: a short trace at a high rate is one burst, which a fleet may
-        absorb whatever its steady-state capacity."""
+        there are `min_requests` and their arrivals span `min_seconds` (at most `max_requests`,
+        but never fewer copies than `min_requests` needs): a short trace at a high rate is one
+        burst, which a fleet may absorb whatever its steady-state capacity."""
         reqs = [SimRequest(r.arrival / factor, r.isl, r.osl) for r in self.requests]
         start = reqs[0].arrival
         period = (reqs[-1].arrival - start) * len(reqs) / max(1, len(reqs) - 1) or 1.0 / factor
         copies = max(1, -(-min_requests // len(reqs)))
+        by_time = max(1, math.ceil(min_seconds / period)) if min_seconds > 0 else 1
+        if max_requests is not None:
+            by_time = min(by_time, max(1, max_requests // len(reqs)))
+        copies = max(copies, by_time)
         tiled = [SimRequest(r.arrival + k * period, r.isl, r.osl) for k in range(copies) for r in reqs]
         return Workload(tuple(tiled), f"{self.description} x{factor:g}")
 

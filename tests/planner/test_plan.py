@@ -6,7 +6,8 @@ import json
 import pytest
 
 from services.cli import main as pdserve
-from services.planner.plan import MIN_REQUESTS, attainment, capacity, fleets_of, plan, plan_widths
+from services.planner.plan import (LIVES, MAX_REQUESTS, MIN_REQUESTS, attainment, capacity, fleets_of, plan, plan_widths,
+                                   search_workload, window_seconds)
 from services.planner.sim_metrics import parse_slo
 from services.planner.simulator import Fleet
 from services.planner.workload import poisson
@@ -28,9 +29,30 @@ def test_capacity_is_the_edge_of_the_attainment_target():
     prof, fleet, slos = profile(CPU_LIKE), Fleet(num_prefill=1, num_decode=1), parse_slo("ttft:4000,tpot:100")
     cap = capacity(prof, fleet, BENCH_PD, slos, 0.9)
     assert 0.3 < cap < 3
-    at = lambda rate: attainment(prof, fleet, BENCH_PD.scaled(rate / BENCH_PD.rate, MIN_REQUESTS), slos)  # noqa: E731
+    at = lambda rate: attainment(prof, fleet, search_workload(BENCH_PD, rate / BENCH_PD.rate, slos), slos)  # noqa: E731
     assert at(cap) >= 0.9
     assert at(cap * 1.1) < 0.9
+
+
+def test_each_rate_is_simulated_over_request_lives_not_one_burst():
+    # A fast instance and a loose SLO on short prompts with long outputs (ISL:OSL 1:10): 300
+    # requests arriving at once fit its seats and all meet the SLO at any rate (seen on this
+    # VM's profile: "capacity" 1,990 req/s for two one-core instances). Sustained, it holds ~17.
+    prof = profile(StepCost(base=0.003, per_token=2.5e-4, per_attn=2e-7, per_kv_token=5e-7, per_seq=0.0))
+    slos, fleet = parse_slo("ttft:4000,tpot:100"), Fleet(num_colocated=2)
+    wl = poisson(1.0, 60, "uniform:24:40", "uniform:240:400", seed=1)
+    life = 4.0 + wl.mean_osl * 0.1
+    assert window_seconds(wl, slos) == pytest.approx(LIVES * life)
+    cap = capacity(prof, fleet, wl, slos, 0.9)
+    assert 10 < cap < 30
+    burst = wl.scaled(4 * cap / wl.rate, MIN_REQUESTS)
+    assert len(burst.requests) == 300 and attainment(prof, fleet, burst, slos) >= 0.9  # absorbed
+    sustained = search_workload(wl, 4 * cap / wl.rate, slos)
+    span = sustained.requests[-1].arrival - sustained.requests[0].arrival
+    assert span >= window_seconds(wl, slos) * 0.95 and attainment(prof, fleet, sustained, slos) < 0.1
+    # The window is capped (a big fleet at thousands of req/s), never below MIN_REQUESTS.
+    assert len(search_workload(wl, 10_000, slos).requests) <= MAX_REQUESTS
+    assert len(search_workload(wl, 1e-3, {"ttft": 1e-3}).requests) >= MIN_REQUESTS
 
 
 def test_loose_slo_picks_colocated_tight_tpot_picks_disaggregation():

@@ -306,6 +306,11 @@ def test_scaled_workload_keeps_the_mix_and_repeats_to_a_minimum():
     assert len(tiled.requests) == 9  # three copies, one after another at the trace's mean spacing
     assert [r.arrival for r in tiled.requests[3:6]] == pytest.approx([2.25, 2.75, 3.75])
     assert tiled.rate == pytest.approx(w.rate * 2, rel=0.01)
+    # ... or until the arrivals span min_seconds (a period of 2.25 s at x2: 5 s takes 3 copies),
+    # at most max_requests, but never fewer copies than min_requests needs.
+    assert len(w.scaled(2.0, min_seconds=5.0).requests) == 9
+    assert len(w.scaled(2.0, min_seconds=500.0, max_requests=12).requests) == 12
+    assert len(w.scaled(2.0, min_requests=7, min_seconds=500.0, max_requests=4).requests) == 9
 
 
 def test_workload_files(tmp_path):
