@@ -35,8 +35,9 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   (SUSTAINED requests kept in flight, each replaced as it finishes, output lengths spread so
   finishes stagger) measure each request's TPOT; calibrate_sustained() replays their arrivals
   in the simulator on the profile and finds the per-token time the model still lacks (on this
-  2-core VM 0.08-0.2 ms a token: staggered steps run ~20% over the grid's uniform ones in
-  process, and the served path's per-request work lands beside them). It joins token_s.
+  2-core VM 0.06-0.10 ms a token on top of the lock-step batches' 0.16-0.23: staggered steps
+  run 20-30% over the grid's uniform ones in process, and the served path's per-request work
+  lands beside them). It joins token_s.
 - neighbour slowdown: the median ratio busy / alone of TPOT (decode) and of TTFT (prefill),
   charged to a step that starts while another instance on its host is busy. 1.0 where the
   machine has no cores beside the instance's (nothing shares it), and on accelerators (instances
