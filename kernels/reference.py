@@ -98,7 +98,9 @@ def scatter_blocks(staging: torch.Tensor, kv_caches: list[torch.Tensor],
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] (gate, up) -> silu(gate) * up, [..., d], as HF's LlamaMLP computes it."""
     d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    # The product into silu's fresh output: the same rounding, one large buffer less to allocate
+    # and fault in (prefill's [2048, d] on the CPU: the multiply ran 2.6x silu's time).
+    return torch.nn.functional.silu(x[..., :d]).mul_(x[..., d:])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -71,6 +71,34 @@ def test_mixed_decode_and_prefill_batch():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("masked", [False, True], ids=["split", "masked"])
+def test_chunks_after_context_match_reference(heads, kv_heads, masked, monkeypatch):
+    """A prompt's later chunk (the context unmasked plus its own causal triangle, merged by
+    log-sum-exp; or, where torch lacks the flash op with log-sum-exp, an explicit mask): long
+    chunks after short context and the reverse, a few speculative tokens after a long context,
+    beside a fresh prompt and a decode."""
+    if masked:
+        monkeypatch.setattr(torch_attention, "_FLASH_LSE", None)
+    q_lens = [300, 40, 3, 1, 64, 129]
+    ctx = [300 + 700, 40 + 16, 3 + 1000, 77, 64, 129 + 1]
+    q, kv, qsl, lens, tables = make_case(q_lens, ctx, heads, kv_heads, block_size=16)
+    expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.125)
+    out = torch.full_like(q, float("nan"))
+    torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_chunk_after_context_half_precision(dtype, tol):
+    q_lens, ctx = [96, 5], [96 + 200, 5 + 33]
+    q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 4, dtype=dtype)
+    expected = reference.paged_attention(q.float(), kv.float(), qsl, lens, tables, 0.125)
+    out = torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_decode_scores_spanning_the_float_range():
     """Peaked softmaxes: most weights underflow to exactly 0 (exp below -87), one dominates."""
     q, kv, qsl, lens, tables = make_case([1] * 3, [2, 37, 300], 8, 4, head_dim=32)
