@@ -4,9 +4,9 @@ Same signatures as kernels.reference. Decode attention, rotary, RMSNorm, store_k
 gather/scatter run as C++ (kernels/csrc/cpu_attention.cpp, built on first use); without a
 compiler, or for inputs the C++ does not take, each falls back to the reference. Prefill
 rows go to SDPA one row at a time (its flash kernel: causal for fresh prompts; a chunk after
-earlier context as the context unmasked plus its own causal triangle, merged by log-sum-exp). The cache must hold finite values
-everywhere (it is zero-initialised): padding slots are masked, and 0 * NaN would still
-poison the output.
+earlier context as the context unmasked plus its own causal triangle, merged by log-sum-exp).
+The cache must hold finite values everywhere (it is zero-initialised): padding slots are
+masked, and 0 * NaN would still poison the output.
 """
 from __future__ import annotations
 
@@ -94,11 +94,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     return out
 
 
+# SDPA's CPU flash kernel with the log-sum-exp of each query row (torch's own op; absent in
+# some builds, then chunks take the masked path).
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tensor:
     """Varlen causal attention, one SDPA call per prefill row (a step holds few of them).
 
     A fresh prompt (no earlier context) is plain causal attention: SDPA's is_causal path, with
-    no mask to build. A chunk after earlier context gets an explicit bottom-right causal mask.
+    no mask to build. A chunk after earlier context: _chunk_after_context on the CPU, else an
+    explicit bottom-right causal mask.
     """
     out = torch.empty_like(query)
     block_size = kv_cache.shape[2]
@@ -129,11 +135,6 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tenso
     return out
 
 
-# SDPA's CPU flash kernel with the log-sum-exp of each query row (torch's own op; absent in
-# some builds, then chunks take the masked path).
-_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _chunk_after_context(q, k, v, ctx: int, scale: float) -> torch.Tensor:
     """Attention of a chunk of queries at positions ctx.. over keys 0..ctx+Q-1, as two flash
     calls merged by their log-sum-exp: the earlier context, which every query sees (no mask),
@@ -142,11 +143,10 @@ def _chunk_after_context(q, k, v, ctx: int, scale: float) -> torch.Tensor:
     two cores). q [H, Q, D], k/v [H, ctx+Q, D]; [H, Q, D] in float32."""
     o1, lse1 = _FLASH_LSE(q[None], k[None, :, :ctx], v[None, :, :ctx], 0.0, False, scale=scale)[:2]
     o2, lse2 = _FLASH_LSE(q[None], k[None, :, ctx:], v[None, :, ctx:], 0.0, True, scale=scale)[:2]
-    lse1, lse2 = lse1[0].float(), lse2[0].float()
-    top = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
-    total = w1 + w2
-    return o1[0].float() * (w1 / total)[..., None] + o2[0].float() * (w2 / total)[..., None]
+    # Each part's softmax weight in the whole: exp(lse1) / (exp(lse1) + exp(lse2)).
+    w1 = torch.sigmoid(lse1[0].float() - lse2[0].float())[..., None]
+    o2 = o2[0].float()
+    return o2 + (o1[0].float() - o2) * w1
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
