@@ -57,8 +57,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         v = v.float().repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, H, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)

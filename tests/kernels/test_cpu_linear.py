@@ -77,7 +77,7 @@ def test_engine_greedy_is_the_same_on_either_backend(tiny_model_factory):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for backend in ("onednn", "torch"):
-        llm = LLM(path, linear_backend=backend, num_blocks=64)
+        llm = LLM(path, linear_backend=backend, num_blocks=64, device="cpu")  # packing is the CPU's
         layer = llm.engine.runner.model.layers[0].mlp.down_proj
         assert isinstance(layer, PackedLinear) == (backend == "onednn")
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
