@@ -264,11 +264,24 @@ def gpu_tests(small: bool) -> dict:
     result = {}
     for name, args in runs.items():
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=240 if not small else 600)
+        try:  # -rfE: pytest's short summary names every failing and erroring test
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=240 if not small else 600)
+        except subprocess.TimeoutExpired as e:  # reported, not fatal: the other parts still run
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            result[name] = {"exit": None, "summary": f"timed out after {e.timeout:.0f} s",
+                            "failed": failing_tests(out), "seconds": time.perf_counter() - t0}
+            continue
         tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
-        result[name] = {"exit": proc.returncode, "summary": tail, "seconds": time.perf_counter() - t0}
+        result[name] = {"exit": proc.returncode, "summary": tail, "failed": failing_tests(proc.stdout),
+                        "seconds": time.perf_counter() - t0}
     return result
+
+
+def failing_tests(pytest_output: str, limit: int = 40) -> list[str]:
+    """The FAILED/ERROR lines of pytest's short summary (test id and the error's first line)."""
+    lines = [line.strip() for line in pytest_output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return [line[:300] for line in lines[:limit]] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
 def main() -> int:
@@ -303,6 +316,10 @@ def main() -> int:
             except Exception as e:  # one broken part must not hide the others' figures
                 report[part] = f"FAILED: {type(e).__name__}: {e}"
             print(f"{part}: {json.dumps(report[part], default=str)[:600]} ({time.perf_counter() - t0:.0f} s)")
+            if part == "tests" and isinstance(report[part], dict):  # the failing tests in full, not cut at 600
+                for run, got in report[part].items():
+                    for line in got.get("failed", []):
+                        print(f"  {run}: {line}")
     engine = report.get("engine")
     if isinstance(engine, dict):
         report["targets"] = {k: {"measured": engine[k], "target": v, "met": engine[k] >= v} for k, v in TARGETS.items()}
