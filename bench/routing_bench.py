@@ -7,7 +7,10 @@ and none draws lighter work.
 (a) multi-tenant shared prefixes: 12 tenants x 20 requests, 1,024-token tenant prefixes + 64-token
     questions, tenants in random order, Poisson arrivals at 5 req/s; least_load against kv_aware (both with
     --pd-policy conditional: only kv_aware knows where a prefix is cached). TTFT p50/p90, prefix
-    hit rate (cached prompt tokens / prompt tokens, from usage), throughput.
+    hit rate (cached prompt tokens / prompt tokens, from usage), throughput. Before each measured
+    run, one request per tenant (its prefix and a fresh question) goes through that policy's router
+    one at a time, unmeasured: the run measures routing over warm caches, as a fleet serves after
+    its first minutes, not the cold start every policy shares (--cold-start: from empty caches).
 (b) mixed: half the prompts of at most 64 tokens, half of 1-2k tokens; --pd-policy always vs never
     (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs. Equal
     hardware (--b-topology equal, the default on two or more cores): always and conditional over
@@ -40,6 +43,7 @@ BUILD = os.path.join(ROOT, "build", "bench-routing")
 MODEL_SHAPE = dict(arch="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
                    num_heads=4, num_kv_heads=2, max_position_embeddings=4096, initializer_range=0.02)
 VOCAB = 4000  # prompt token ids below this (the model's vocabulary is 4096)
+PD_ORDER = ("always", "never", "conditional")  # (b)'s policies; each one's index seeds its relabelling
 KV_EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
@@ -95,6 +99,23 @@ def tenants_workload(num_tenants: int, per_tenant: int, prefix_len: int, questio
     return reqs
 
 
+def tenant_warm_up(requests: list[BenchRequest], prefix_len: int, seed: int) -> list[BenchRequest]:
+    """One request per tenant, in order of first arrival: its prefix and a question of fresh tokens
+    (no measured request's), two output tokens (a request that ends on the prefill's token never
+    reaches a decode). Sent one at a time before a measured run, they put every tenant's prefix in
+    a decode's cache, as a serving fleet's caches are after its first minutes."""
+    rng = random.Random(seed)
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in requests:
+        prefix = tuple(r.prompt[:prefix_len])
+        if prefix not in seen:
+            seen.add(prefix)
+            question = [rng.randrange(10, VOCAB) for _ in range(r.prompt_len - prefix_len)]
+            out.append(BenchRequest(list(prefix) + question, r.prompt_len, 2))
+    return out
+
+
 def mixed_workload(num: int, seed: int) -> list[BenchRequest]:
     short = synthetic(num // 2, "uniform:8:64", "fixed:32", vocab_size=VOCAB, seed=seed)
     long = synthetic(num - num // 2, "uniform:1024:2048", "fixed:32", vocab_size=VOCAB, seed=seed + 1000)
@@ -110,9 +131,15 @@ def warm_up(fleet: Fleet) -> None:
 
 
 def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra,
-        decodes: int = 2) -> dict:
+        decodes: int = 2, warm: list[BenchRequest] | None = None) -> dict:
+    """One configuration's measured run through its own router; `warm` (not measured) first, one
+    request at a time."""
     url = fleet.start_router(name, policy, pd_policy, extra, decodes)
     try:
+        if warm:
+            w = asyncio.run(run_benchmark(url, None, warm, max_concurrency=1, seed=3, progress=False))
+            if w["failed"]:
+                raise RuntimeError(f"{name}: {w['failed']} of {len(warm)} warm-up requests failed")
         s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
             s["pd_decisions"] = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
@@ -162,8 +189,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--per-tenant", type=int, default=20,
-                    help="(a) requests per tenant (each tenant's first is cold whatever the routing: at 5 a "
-                         "tenant, 20%% of requests, p90 measures cold prefills, not routing)")
+                    help="(a) measured requests per tenant")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="(a) measure from empty caches: every tenant's first request is in the measured run, "
+                         "and the queue their cold prefills build at the start with it (default: one request "
+                         "per tenant first, not measured; p90 then measures routing in steady state)")
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--rate-a", type=float, default=5.0, help="(a) requests/s, Poisson")
@@ -182,8 +212,13 @@ def main(argv=None) -> int:
     ap.add_argument("--router-args", default="", help="more flags for every router, as one string "
                     "(e.g. '--load-poll-interval 0.1 --kv-overlap-score-weight 2')")
     ap.add_argument("--parts", default="a,b")
+    ap.add_argument("--pd-policies", default="always,never,conditional",
+                    help="(b) the pd policies to run, in this order (a subset, or another order to see drift)")
     ap.add_argument("--out", default=os.path.join(BUILD, "results"))
     args = ap.parse_args(argv)
+    pd_policies = args.pd_policies.split(",")
+    if any(pd not in PD_ORDER for pd in pd_policies):
+        ap.error(f"--pd-policies: choose from {', '.join(PD_ORDER)}")
     os.makedirs(args.out, exist_ok=True)
     logs = os.path.join(BUILD, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -203,9 +238,12 @@ def main(argv=None) -> int:
             print(f"(a) {args.tenants} tenants x {args.per_tenant} requests, {args.prefix_len}-token prefixes + "
                   f"{args.question_len}-token questions, 16 output tokens, {args.rate_a:g} req/s", flush=True)
             reqs = tenants_workload(args.tenants, args.per_tenant, args.prefix_len, args.question_len, 16, seed=10)
+            print(f"    {'from empty caches (--cold-start)' if args.cold_start else 'after one unmeasured request per tenant, sent one at a time through the same router'}",
+                  flush=True)
             for i, policy in enumerate(("least_load", "kv_aware")):
-                results[policy] = run(fleet, policy, policy, "conditional", relabel(reqs, 10 + i, VOCAB), args.rate_a,
-                                      slos, local)
+                mine = relabel(reqs, 10 + i, VOCAB)
+                warm = None if args.cold_start else tenant_warm_up(mine, args.prefix_len, seed=30 + i)
+                results[policy] = run(fleet, policy, policy, "conditional", mine, args.rate_a, slos, local, warm=warm)
         finally:
             fleet.stop()
     if "b" in args.parts:
@@ -223,7 +261,8 @@ def main(argv=None) -> int:
             print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
                   f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms); {layout}", flush=True)
             reqs = mixed_workload(args.mixed_prompts, seed=20)
-            for i, pd in enumerate(("always", "never", "conditional")):
+            for pd in pd_policies:
+                i = PD_ORDER.index(pd)  # each policy keeps its own relabelling whatever the order
                 decodes = 2 if pd == "never" or not equal else 1
                 results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos, local,
                                   decodes)

@@ -1,0 +1,19 @@
+"""bench/routing_bench.py's workloads: what each configuration is sent, before and during its run."""
+from __future__ import annotations
+
+from bench.routing_bench import tenant_warm_up, tenants_workload
+from bench.workloads import relabel
+
+
+def test_warm_up_sends_each_tenants_prefix_once_with_a_fresh_question():
+    reqs = relabel(tenants_workload(5, 4, prefix_len=32, question_len=8, output_len=16, seed=10), 11, 4000)
+    warm = tenant_warm_up(reqs, prefix_len=32, seed=30)
+    first_seen = []
+    for r in reqs:
+        if r.prompt[:32] not in first_seen:
+            first_seen.append(r.prompt[:32])
+    assert [w.prompt[:32] for w in warm] == first_seen  # one per tenant, in order of first arrival
+    assert all(w.prompt_len == len(w.prompt) == 40 and w.output_len == 2 for w in warm)  # 1 would end on the prefill
+    measured_questions = {tuple(r.prompt[32:]) for r in reqs}
+    assert not any(tuple(w.prompt[32:]) in measured_questions for w in warm)  # no measured prompt cached whole
+    assert tenant_warm_up(reqs, prefix_len=32, seed=30) == warm  # the same for every run of the bench
