@@ -17,6 +17,65 @@ from engine.scheduler import EngineCoreOutput
 logger = logging.getLogger(__name__)
 
 
+class InflightPrompts:
+    """Prompt tokens in flight as KV they will hold: a full block that several prompts share (a
+    tenant's system prompt, the same cache_salt) counts once, as the prefix cache stores it once.
+    Counting every prompt whole refused a burst of one long prefix at a fraction of the cache.
+
+    Blocks are keyed by a chained hash of their tokens (the process's own: an undercount on a
+    collision, never an error); without prefix caching nothing is shared and prompts count whole."""
+
+    def __init__(self, block_size: int, shared: bool) -> None:
+        self.block_size, self.shared = block_size, shared
+        self.total = 0
+        self._refs: dict[int, int] = {}  # block key -> prompts in flight holding it
+        self._held: dict[str, tuple[list[int], int]] = {}  # request -> its block keys, its other tokens
+
+    def _keys(self, token_ids, cache_salt: str | None) -> list[int]:
+        if not self.shared:
+            return []
+        keys, key, bs = [], hash(("salt", cache_salt)), self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            key = hash((key, tuple(token_ids[start:start + bs])))
+            keys.append(key)
+        return keys
+
+    def cost(self, token_ids, cache_salt: str | None = None) -> tuple[int, list[int]]:
+        """Tokens the prompt would add, and its block keys (for add)."""
+        keys = self._keys(token_ids, cache_salt)
+        new_blocks = sum(1 for k in keys if k not in self._refs)
+        return new_blocks * self.block_size + len(token_ids) - len(keys) * self.block_size, keys
+
+    def add(self, request_id: str, token_ids, keys: list[int]) -> None:
+        rest = len(token_ids) - len(keys) * self.block_size
+        for k in keys:
+            n = self._refs.get(k, 0)
+            if n == 0:
+                self.total += self.block_size
+            self._refs[k] = n + 1
+        self.total += rest
+        self._held[request_id] = (keys, rest)
+
+    def remove(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        keys, rest = held
+        self.total -= rest
+        for k in keys:
+            n = self._refs[k] - 1
+            if n == 0:
+                del self._refs[k]
+                self.total -= self.block_size
+            else:
+                self._refs[k] = n
+
+    def clear(self) -> None:
+        self._refs.clear()
+        self._held.clear()
+        self.total = 0
+
+
 class AsyncEngine:
     """Create with `await AsyncEngine.create(model, ...)`. `multiprocess=True` runs the engine
     core in its own process (the services' mode); False runs it in a thread (tests, tools)."""
@@ -37,8 +96,7 @@ class AsyncEngine:
         # Admission control: requests and prompt tokens in flight (set once the core reports
         # its KV cache size); beyond them a request is shed with EngineOverloadedError.
         self.max_inflight_requests = self.max_inflight_tokens = 0
-        self._prompt_tokens: dict[str, int] = {}
-        self._inflight_tokens = 0
+        self._inflight = InflightPrompts(config.cache.block_size, config.cache.enable_prefix_caching)
         self.num_requests_shed = 0
 
     @classmethod
@@ -81,8 +139,7 @@ class AsyncEngine:
     def _on_core_death(self, exitcode: int | None) -> None:
         self.dead = EngineDeadError(f"the engine core process died (exit code {exitcode})")
         streams, self.streams = self.streams, {}
-        self._prompt_tokens.clear()
-        self._inflight_tokens = 0
+        self._inflight.clear()
         for q in streams.values():
             q.put_nowait(self.dead)
         for callback in self._death_callbacks:
@@ -101,7 +158,7 @@ class AsyncEngine:
                 q.put_nowait(out)
                 if out.finished:
                     del self.streams[out.request_id]
-                    self._inflight_tokens -= self._prompt_tokens.pop(out.request_id, 0)
+                    self._inflight.remove(out.request_id)
 
     def stats(self) -> dict:
         """The engine core's latest counters (running/waiting, KV usage, pinned blocks, ...) and
@@ -132,18 +189,19 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")
+        added, keys = self._inflight.cost(token_ids, params.cache_salt)
         if self.streams and (len(self.streams) >= self.max_inflight_requests
-                             or self._inflight_tokens + len(token_ids) > self.max_inflight_tokens):
+                             or self._inflight.total + added > self.max_inflight_tokens):
             self.num_requests_shed += 1
             raise EngineOverloadedError(
-                f"the engine is at capacity ({len(self.streams)} requests, {self._inflight_tokens} prompt "
-                f"tokens in flight; limits {self.max_inflight_requests} and {self.max_inflight_tokens})")
+                f"the engine is at capacity ({len(self.streams)} requests, {self._inflight.total} prompt "
+                f"tokens in flight, shared prefixes once; limits {self.max_inflight_requests} and "
+                f"{self.max_inflight_tokens})")
         if publish_kv and not prefill_only:
             raise InvalidRequestError("publish_kv needs prefill_only")
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
-        self._prompt_tokens[rid] = len(token_ids)
-        self._inflight_tokens += len(token_ids)
+        self._inflight.add(rid, token_ids, keys)
         self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
         self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
                                     prefill_only, publish_kv, remote_kv, first_token_id))
@@ -189,7 +247,7 @@ class AsyncEngine:
         `generate()` still waiting on the request ends with a final, aborted output."""
         q = self.streams.pop(request_id, None)
         if q is not None:
-            self._inflight_tokens -= self._prompt_tokens.pop(request_id, 0)
+            self._inflight.remove(request_id)
             final = self.output_processor.abort(request_id)
             if final is not None:
                 q.put_nowait(final)

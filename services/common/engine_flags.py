@@ -36,8 +36,8 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
         help="requests queued beyond the running batch before new ones are refused with RESOURCE_EXHAUSTED "
              "(default: 2 x --max-num-seqs)")
     add(p, "--max-waiting-tokens", type=int, default=None,
-        help="prompt tokens in flight beyond the KV cache's size before new requests are refused "
-             "(default: the KV cache's size)")
+        help="prompt tokens in flight beyond the KV cache's size before new requests are refused; a prefix "
+             "shared by prompts in flight counts once (default: the KV cache's size)")
     add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add(p, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")

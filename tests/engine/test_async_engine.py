@@ -120,6 +120,68 @@ def test_admission_control_sheds_beyond_the_bounds_and_recovers(tiny_llama):
     asyncio.run(main())
 
 
+def test_inflight_prompts_count_a_shared_prefix_once():
+    from engine.async_engine import InflightPrompts
+
+    inflight = InflightPrompts(block_size=4, shared=True)
+    prefix = list(range(100, 112))  # three full blocks
+    for i, tail in enumerate(([1, 2], [3, 4, 5, 6, 7])):  # 14 tokens (3 blocks + 2), 17 (4 blocks + 1)
+        added, keys = inflight.cost(prefix + tail)
+        assert added == (14 if i == 0 else 5)  # the second adds its own block and its last token
+        inflight.add(f"r{i}", prefix + tail, keys)
+    assert inflight.total == 19
+    salted, keys = inflight.cost(prefix + [1, 2], cache_salt="tenant-b")  # another tenant shares nothing
+    assert salted == 14
+    inflight.remove("r0")
+    assert inflight.total == 17  # r1 still holds the prefix
+    inflight.remove("r1")
+    inflight.remove("r1")  # twice (finished, then aborted) is harmless
+    assert inflight.total == 0 and not inflight._refs
+    whole = InflightPrompts(block_size=4, shared=False)  # no prefix caching: every prompt whole
+    whole.add("a", prefix + [1, 2], whole.cost(prefix + [1, 2])[1])
+    assert whole.cost(prefix + [1, 2]) == (14, []) and whole.total == 14
+
+
+def test_admission_counts_shared_prefixes_once(tiny_llama):
+    from engine.request import EngineOverloadedError
+
+    async def main():
+        # 16 blocks of 16 tokens: at most 512 prompt tokens in flight. Six 200-token prompts with
+        # one 192-token prefix hold 192 + 6 x 8 tokens of KV; counted whole they were 1,200.
+        engine = await AsyncEngine.create(tiny_llama, num_blocks=16, block_size=16, max_num_seqs=4)
+
+        async def drain(prompt, params, rid):
+            async for _ in engine.generate(prompt, params, request_id=rid):
+                pass
+
+        long = SamplingParams(max_tokens=1500, ignore_eos=True)  # in flight for the whole test
+        prefix = [(7 * i) % 500 + 10 for i in range(192)]
+        tasks = []
+        try:
+            assert engine.max_inflight_tokens == 512
+            tasks = [asyncio.ensure_future(drain(prefix + [600 + i] * 8, long, f"t{i}")) for i in range(6)]
+            await asyncio.sleep(0)  # each has called add_request
+            assert len(engine.streams) == 6 and engine._inflight.total == 192 + 6 * 8
+            with pytest.raises(EngineOverloadedError, match="shared prefixes once"):  # 240 + 300 > 512
+                await collect(engine, [20 + i % 400 for i in range(300)])
+            # Another tenant's salt shares nothing: its prompt counts whole, and a third one no longer fits.
+            tasks.append(asyncio.ensure_future(drain(prefix + [600] * 8, SamplingParams(
+                max_tokens=1500, ignore_eos=True, cache_salt="tenant-b"), "b0")))
+            await asyncio.sleep(0)
+            assert len(engine.streams) == 7 and engine._inflight.total == 240 + 200
+            with pytest.raises(EngineOverloadedError):
+                await collect(engine, prefix + [600] * 8, SamplingParams(max_tokens=1, cache_salt="tenant-c"))
+            assert engine.stats()["num_requests_shed"] == 2
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert engine._inflight.total == 0 and not engine.streams
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def _expect_merged(pieces, expected):
     """The streamed pieces put together are the offline output: tokens, text, logprobs."""
     assert [p.outputs[0].token_ids for p in pieces] == [p.delta_token_ids for p in pieces]
