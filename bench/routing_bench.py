@@ -130,6 +130,14 @@ def warm_up(fleet: Fleet) -> None:
     fleet.stop_router()
 
 
+def pd_decisions(url: str) -> dict[str, float]:
+    """The router's pdserve:router_pd_decisions_total counters, by their labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                for line in resp.read().decode().splitlines()
+                if line.startswith("pdserve:router_pd_decisions_total{")}
+
+
 def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra,
         decodes: int = 2, warm: list[BenchRequest] | None = None) -> dict:
     """One configuration's measured run through its own router; `warm` (not measured) first, one
@@ -140,11 +148,10 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
             w = asyncio.run(run_benchmark(url, None, warm, max_concurrency=1, seed=3, progress=False))
             if w["failed"]:
                 raise RuntimeError(f"{name}: {w['failed']} of {len(warm)} warm-up requests failed")
+        before = pd_decisions(url)  # the measured run's decisions only, not the warm-up's
         s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            s["pd_decisions"] = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-                                 for line in resp.read().decode().splitlines()
-                                 if line.startswith("pdserve:router_pd_decisions_total{")}
+        after = pd_decisions(url)
+        s["pd_decisions"] = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
     finally:
         fleet.stop_router()
     s["label"] = name
