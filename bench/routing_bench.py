@@ -130,6 +130,45 @@ def warm_up(fleet: Fleet) -> None:
     fleet.stop_router()
 
 
+def split_slos(items: list[str] | None) -> tuple[dict[str, float], dict[str, float]]:
+    """(absolute SLOs in seconds, factors of the unloaded latency): 'ttft:1000' is 1 s, 'ttft:x2'
+    twice the unloaded TTFT, 'tpot:x1.5' 1.5 times the unloaded TPOT (resolved by unloaded_latencies)."""
+    absolute, factors = [], {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if not value.startswith("x"):
+            absolute.append(item)
+            continue
+        try:
+            factor = float(value[1:])
+        except ValueError:
+            factor = 0.0
+        if key not in ("ttft", "tpot") or factor <= 0:
+            raise ValueError(f"bad SLO {item!r}: a relative SLO is ttft:xF or tpot:xF with F > 0")
+        factors[key] = factor
+    return parse_slos(absolute), factors
+
+
+def unloaded_latencies(fleet: Fleet, prompt_len: int, output_len: int, equal: bool, seed: int) -> dict[str, float]:
+    """TTFT and TPOT (seconds) of one prompt served alone, on (b)'s disaggregated path (always) and
+    its colocated one (never), each with fresh tokens (no cache shared): the better of the two, what
+    the machine does at best for (b)'s longest prompt."""
+    rng = random.Random(seed)
+    best = {"ttft": float("inf"), "tpot": float("inf")}
+    for pd, decodes in (("always", 1 if equal else 2), ("never", 2)):
+        probe = [BenchRequest([rng.randrange(10, VOCAB) for _ in range(prompt_len)], prompt_len, output_len)]
+        url = fleet.start_router(f"unloaded-{pd}", "kv_aware", pd, [], decodes)
+        try:
+            s = asyncio.run(run_benchmark(url, None, probe, max_concurrency=1, seed=3, progress=False))
+        finally:
+            fleet.stop_router()
+        if s["failed"]:
+            raise RuntimeError(f"the unloaded probe failed on the {pd} path")
+        best["ttft"] = min(best["ttft"], s["mean_ttft_ms"] / 1000.0)
+        best["tpot"] = min(best["tpot"], s["mean_tpot_ms"] / 1000.0)
+    return best
+
+
 def pd_decisions(url: str) -> dict[str, float]:
     """The router's pdserve:router_pd_decisions_total counters, by their labels."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
@@ -206,7 +245,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-a", type=float, default=5.0, help="(a) requests/s, Poisson")
     ap.add_argument("--mixed-prompts", type=int, default=40, help="(b) requests")
     ap.add_argument("--rate-b", type=float, default=1.0, help="(b) requests/s, Poisson")
-    ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:100"], help="(b) SLOs (ms)")
+    ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:100"],
+                    help="SLOs: ttft:MS, tpot:MS; or, for (b), ttft:xF / tpot:xF, F times the latency of (b)'s "
+                         "longest prompt (2,048 tokens) served alone on this machine (the better of its "
+                         "disaggregated and colocated paths), measured before (b)'s runs")
     ap.add_argument("--num-blocks", type=int, default=600,
                     help="KV blocks of 16 tokens per engine: ~8 of the 12 tenant prefixes fit in one")
     ap.add_argument("--max-local-prefill-length", type=int, default=256)
@@ -230,7 +272,10 @@ def main(argv=None) -> int:
     logs = os.path.join(BUILD, "logs")
     os.makedirs(logs, exist_ok=True)
     model = ensure_model()
-    slos = parse_slos(args.goodput)
+    try:
+        slos, factors = split_slos(args.goodput)
+    except ValueError as e:
+        ap.error(str(e))
     local = ["--max-local-prefill-length", str(args.max_local_prefill_length)]
     if args.max_prefill_queue_tokens is not None:
         local += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
@@ -265,14 +310,22 @@ def main(argv=None) -> int:
                   if equal else "every configuration over 1 prefill + 2 decodes, unpinned")
         try:
             warm_up(fleet)
+            slos_b = dict(slos)
+            if factors:
+                unloaded = unloaded_latencies(fleet, 2048, 32, equal, seed=40)
+                slos_b.update({k: f * unloaded[k] for k, f in factors.items()})
+                print(f"(b) unloaded, one 2,048-token prompt alone (the better path): TTFT "
+                      f"{1000 * unloaded['ttft']:.0f} ms, TPOT {1000 * unloaded['tpot']:.1f} ms", flush=True)
+            shown = " ".join(f"{k}:{1000 * v:.0f}" if k != "tpot" else f"{k}:{1000 * v:.1f}" for k, v in slos_b.items())
             print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
-                  f"tokens, {args.rate_b:g} req/s; SLOs {' '.join(args.goodput)} (ms); {layout}", flush=True)
+                  f"tokens, {args.rate_b:g} req/s; SLOs {shown} (ms; asked {' '.join(args.goodput)}); {layout}",
+                  flush=True)
             reqs = mixed_workload(args.mixed_prompts, seed=20)
             for pd in pd_policies:
                 i = PD_ORDER.index(pd)  # each policy keeps its own relabelling whatever the order
                 decodes = 2 if pd == "never" or not equal else 1
-                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos, local,
-                                  decodes)
+                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos_b,
+                                  local, decodes)
         finally:
             fleet.stop()
     for name, s in results.items():

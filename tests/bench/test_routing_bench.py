@@ -1,7 +1,9 @@
 """bench/routing_bench.py's workloads: what each configuration is sent, before and during its run."""
 from __future__ import annotations
 
-from bench.routing_bench import tenant_warm_up, tenants_workload
+import pytest
+
+from bench.routing_bench import split_slos, tenant_warm_up, tenants_workload
 from bench.workloads import relabel
 
 
@@ -17,3 +19,11 @@ def test_warm_up_sends_each_tenants_prefix_once_with_a_fresh_question():
     measured_questions = {tuple(r.prompt[32:]) for r in reqs}
     assert not any(tuple(w.prompt[32:]) in measured_questions for w in warm)  # no measured prompt cached whole
     assert tenant_warm_up(reqs, prefix_len=32, seed=30) == warm  # the same for every run of the bench
+
+
+def test_slos_absolute_and_relative_to_the_unloaded_latency():
+    assert split_slos(["ttft:1000", "tpot:100"]) == ({"ttft": 1.0, "tpot": 0.1}, {})
+    assert split_slos(["ttft:x2", "tpot:x1.5", "e2el:9000"]) == ({"e2el": 9.0}, {"ttft": 2.0, "tpot": 1.5})
+    for bad in (["tpot:x0"], ["e2el:x2"], ["ttft:xfast"], ["ttft:"]):
+        with pytest.raises(ValueError, match="bad SLO"):
+            split_slos(bad)
