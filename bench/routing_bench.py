@@ -12,7 +12,9 @@ and none draws lighter work.
     one at a time, unmeasured: the run measures routing over warm caches, as a fleet serves after
     its first minutes, not the cold start every policy shares (--cold-start: from empty caches).
 (b) mixed: half the prompts of at most 64 tokens, half of 1-2k tokens; --pd-policy always vs never
-    (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs. Equal
+    (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs (by
+    default relative to the machine: twice the TTFT and 1.5x the TPOT of (b)'s longest prompt
+    served alone, measured first; --goodput-b ttft:MS tpot:MS for absolute ones). Equal
     hardware (--b-topology equal, the default on two or more cores): always and conditional over
     the prefill (core 0) and one decode (core 1), never over two decodes (cores 0 and 1).
 Prints routing_kv_aware_vs_least_load_ttft_p90_ratio and pd_conditional_vs_best_goodput_ratio,
@@ -29,6 +31,8 @@ import secrets
 import shlex
 import sys
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -170,11 +174,16 @@ def unloaded_latencies(fleet: Fleet, prompt_len: int, output_len: int, equal: bo
 
 
 def pd_decisions(url: str) -> dict[str, float]:
-    """The router's pdserve:router_pd_decisions_total counters, by their labels."""
+    """The router's pdserve:router_pd_decisions_total counters, keyed 'decision/reason'."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-                for line in resp.read().decode().splitlines()
-                if line.startswith("pdserve:router_pd_decisions_total{")}
+        return decision_counts(resp.read().decode())
+
+
+def decision_counts(text: str) -> dict[str, float]:
+    """pdserve:router_pd_decisions_total from a Prometheus exposition, keyed 'decision/reason'."""
+    return {f"{s.labels['decision']}/{s.labels['reason']}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "pdserve:router_pd_decisions_total"}
 
 
 def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra,
@@ -246,9 +255,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-prompts", type=int, default=40, help="(b) requests")
     ap.add_argument("--rate-b", type=float, default=1.0, help="(b) requests/s, Poisson")
     ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:100"],
-                    help="SLOs: ttft:MS, tpot:MS; or, for (b), ttft:xF / tpot:xF, F times the latency of (b)'s "
-                         "longest prompt (2,048 tokens) served alone on this machine (the better of its "
-                         "disaggregated and colocated paths), measured before (b)'s runs")
+                    help="(a)'s SLOs, ms: ttft:MS, tpot:MS (shown beside TTFT p90, which (a)'s ratio compares)")
+    ap.add_argument("--goodput-b", nargs="*", default=["ttft:x2", "tpot:x1.5"],
+                    help="(b)'s SLOs, which its goodput counts: ttft:MS / tpot:MS, or ttft:xF / tpot:xF, F times "
+                         "the latency of (b)'s longest prompt (2,048 tokens) served alone on this machine (the "
+                         "better of its disaggregated and colocated paths), measured before (b)'s runs: the "
+                         "default, so (b) asks the same of a 2-core VM and of a GPU node")
     ap.add_argument("--num-blocks", type=int, default=600,
                     help="KV blocks of 16 tokens per engine: ~8 of the 12 tenant prefixes fit in one")
     ap.add_argument("--max-local-prefill-length", type=int, default=256)
@@ -268,14 +280,17 @@ def main(argv=None) -> int:
     pd_policies = args.pd_policies.split(",")
     if any(pd not in PD_ORDER for pd in pd_policies):
         ap.error(f"--pd-policies: choose from {', '.join(PD_ORDER)}")
+    try:
+        slos, factors_a = split_slos(args.goodput)
+        slos_b, factors = split_slos(args.goodput_b)
+    except ValueError as e:
+        ap.error(str(e))
+    if factors_a:
+        ap.error("--goodput: (a)'s SLOs are absolute (ttft:MS, tpot:MS); relative ones are (b)'s, --goodput-b")
     os.makedirs(args.out, exist_ok=True)
     logs = os.path.join(BUILD, "logs")
     os.makedirs(logs, exist_ok=True)
     model = ensure_model()
-    try:
-        slos, factors = split_slos(args.goodput)
-    except ValueError as e:
-        ap.error(str(e))
     local = ["--max-local-prefill-length", str(args.max_local_prefill_length)]
     if args.max_prefill_queue_tokens is not None:
         local += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
@@ -310,7 +325,6 @@ def main(argv=None) -> int:
                   if equal else "every configuration over 1 prefill + 2 decodes, unpinned")
         try:
             warm_up(fleet)
-            slos_b = dict(slos)
             if factors:
                 unloaded = unloaded_latencies(fleet, 2048, 32, equal, seed=40)
                 slos_b.update({k: f * unloaded[k] for k, f in factors.items()})
@@ -318,7 +332,7 @@ def main(argv=None) -> int:
                       f"{1000 * unloaded['ttft']:.0f} ms, TPOT {1000 * unloaded['tpot']:.1f} ms", flush=True)
             shown = " ".join(f"{k}:{1000 * v:.0f}" if k != "tpot" else f"{k}:{1000 * v:.1f}" for k, v in slos_b.items())
             print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
-                  f"tokens, {args.rate_b:g} req/s; SLOs {shown} (ms; asked {' '.join(args.goodput)}); {layout}",
+                  f"tokens, {args.rate_b:g} req/s; SLOs {shown} (ms; asked {' '.join(args.goodput_b)}); {layout}",
                   flush=True)
             reqs = mixed_workload(args.mixed_prompts, seed=20)
             for pd in pd_policies:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.routing_bench import split_slos, tenant_warm_up, tenants_workload
+from bench.routing_bench import decision_counts, main, split_slos, tenant_warm_up, tenants_workload
+from services.router.metrics import RouterMetrics
 from bench.workloads import relabel
 
 
@@ -27,3 +28,23 @@ def test_slos_absolute_and_relative_to_the_unloaded_latency():
     for bad in (["tpot:x0"], ["e2el:x2"], ["ttft:xfast"], ["ttft:"]):
         with pytest.raises(ValueError, match="bad SLO"):
             split_slos(bad)
+
+
+def test_decisions_read_from_the_routers_own_exposition():
+    m = RouterMetrics()
+    m.pd_decisions.labels("decode_local", "short_uncached").inc(20)
+    m.pd_decisions.labels("prefill_remote", "long_uncached").inc(18)
+    m.pd_decisions.labels("decode_local", "prefill_queue").inc(2)
+    m.requests.labels("/v1/completions", "200").inc(40)  # other counters are not decisions
+    assert decision_counts(m.render().decode()) == {
+        "decode_local/short_uncached": 20.0, "prefill_remote/long_uncached": 18.0, "decode_local/prefill_queue": 2.0}
+    assert decision_counts(RouterMetrics().render().decode()) == {}
+
+
+def test_relative_slos_are_bs_and_refused_for_a(capsys):
+    with pytest.raises(SystemExit):
+        main(["--parts", "a", "--goodput", "ttft:x2"])
+    assert "relative ones are (b)'s, --goodput-b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--parts", "b", "--goodput-b", "tpot:x0"])
+    assert "bad SLO 'tpot:x0'" in capsys.readouterr().err
