@@ -5,6 +5,7 @@ Pure Python plus numpy for the fits; the simulator itself only evaluates them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -95,14 +96,19 @@ class StepCost:
         """measured / linear for a decode-only step of `batch` sequences at `context` tokens each:
         linear in context between a profiled batch size's cells, then linear in batch between
         the two profiled sizes around it; outside the grid, the nearest edge's. 1.0 without cells."""
+        by_batch = self._cells_by_batch
+        if not by_batch:
+            return 1.0
+        return _interp(float(batch), [(float(b), _interp(context, cells)) for b, cells in by_batch.items()])
+
+    @functools.cached_property
+    def _cells_by_batch(self) -> dict[int, list[tuple[float, float]]]:
+        """decode_correction grouped by batch size, sizes ascending, contexts ascending (the
+        cells are sorted): built once, read at every decode-only step the simulator prices."""
         by_batch: dict[int, list[tuple[float, float]]] = {}
         for b, c, f in self.decode_correction:
             by_batch.setdefault(b, []).append((c, f))
-        if not by_batch:
-            return 1.0
-        sizes = sorted(by_batch)
-        at = {b: _interp(context, by_batch[b]) for b in sizes}
-        return _interp(float(batch), [(float(b), at[b]) for b in sizes])
+        return by_batch
 
     def batch_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """A step scheduling `chunks`: (new tokens, tokens already computed) per request."""

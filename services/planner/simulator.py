@@ -27,7 +27,6 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.planner.costmodel import split_attn
 from services.planner.profile_data import Profile
 
 
@@ -150,13 +149,28 @@ class _Instance:
         sim = self.sim
         budget, max_seqs = sim.max_num_batched_tokens, sim.max_num_seqs
         batch: list[tuple[_Seq, int]] = []
+        # The step's shape, summed as the batch is built (split_attn's sums, in the same order):
+        # this loop runs for every sequence of every step, the simulator's hot path.
+        tokens = kv = sampled = 0
+        attn = decode_attn = 0.0
         for seq in self.running:
             if budget <= 0:
                 break
-            n = min(seq.known - seq.computed, budget)
+            computed, known = seq.computed, seq.known
+            n = known - computed
+            if n > budget:
+                n = budget
             if n > 0:
                 batch.append((seq, n))
                 budget -= n
+                tokens += n
+                kv += computed + n
+                if computed + n >= known:
+                    sampled += 1
+                if n == 1:
+                    decode_attn += computed + 1.0  # attn_units(1, computed)
+                else:
+                    attn += n * (computed + (n + 1) / 2.0)
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < max_seqs:
             seq = self.waiting[0]
             if seq.remote:  # a seat, no budget: the pull runs beside the steps
@@ -164,7 +178,8 @@ class _Instance:
                 self.loading.append(seq)
                 sim.start_pull(self, seq, now)
                 continue
-            n = seq.known - seq.computed
+            computed, known = seq.computed, seq.known
+            n = known - computed
             if n > budget:
                 if not sim.enable_chunked_prefill:
                     break
@@ -173,16 +188,17 @@ class _Instance:
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
+            tokens += n
+            kv += computed + n
+            if computed + n >= known:
+                sampled += 1
+            if n == 1:
+                decode_attn += computed + 1.0
+            else:
+                attn += n * (computed + (n + 1) / 2.0)
         if not batch:
             self.busy = False
             return
-        chunks = [(n, seq.computed) for seq, n in batch]
-        attn, decode_attn = split_attn(chunks)
-        tokens = kv = sampled = 0
-        for seq, n in batch:
-            tokens += n
-            kv += seq.computed + n
-            sampled += seq.computed + n >= seq.known
         chunked = attn > 0
         # The engine's step, then the serving path's per-token work on the same cores; the
         # router's and client's share of it (offcore_token_s) runs on a core of the host that no
@@ -205,23 +221,29 @@ class _Instance:
     def end_step(self, now: float, batch: list[tuple[_Seq, int]]) -> None:
         """update_from_output(): a request whose computed tokens reach its known tokens samples one."""
         done = False
+        prefill = self.role == "prefill"
+        at = now + self.sim.profile.request_overhead_s
+        outstanding = self.outstanding
         for seq, n in batch:
             seq.computed += n
-            self.outstanding -= n
+            outstanding -= n
             if seq.computed < seq.known:
                 continue  # a prefill chunk
             seq.known += 1  # and one token more: outstanding unchanged
             trace = seq.trace
-            trace.token_times.append(now + self.sim.profile.request_overhead_s)
-            if self.role == "prefill":
-                self.outstanding -= seq.outstanding
+            times = trace.token_times
+            times.append(at)
+            if prefill:
+                outstanding -= seq.outstanding
                 seq.known = -1  # finished here (prefill_only); its KV waits for the decode's pull
                 done = True
+                self.outstanding = outstanding
                 self.sim.prefill_done(trace, now)
-            elif trace.finished:
-                self.outstanding -= seq.outstanding
+            elif len(times) == trace.request.osl:  # finished
+                outstanding -= seq.outstanding
                 seq.known = -1
                 done = True
+        self.outstanding = outstanding
         if done:
             self.running = [s for s in self.running if s.known >= 0]
         self.start_step(now)

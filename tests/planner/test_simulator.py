@@ -215,6 +215,40 @@ def test_kept_outstanding_tokens_equal_a_recount_at_every_routing(fleet, monkeyp
     assert max(checked) > 20_000  # the routing saw deep queues, not an idle fleet
 
 
+@pytest.mark.parametrize("fleet", [Fleet(num_colocated=2), Fleet(num_prefill=1, num_decode=2),
+                                   Fleet(num_colocated=1, enable_chunked_prefill=False, max_num_batched_tokens=1500)])
+def test_every_step_costs_what_the_cost_model_prices_for_its_batch(fleet, monkeypatch):
+    """The simulator sums a step's shape (tokens, prefill and decode attention pairs, KV read,
+    sequences) as it schedules the batch; StepCost.batch_seconds, the cost model's own reading of
+    a batch, must price every scheduled step the same: prompt chunks after context, decode rows
+    under the profile's decode correction, mixed steps."""
+    from services.planner import simulator
+    step = dataclasses.replace(CPU_LIKE, per_decode_attn=3e-7,
+                               decode_correction=((1, 100.0, 0.8), (1, 2000.0, 1.1), (8, 300.0, 1.25)))
+    prof = profile(step, budget=512, max_seqs=8)
+    checked = []
+    start_step = simulator._Instance.start_step
+
+    def starting(self, now):
+        self.sim.started_at = now
+        return start_step(self, now)
+
+    class Checking(simulator.Simulation):
+        def at(self, when, fn, *args):
+            if getattr(fn, "__name__", "") == "end_step":
+                (batch,) = args
+                chunks = [(n, seq.computed) for seq, n in batch]  # computed: before the step
+                assert when - self.started_at == pytest.approx(step.batch_seconds(chunks), rel=1e-12, abs=0)
+                checked.append(len({n == 1 for n, _ in chunks}))
+            super().at(when, fn, *args)
+
+    monkeypatch.setattr(simulator._Instance, "start_step", starting)
+    w = poisson(8.0, 200, "uniform:16:1200", "uniform:1:40", seed=5)
+    traces = Checking(prof, fleet).run(list(w.requests))
+    assert all(t.finished for t in traces)
+    assert len(checked) > 400 and 2 in checked  # many steps, mixed ones (prompt chunks beside decodes) among them
+
+
 def test_a_prefill_instance_owes_one_token_to_generate():
     """As the engine counts a prefill-only request: its prompt and one token, not max_tokens."""
     from services.planner.simulator import Simulation
