@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from engine.log_config import configure_logging
 
 
 def _generate(args) -> int:
@@ -93,7 +94,11 @@ def add_engine_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = (parser or build_parser()).parse_args(argv)
     try:
         return args.func(args)

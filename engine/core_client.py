@@ -17,6 +17,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.cpu_allocator import device_type_of, preload_for, preloading
+from engine.log_config import configure_logging
 from engine.request import Request, SamplingParams, generation_budget
 from engine.scheduler import EngineCoreOutput
 
@@ -226,7 +227,7 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_conn
 
     from engine.engine_core import EngineCore
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()  # the front end checked PDSERVE_LOG_LEVEL before starting this process
     ctx = zmq.Context()
     inbound = ctx.socket(zmq.PULL)
     inbound.connect(in_addr)

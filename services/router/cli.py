@@ -75,8 +75,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "most this many of its tokens are not in its prefix cache", default=512, type=int)
     _flag(p, "--max-prefill-queue-tokens", "conditional: above this many tokens queued on the least queued "
           "prefill instance (its outstanding tokens beyond one step's budget), a decode instance with room "
-          "computes the prompt (default: the prompt's own uncached tokens: a prompt never waits at the prefill "
-          "longer than computing it takes)", type=int)
+          "computes the prompt (default: the prompt's own uncached tokens times 1 + the requests decoding on "
+          "that decode: computing it there stalls each of them for as long as the prompt takes)", type=int)
     _flag(p, "--api-key", "require 'Authorization: Bearer KEY' on /v1/* and on gRPC Generate "
           "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
     _flag(p, "--max-model-len", "context length limit (default: the smallest any instance reports, "

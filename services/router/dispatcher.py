@@ -299,6 +299,8 @@ class Dispatcher:
             tried.append(inst)
             call = inst.decode.Decode(req, timeout=self._remaining(deadline))
             received = False
+            inst.streams += 1
+            open_here = True  # counted in inst.streams until the engine finishes it or the stream ends
             try:
                 if first is not None:
                     # Headers come when the engine admitted the request (or with a refusal,
@@ -314,6 +316,9 @@ class Dispatcher:
                         yield chunk
                     received = True
                     _refuse_abort(inst, msg.finish_reason)
+                    if msg.finish_reason:  # finished there; the reader may never resume this generator
+                        inst.streams -= 1
+                        open_here = False
                     yield TokenChunk(list(msg.token_ids), list(msg.logprobs),
                                      finish_reason=msg.finish_reason or None,
                                      stop_reason=msg.stop_reason or None,
@@ -342,6 +347,8 @@ class Dispatcher:
                 if not retrying:
                     raise _upstream_error(inst, e) from None
             finally:
+                if open_here:
+                    inst.streams -= 1
                 if not call.done():
                     call.cancel()  # the decode engine sees the cancellation and aborts the request
 

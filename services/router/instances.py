@@ -44,6 +44,9 @@ class Instance:
         # Tokens routed here that the last load report cannot show (routed after it was asked
         # for): keeps least-load honest between polls.
         self.routed_tokens = 0
+        # Decode streams this router has open here (admitted, pulling KV or generating): fresh
+        # where the load report's num_running is up to a poll old, but this router's alone.
+        self.streams = 0
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"

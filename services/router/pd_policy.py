@@ -13,20 +13,28 @@
     * the prefill pool is queueing: its least queued instance has more than
       `max_prefill_queue_tokens` tokens surely waiting behind the step it may be running (its
       outstanding tokens beyond one step's budget, `Instance.queued_tokens`: a prompt in the
-      running step is computing, not queueing; by default, more than the prompt's own uncached
-      tokens: the prompt would wait there longer than computing it takes, the decode's compute
-      being the same model on the same kind of device), while that decode has room (no request
-      waiting and KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs
-      with it;
+      running step is computing, not queueing), while that decode has room (no request waiting
+      and KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs with it.
+      By default the bound is the prompt's uncached tokens times (1 + the requests decoding
+      there: the more of its last load report's count and this router's open streams there): computing the prompt on the decode stalls
+      each of its running streams for about as long as the prompt takes (the decode's compute
+      being the same model on the same kind of device), so the wait it saves at the prefill
+      must exceed the prompt's own compute once for every stream it holds up; on an idle decode,
+      the prompt's own tokens (it would wait longer than computing it takes). (Until
+      2026-12-04 the running streams were not counted: a long prompt computed on a busy decode
+      made every stream there miss a tight TPOT, docs/routing.md);
   else the prompt goes to a prefill instance.
 Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from services.router.instances import InstancePool
 from services.router.policy import RouteRequest, RoutingPolicy
+
+logger = logging.getLogger(__name__)
 
 PD_POLICIES = ("auto", "always", "never", "conditional")
 
@@ -85,10 +93,25 @@ class PdPolicy:
         if not prefills:  # none healthy, or none this decode can pull from
             return PdDecision(False, "no_prefill", local)
         queue = min(i.queued_tokens for i in prefills)
-        bound = uncached if self.max_prefill_queue_tokens is None else self.max_prefill_queue_tokens
-        if queue > bound and self._has_room(decode):
+        running = self._running(decode)
+        bound = uncached * (1 + running) if self.max_prefill_queue_tokens is None else self.max_prefill_queue_tokens
+        here = queue > bound and self._has_room(decode)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%d prompt tokens, %d uncached on %s (%d running, %d waiting): prefill queue %d "
+                         "against a bound of %d: %s", len(route.prompt_token_ids), uncached, decode.address, running,
+                         decode.load.num_waiting if decode.load is not None else 0, queue, bound,
+                         "computed on the decode" if here else "sent to a prefill")
+        if here:
             return PdDecision(False, "prefill_queue", local)
         return PdDecision(True, "long_uncached", route)
+
+    @staticmethod
+    def _running(decode) -> int:
+        """Requests a prompt computed on `decode` would stall: the more of its last load report's
+        running requests (every router's, up to a poll old) and the decode streams this router
+        has open there now (the request it sent since the report included)."""
+        reported = decode.load.num_running if decode.load is not None else 0
+        return max(reported, decode.streams)
 
     def _has_room(self, decode) -> bool:
         report = decode.load

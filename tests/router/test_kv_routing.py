@@ -29,8 +29,9 @@ BS = 4
 PROMPT = list(range(100, 140))  # 10 blocks
 
 
-def inst(address: str, load: int = 0, **report):
-    fake = SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None)
+def inst(address: str, load: int = 0, streams: int = 0, **report):
+    fake = SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None,
+                           streams=streams)
     fake.queued_tokens = Instance.queued_tokens.fget(fake)  # the router's own rule
     return fake
 
@@ -176,6 +177,42 @@ def test_by_default_the_prefill_queue_bound_is_the_prompts_own_uncached_tokens(c
     decision, _ = decide("conditional", index_with({"d": PROMPT[:cached]}), prefill_load,
                          dict(num_waiting=0, kv_cache_usage=0.3), max_local_prefill_tokens=8)
     assert (decision.disaggregate, decision.reason) == expect
+
+
+@pytest.mark.parametrize("running,prefill_load,expect", [
+    (0, 41, (False, "prefill_queue")),  # an idle decode: the prompt's own 40 tokens
+    (1, 41, (True, "long_uncached")),  # one stream decoding there would stall for the prompt's compute
+    (1, 80, (True, "long_uncached")),
+    (1, 81, (False, "prefill_queue")),  # the wait saved exceeds the prompt's compute, once per stream held up
+    (3, 160, (True, "long_uncached")),
+    (3, 161, (False, "prefill_queue")),
+])
+def test_the_default_queue_bound_counts_the_streams_a_local_prompt_would_stall(running, prefill_load, expect):
+    decision, _ = decide("conditional", index_with({"d": []}), prefill_load,
+                         dict(num_waiting=0, num_running=running, kv_cache_usage=0.3), max_local_prefill_tokens=8)
+    assert (decision.disaggregate, decision.reason) == expect
+
+
+@pytest.mark.parametrize("reported,streams,prefill_load,expect", [
+    (0, 2, 120, (True, "long_uncached")),  # the report is a poll old: the router's own open streams count
+    (0, 2, 121, (False, "prefill_queue")),
+    (3, 1, 160, (True, "long_uncached")),  # other routers' requests: the report's count, the larger
+    (3, 1, 161, (False, "prefill_queue")),
+])
+def test_the_streams_counted_are_the_more_of_the_report_and_the_routers_own(reported, streams, prefill_load, expect):
+    metrics = RouterMetrics()
+    decode = inst("d", streams=streams, num_waiting=0, num_running=reported, kv_cache_usage=0.3)
+    pd = PdPolicy("conditional", make_policy("auto", index_with({"d": []})),
+                  FakePool([inst("p", load=prefill_load)], [decode]), metrics, max_local_prefill_tokens=8)
+    decision = pd.decide(route(PROMPT))
+    assert (decision.disaggregate, decision.reason) == expect
+
+
+def test_a_fixed_queue_bound_is_the_operators_whatever_runs_on_the_decode():
+    decision, _ = decide("conditional", index_with({"d": []}), 10_001,
+                         dict(num_waiting=0, num_running=50, kv_cache_usage=0.3), max_local_prefill_tokens=8,
+                         max_prefill_queue_tokens=10_000)
+    assert (decision.disaggregate, decision.reason) == (False, "prefill_queue")
 
 
 @pytest.mark.parametrize("prefill_load,expect", [

@@ -120,6 +120,8 @@ def test_a_lost_decode_hands_the_stream_to_another(migration_stack, tokenizer, p
     assert moved.request_id != lost.request_id and client_ids([moved.request_id]) == client_ids([lost.request_id])
     dying = next(d for d in stack.decodes if d.engine.lost)
     wait_until(lambda: lost.request_id in dying.engine.aborts, what="the lost upstream request aborted")
+    # The open streams conditional disaggregation counts on each decode: none left, lost or finished.
+    assert [i.streams for i in stack.router.pool.instances("decode")] == [0, 0]
 
 
 def test_non_streaming_answer_and_stop_strings_survive_a_migration(migration_stack, tokenizer):
