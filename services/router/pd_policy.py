@@ -16,13 +16,13 @@
       running step is computing, not queueing), while that decode has room (no request waiting
       and KV cache usage under `decode_room_usage`), or no healthy prefill instance pairs with it.
       By default the bound is the prompt's uncached tokens times (1 + the requests decoding
-      there: the more of its last load report's count and this router's open streams there): computing the prompt on the decode stalls
-      each of its running streams for about as long as the prompt takes (the decode's compute
-      being the same model on the same kind of device), so the wait it saves at the prefill
-      must exceed the prompt's own compute once for every stream it holds up; on an idle decode,
-      the prompt's own tokens (it would wait longer than computing it takes). (Until
-      2026-12-04 the running streams were not counted: a long prompt computed on a busy decode
-      made every stream there miss a tight TPOT, docs/routing.md);
+      there: the more of its last load report's count and this router's open streams there).
+      Computing the prompt on the decode stalls each of them for about as long as the prompt
+      takes (the decode's compute being the same model on the same kind of device), so the
+      wait it saves at the prefill must exceed the prompt's own compute once for every stream
+      it holds up; on an idle decode, the prompt's own tokens (it would wait longer than
+      computing it takes). (Until 2026-12-04 the running streams were not counted: a long
+      prompt computed on a busy decode made the streams there miss a tight TPOT, docs/routing.md);
   else the prompt goes to a prefill instance.
 Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
 """
