@@ -221,8 +221,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def _unlink_when_orphaned(*addrs: str) -> None:
+    """SIGTERM reaches the core when its front end was killed outright (PR_SET_PDEATHSIG), whose
+    shutdown, which unlinks the IPC sockets' files, then never runs: the core unlinks them, then
+    dies of the signal as before (a crash no longer leaves pdserve-*-in/-out files in the temp dir)."""
+    import signal
+
+    paths = [a.removeprefix("ipc://") for a in addrs if a.startswith("ipc://")]
+
+    def on_term(signum, frame):
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_connector_factory) -> None:
     _die_with_parent()  # first: importing the engine takes seconds
+    _unlink_when_orphaned(in_addr, out_addr)
     import zmq
 
     from engine.engine_core import EngineCore

@@ -301,3 +301,44 @@ def test_load_counts_a_request_the_core_has_not_taken_in(tiny_llama, multiproces
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+FRONT_END = """
+import asyncio, sys
+from engine.async_engine import AsyncEngine
+
+async def main():
+    engine = await AsyncEngine.create(sys.argv[1], multiprocess=True)
+    print(engine.client.in_addr, engine.client.out_addr, engine.client.proc.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_front_end_leaves_no_ipc_socket_files(tiny_llama):
+    """SIGKILL of the process holding the engine: its core exits (SIGTERM on its parent's death)
+    and takes the IPC sockets' files with it, which the front end's shutdown would have unlinked."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    proc = subprocess.Popen([sys.executable, "-c", FRONT_END, tiny_llama], cwd=root, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": root})
+    try:
+        in_addr, out_addr, core = proc.stdout.readline().split()
+        paths = [in_addr.removeprefix("ipc://"), out_addr.removeprefix("ipc://")]
+        assert all(os.path.exists(p) for p in paths)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{core}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{core}") or "Z" in open(f"/proc/{core}/stat").read().split()[2]
+        assert not any(os.path.exists(p) for p in paths), paths
+    finally:
+        if proc.poll() is None:
+            proc.kill()
