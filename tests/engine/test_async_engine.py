@@ -323,7 +323,8 @@ def test_a_killed_front_end_leaves_no_ipc_socket_files(tiny_llama):
     import signal
     import subprocess
     import sys
-    import time
+
+    from service_procs import poll_until
 
     root = __file__.rsplit("/tests/", 1)[0]
     proc = subprocess.Popen([sys.executable, "-c", FRONT_END, tiny_llama], cwd=root, stdout=subprocess.PIPE,
@@ -334,10 +335,7 @@ def test_a_killed_front_end_leaves_no_ipc_socket_files(tiny_llama):
         assert all(os.path.exists(p) for p in paths)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{core}"):
-            time.sleep(0.1)
-        assert not os.path.exists(f"/proc/{core}") or "Z" in open(f"/proc/{core}/stat").read().split()[2]
+        assert poll_until(lambda: not os.path.exists(f"/proc/{core}"), timeout=60), "the core outlived its front end"
         assert not any(os.path.exists(p) for p in paths), paths
     finally:
         if proc.poll() is None:
