@@ -45,6 +45,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.capacity import Ladder, find_capacity, rung_size  # noqa: E402,F401
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
@@ -110,48 +111,10 @@ def measure(url: str, cell: Cell) -> dict:
     return s
 
 
-@dataclass
-class Ladder:
-    """One configuration's capacity search on one cell: every rung run, and the answer."""
-    rungs: list  # each rung's summary (its rate among it), in the order run
-    capacity: float  # highest passing rate (0.0: none passed)
-    bounded: bool  # a failing rung above it was run (else capacity is only a lower bound)
-
-
 def rung_requests(cell: Cell, k: int, num: int) -> list:
     """Rung k's requests: fresh prompts (no prefix-cache hits from other rungs); every configuration's
     rung k draws from the same stream."""
     return synthetic(num, *cell.lengths, vocab_size=4000, seed=cell.seed * 1000 + 500 + k)
-
-
-def rung_size(rate: float, seconds: float, min_prompts: int) -> int:
-    return max(min_prompts, math.ceil(rate * seconds))
-
-
-def find_capacity(run_rung, target: float, max_up: int, max_down: int) -> Ladder:
-    """run_rung(k) -> summary of rung k (rate base x factor^k). Up from rung 0 while rungs pass,
-    down while they fail; capacity is the highest passing rung's rate."""
-    rungs, k = [], 0
-    passed = lambda s: s["slo_attainment"] >= target - 1e-9  # noqa: E731
-    s = run_rung(0)
-    rungs.append(s)
-    if passed(s):
-        best = s
-        while k < max_up:
-            k += 1
-            s = run_rung(k)
-            rungs.append(s)
-            if not passed(s):
-                return Ladder(rungs, best["rate"], True)
-            best = s
-        return Ladder(rungs, best["rate"], False)
-    while k > -max_down:
-        k -= 1
-        s = run_rung(k)
-        rungs.append(s)
-        if passed(s):
-            return Ladder(rungs, s["rate"], True)
-    return Ladder(rungs, 0.0, True)
 
 
 def measure_capacity(url: str, cell: Cell, base: float, factor: float, seconds: float, min_prompts: int,

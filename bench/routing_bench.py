@@ -14,9 +14,16 @@ and none draws lighter work.
 (b) mixed: half the prompts of at most 64 tokens, half of 1-2k tokens; --pd-policy always vs never
     (colocated on the decodes) vs conditional, kv_aware routing; goodput at the stated SLOs (by
     default relative to the machine: twice the TTFT and 1.5x the TPOT of (b)'s longest prompt
-    served alone, measured first; --goodput-b ttft:MS tpot:MS for absolute ones). Equal
-    hardware (--b-topology equal, the default on two or more cores): always and conditional over
-    the prefill (core 0) and one decode (core 1), never over two decodes (cores 0 and 1).
+    served alone, measured first; --goodput-b ttft:MS tpot:MS for absolute ones). Goodput is
+    each policy's capacity (DistServe's goodput, bench/capacity.py): the highest Poisson rate at
+    which --attainment (0.9) of a rung's requests meet both SLOs, rungs from --b-start-rate (1
+    req/s) x --b-rung-factor (1.25) up while they pass and down while they fail, then
+    --b-refine (1) bisection between the bracketing rungs; a rung is --b-rung-seconds (60) of
+    arrivals, fresh prompts per rung, the same lengths for every policy. (Requests in SLO per
+    second at one rate, --rate-b R, cannot separate policies that all meet the SLOs there: the
+    better one's margin is at most 1 / the other's attainment.) Equal hardware (--b-topology
+    equal, the default on two or more cores): always and conditional over the prefill (core 0)
+    and one decode (core 1), never over two decodes (cores 0 and 1).
 Prints routing_kv_aware_vs_least_load_ttft_p90_ratio and pd_conditional_vs_best_goodput_ratio,
 writes JSON results and a figure under build/bench-routing (docs/routing.md has a table).
 """
@@ -37,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.capacity import Ladder, find_capacity, rung_size  # noqa: E402
 from bench.metrics import parse_slos  # noqa: E402
 from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
@@ -213,6 +221,64 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
     return s
 
 
+def rung_seed(k: float) -> int:
+    """Rung k's workload seed (k may be a bisection's fraction, down to 1/64)."""
+    return 200 + round(64 * k)
+
+
+def capacity_run(fleet: Fleet, pd: str, index: int, slos, extra, decodes: int, args) -> dict:
+    """One pd policy's capacity (bench/capacity.py) through its own router: rung k serves
+    `args.b_rung_seconds` of Poisson arrivals at b_start_rate x b_rung_factor^k, a fresh mixed
+    workload (the same lengths for every policy, its own token ids). Returns rung 0's full
+    results (every policy ran it: the figure's) with the ladder."""
+    url = fleet.start_router(pd, "kv_aware", pd, extra, decodes)
+    first: dict = {}
+    try:
+        def run_rung(k: float) -> dict:
+            rate = args.b_start_rate * args.b_rung_factor ** k
+            num = rung_size(rate, args.b_rung_seconds, args.mixed_prompts)
+            reqs = relabel(mixed_workload(num, seed=rung_seed(k)), 20 + index, VOCAB)
+            before = pd_decisions(url)
+            s = asyncio.run(run_benchmark(url, None, reqs, rate=rate, slos=slos, seed=rung_seed(k), progress=False))
+            after = pd_decisions(url)
+            s["pd_decisions"] = {key: v - before.get(key, 0.0) for key, v in after.items() if v > before.get(key, 0.0)}
+            s["rate"], s["num_prompts"] = rate, num
+            if k == 0:
+                first.update(s)
+            print(f"    {pd:<12} rung {k:+.2f} {rate:6.3f} req/s x {num:>3}: {100 * s['slo_attainment']:3.0f}% in SLO  "
+                  f"TTFT p50 {s['median_ttft_ms']:7.0f} p90 {s['p90_ttft_ms']:7.0f} ms  TPOT p50 "
+                  f"{s['median_tpot_ms']:5.1f} p90 {s['p90_tpot_ms']:5.1f} ms  failed {s['failed']}  "
+                  f"{s['pd_decisions']}", flush=True)
+            return {key: s[key] for key in ("rate", "num_prompts", "slo_attainment", "request_goodput",
+                                            "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
+                                            "failed", "pd_decisions")}
+
+        ladder = find_capacity(run_rung, args.attainment, max_up=8, max_down=8, refine=args.b_refine)
+    finally:
+        fleet.stop_router()
+    out = dict(first, label=pd, capacity=ladder.capacity, bounded=ladder.bounded, rungs=ladder.rungs)
+    print(f"  {pd:<12} capacity {'' if ladder.bounded else '>= '}{ladder.capacity:.3f} req/s", flush=True)
+    return out
+
+
+def pd_verdict(results: dict[str, dict]) -> str:
+    """(b)'s ratio: conditional's goodput over the better of always's and never's, from each one's
+    capacity where (b) searched it, else from requests in SLO per second at the one rate."""
+    if all("capacity" in results[k] for k in PD_ORDER):
+        best = max(("always", "never"), key=lambda k: results[k]["capacity"])
+        cond, other = results["conditional"], results[best]
+        ratio = cond["capacity"] / other["capacity"] if other["capacity"] > 0 else float("inf")
+        caveat = [f"{k}'s capacity is only a lower bound (no rung above it failed)"
+                  for k in ("conditional", best) if not results[k]["bounded"]]
+        return (f"pd_conditional_vs_best_goodput_ratio={ratio:.3f}  (target >= 1.1; capacities: conditional "
+                f"{cond['capacity']:.3f}, best other {best} {other['capacity']:.3f} req/s"
+                + "".join(f"; {c}" for c in caveat) + ")")
+    best = max(results["always"]["request_goodput"], results["never"]["request_goodput"])
+    ratio = results["conditional"]["request_goodput"] / best if best > 0 else float("inf")
+    return (f"pd_conditional_vs_best_goodput_ratio={ratio:.3f}  (target >= 1.1; requests in SLO per second at "
+            f"one rate)")
+
+
 def plot(results: dict[str, dict], out: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -252,8 +318,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--rate-a", type=float, default=5.0, help="(a) requests/s, Poisson")
-    ap.add_argument("--mixed-prompts", type=int, default=40, help="(b) requests")
-    ap.add_argument("--rate-b", type=float, default=1.0, help="(b) requests/s, Poisson")
+    ap.add_argument("--mixed-prompts", type=int, default=40,
+                    help="(b) requests at --rate-b; the fewest in a capacity rung")
+    ap.add_argument("--rate-b", type=float, default=None,
+                    help="(b) at this one rate (requests/s, Poisson; --mixed-prompts requests): goodput as requests "
+                         "in SLO per second there, instead of each policy's capacity")
+    ap.add_argument("--b-start-rate", type=float, default=1.0, help="(b) capacity search: rung 0's rate, req/s")
+    ap.add_argument("--b-rung-factor", type=float, default=1.25, help="(b) capacity search: rate ratio between rungs")
+    ap.add_argument("--b-refine", type=int, default=1,
+                    help="(b) capacity search: bisections between the last passing and the first failing rung")
+    ap.add_argument("--b-rung-seconds", type=float, default=60.0,
+                    help="(b) capacity search: seconds of arrivals per rung (at least --mixed-prompts requests)")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="(b) capacity search: the share of a rung's requests that must meet both SLOs")
     ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:100"],
                     help="(a)'s SLOs, ms: ttft:MS, tpot:MS (shown beside TTFT p90, which (a)'s ratio compares)")
     ap.add_argument("--goodput-b", nargs="*", default=["ttft:x2", "tpot:x1.5"],
@@ -285,6 +362,10 @@ def main(argv=None) -> int:
         slos_b, factors = split_slos(args.goodput_b)
     except ValueError as e:
         ap.error(str(e))
+    if (args.b_rung_factor <= 1 or args.b_refine < 0 or args.b_rung_seconds < 0 or args.b_start_rate <= 0
+            or not 0 < args.attainment <= 1 or args.mixed_prompts < 1 or (args.rate_b is not None and args.rate_b <= 0)):
+        ap.error("(b): --b-rung-factor > 1, --b-refine >= 0, --b-rung-seconds >= 0, --b-start-rate > 0, "
+                 "0 < --attainment <= 1, --mixed-prompts >= 1 and --rate-b > 0")
     if factors_a:
         ap.error("--goodput: (a)'s SLOs are absolute (ttft:MS, tpot:MS); relative ones are (b)'s, --goodput-b")
     os.makedirs(args.out, exist_ok=True)
@@ -331,15 +412,19 @@ def main(argv=None) -> int:
                 print(f"(b) unloaded, one 2,048-token prompt alone (the better path): TTFT "
                       f"{1000 * unloaded['ttft']:.0f} ms, TPOT {1000 * unloaded['tpot']:.1f} ms", flush=True)
             shown = " ".join(f"{k}:{1000 * v:.0f}" if k != "tpot" else f"{k}:{1000 * v:.1f}" for k, v in slos_b.items())
-            print(f"(b) {args.mixed_prompts} requests, half 8-64 tokens, half 1024-2048 tokens, 32 output "
-                  f"tokens, {args.rate_b:g} req/s; SLOs {shown} (ms; asked {' '.join(args.goodput_b)}); {layout}",
-                  flush=True)
-            reqs = mixed_workload(args.mixed_prompts, seed=20)
+            what = (f"{args.mixed_prompts} requests at {args.rate_b:g} req/s" if args.rate_b is not None else
+                    f"capacity at {100 * args.attainment:.0f}% in SLO, rungs of {args.b_rung_seconds:g} s from "
+                    f"{args.b_start_rate:g} req/s x{args.b_rung_factor:g}, {args.b_refine} bisection(s)")
+            print(f"(b) half 8-64 tokens, half 1024-2048 tokens, 32 output tokens; {what}; SLOs {shown} (ms; asked "
+                  f"{' '.join(args.goodput_b)}); {layout}", flush=True)
             for pd in pd_policies:
                 i = PD_ORDER.index(pd)  # each policy keeps its own relabelling whatever the order
                 decodes = 2 if pd == "never" or not equal else 1
-                results[pd] = run(fleet, pd, "kv_aware", pd, relabel(reqs, 20 + i, VOCAB), args.rate_b, slos_b,
-                                  local, decodes)
+                if args.rate_b is not None:
+                    results[pd] = run(fleet, pd, "kv_aware", pd, relabel(mixed_workload(args.mixed_prompts, seed=20),
+                                      20 + i, VOCAB), args.rate_b, slos_b, local, decodes)
+                else:
+                    results[pd] = capacity_run(fleet, pd, i, slos_b, local, decodes, args)
         finally:
             fleet.stop()
     for name, s in results.items():
@@ -350,9 +435,7 @@ def main(argv=None) -> int:
         ratio = results["kv_aware"]["p90_ttft_ms"] / results["least_load"]["p90_ttft_ms"]
         print(f"routing_kv_aware_vs_least_load_ttft_p90_ratio={ratio:.3f}  (target <= 0.3)")
     if all(k in results for k in ("always", "never", "conditional")):
-        best = max(results["always"]["request_goodput"], results["never"]["request_goodput"])
-        ratio = results["conditional"]["request_goodput"] / best if best > 0 else float("inf")
-        print(f"pd_conditional_vs_best_goodput_ratio={ratio:.3f}  (target >= 1.1)")
+        print(pd_verdict(results))
     return 0
 
 

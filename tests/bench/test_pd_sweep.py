@@ -30,40 +30,6 @@ def test_quick_sweep_prints_each_config_the_plans_verdict_and_the_vllm_ratio(tmp
     assert re.search(r"^planned_vs_vllm_goodput_min_ratio=nan  \(vLLM not run\)", out, re.M)
 
 
-def _rungs(capacity: float, base: float = 1.0, factor: float = 1.2):
-    """A fake fleet: rung k (rate base x factor^k) is all in SLO up to `capacity`, then half."""
-    ran = []
-
-    def run_rung(k):
-        rate = base * factor ** k
-        ran.append(k)
-        return {"rate": rate, "slo_attainment": 1.0 if rate <= capacity + 1e-9 else 0.5}
-    return run_rung, ran
-
-
-def test_capacity_ladder_climbs_until_a_rung_fails():
-    run, ran = _rungs(capacity=1.2 ** 3)
-    lad = pd_sweep.find_capacity(run, 0.9, max_up=6, max_down=6)
-    assert ran == [0, 1, 2, 3, 4]
-    assert abs(lad.capacity - 1.2 ** 3) < 1e-9 and lad.bounded
-
-
-def test_capacity_ladder_descends_when_the_cells_rate_fails():
-    run, ran = _rungs(capacity=1.2 ** -2)
-    lad = pd_sweep.find_capacity(run, 0.9, max_up=6, max_down=6)
-    assert ran == [0, -1, -2]
-    assert abs(lad.capacity - 1.2 ** -2) < 1e-9 and lad.bounded
-
-
-def test_capacity_ladder_says_when_it_is_only_a_lower_bound_or_nothing_passed():
-    run, ran = _rungs(capacity=100.0)
-    lad = pd_sweep.find_capacity(run, 0.9, max_up=2, max_down=6)
-    assert ran == [0, 1, 2] and not lad.bounded and abs(lad.capacity - 1.44) < 1e-9
-    run, ran = _rungs(capacity=0.01)
-    lad = pd_sweep.find_capacity(run, 0.9, max_up=2, max_down=3)
-    assert ran == [0, -1, -2, -3] and lad.capacity == 0.0
-
-
 def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
     cell = pd_sweep.Cell("1:1", "loose", [], {"ttft": 4, "tpot": 0.1}, 2.0, "colocated", {},
                          ("uniform:48:80", "uniform:16:24"), 100)
@@ -71,13 +37,6 @@ def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert {tuple(r.prompt) for r in a}.isdisjoint({tuple(r.prompt) for r in pd_sweep.rung_requests(cell, 2, 5)})
     assert all(48 <= len(r.prompt) <= 80 for r in a)
-
-
-def test_a_rung_lasts_its_seconds_at_its_rate():
-    # An overloaded fleet's queue grows by the excess rate: a rung is sized by time, not count.
-    assert pd_sweep.rung_size(5.0, 60.0, 20) == 300
-    assert pd_sweep.rung_size(0.1, 60.0, 20) == 20
-    assert pd_sweep.rung_size(2.01, 10.0, 1) == 21
 
 
 def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):

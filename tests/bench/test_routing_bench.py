@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.routing_bench import decision_counts, main, split_slos, tenant_warm_up, tenants_workload
+from bench.routing_bench import (decision_counts, main, mixed_workload, pd_verdict, rung_seed, split_slos,
+                                 tenant_warm_up, tenants_workload)
 from services.router.metrics import RouterMetrics
 from bench.workloads import relabel
 
@@ -48,3 +49,33 @@ def test_relative_slos_are_bs_and_refused_for_a(capsys):
     with pytest.raises(SystemExit):
         main(["--parts", "b", "--goodput-b", "tpot:x0"])
     assert "bad SLO 'tpot:x0'" in capsys.readouterr().err
+
+
+def test_b_compares_capacities_and_says_when_one_is_only_a_lower_bound():
+    results = {"always": {"capacity": 1.25, "bounded": True}, "never": {"capacity": 1.0, "bounded": True},
+               "conditional": {"capacity": 1.5625, "bounded": True}}
+    line = pd_verdict(results)
+    assert line.startswith("pd_conditional_vs_best_goodput_ratio=1.250  (target >= 1.1; capacities: conditional "
+                           "1.562, best other always 1.250 req/s)")
+    results["conditional"]["bounded"] = False
+    assert "conditional's capacity is only a lower bound" in pd_verdict(results)
+    # At one rate (--rate-b): requests in SLO per second there.
+    at_rate = {k: {"request_goodput": g} for k, g in (("always", 0.9), ("never", 0.8), ("conditional", 0.99))}
+    assert pd_verdict(at_rate).startswith("pd_conditional_vs_best_goodput_ratio=1.100")
+
+
+def test_every_rung_draws_fresh_prompts_of_bs_mix():
+    # Rungs, bisections included, never share a prompt (no prefix-cache hits between rungs).
+    ks = [0, 1, 2, 1.5, 1.75, -1, -0.5, 3]
+    assert len({rung_seed(k) for k in ks}) == len(ks)
+    rungs = [mixed_workload(40, rung_seed(k)) for k in (0, 0.5)]
+    assert {tuple(r.prompt[:16]) for r in rungs[0]}.isdisjoint({tuple(r.prompt[:16]) for r in rungs[1]})
+    assert sorted(len(r.prompt) <= 64 for r in rungs[0]) == [False] * 20 + [True] * 20
+    assert all(1024 <= len(r.prompt) <= 2048 for r in rungs[0] if len(r.prompt) > 64)
+
+
+def test_bad_capacity_search_flags_are_refused(capsys):
+    for bad in (["--b-rung-factor", "1"], ["--attainment", "0"], ["--b-refine", "-1"], ["--rate-b", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--parts", "b", *bad])
+        assert "--b-rung-factor > 1" in capsys.readouterr().err
