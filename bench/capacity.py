@@ -9,6 +9,7 @@ base x factor^k: up from rung 0 while rungs pass, down while they fail, then `re
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 
@@ -26,24 +27,21 @@ def rung_size(rate: float, seconds: float, min_prompts: int) -> int:
     return max(min_prompts, math.ceil(rate * seconds))
 
 
-def find_capacity(run_rung, target: float, max_up: int, max_down: int, refine: int = 0) -> Ladder:
-    """run_rung(k) -> the summary of rung k (its "rate", base x factor^k, and "slo_attainment");
-    k is an integer on the ladder, k + 1/2, k + 1/4, ... while refining."""
+def search(target: float, max_up: int, max_down: int, refine: int = 0) -> Generator[float, dict, Ladder]:
+    """One capacity search as a generator: yields the rung k to run next (an integer on the
+    ladder; k + 1/2, k + 1/4, ... while refining) and is sent that rung's summary (its "rate",
+    base x factor^k, and "slo_attainment"); returns the Ladder."""
     rungs: list[dict] = []
     passed = lambda s: s["slo_attainment"] >= target - 1e-9  # noqa: E731
-
-    def run(k: float) -> dict:
-        s = run_rung(k)
-        rungs.append(s)
-        return s
-
     k = 0
-    s = run(0)
+    s = yield 0
+    rungs.append(s)
     if passed(s):
         best, lo = s, 0
         while k < max_up:
             k += 1
-            s = run(k)
+            s = yield k
+            rungs.append(s)
             if not passed(s):
                 break
             best, lo = s, k
@@ -55,15 +53,42 @@ def find_capacity(run_rung, target: float, max_up: int, max_down: int, refine: i
             if k <= -max_down:
                 return Ladder(rungs, 0.0, True)
             k -= 1
-            s = run(k)
+            s = yield k
+            rungs.append(s)
             if passed(s):
                 best, lo, hi = s, k, k + 1
                 break
     for _ in range(refine):
         mid = (lo + hi) / 2
-        s = run(mid)
+        s = yield mid
+        rungs.append(s)
         if passed(s):
             best, lo = s, mid
         else:
             hi = mid
     return Ladder(rungs, best["rate"], True)
+
+
+def interleave(searches: dict, run_rung) -> dict:
+    """Several searches at once: round after round, the next rung of every unfinished search,
+    run_rung(name, k) -> its summary; each round starts one search later than the one before,
+    so that a machine's drift (a slow minute) falls on every search alike rather than on the
+    one measured last. Returns each search's Ladder."""
+    pending = {name: next(g) for name, g in searches.items()}
+    done = {}
+    turn = 0
+    while pending:
+        names = list(pending)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            try:
+                pending[name] = searches[name].send(run_rung(name, pending[name]))
+            except StopIteration as stop:
+                done[name] = stop.value
+                del pending[name]
+        turn += 1
+    return {name: done[name] for name in searches}
+
+
+def find_capacity(run_rung, target: float, max_up: int, max_down: int, refine: int = 0) -> Ladder:
+    """One search, run_rung(k) -> the summary of rung k (see `search`)."""
+    return interleave({None: search(target, max_up, max_down, refine)}, lambda _, k: run_rung(k))[None]

@@ -19,11 +19,12 @@ and none draws lighter work.
     which --attainment (0.9) of a rung's requests meet both SLOs, rungs from --b-start-rate (1
     req/s) x --b-rung-factor (1.25) up while they pass and down while they fail, then
     --b-refine (1) bisection between the bracketing rungs; a rung is --b-rung-seconds (60) of
-    arrivals, fresh prompts per rung, the same lengths for every policy. (Requests in SLO per
-    second at one rate, --rate-b R, cannot separate policies that all meet the SLOs there: the
-    better one's margin is at most 1 / the other's attainment.) Equal hardware (--b-topology
-    equal, the default on two or more cores): always and conditional over the prefill (core 0)
-    and one decode (core 1), never over two decodes (cores 0 and 1).
+    arrivals, fresh prompts per rung, the same lengths for every policy; the policies' searches
+    are interleaved, a rung of each in turn, so that the machine's drift falls on all of them.
+    (Requests in SLO per second at one rate, --rate-b R, cannot separate policies that all meet
+    the SLOs there: the better one's margin is at most 1 / the other's attainment.) Equal
+    hardware (--b-topology equal, the default on two or more cores): always and conditional
+    over the prefill (core 0) and one decode (core 1), never over two decodes (cores 0 and 1).
 Prints routing_kv_aware_vs_least_load_ttft_p90_ratio and pd_conditional_vs_best_goodput_ratio,
 writes JSON results and a figure under build/bench-routing (docs/routing.md has a table).
 """
@@ -44,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.capacity import Ladder, find_capacity, rung_size  # noqa: E402
+from bench.capacity import interleave, rung_size, search  # noqa: E402
 from bench.metrics import parse_slos  # noqa: E402
 from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
@@ -226,38 +227,42 @@ def rung_seed(k: float) -> int:
     return 200 + round(64 * k)
 
 
-def capacity_run(fleet: Fleet, pd: str, index: int, slos, extra, decodes: int, args) -> dict:
-    """One pd policy's capacity (bench/capacity.py) through its own router: rung k serves
+def capacity_runs(fleet: Fleet, pd_policies: list[str], equal: bool, slos, extra, args) -> dict[str, dict]:
+    """Each pd policy's capacity (bench/capacity.py), the searches interleaved: round after
+    round, every unfinished policy's next rung, each through its own router. Rung k serves
     `args.b_rung_seconds` of Poisson arrivals at b_start_rate x b_rung_factor^k, a fresh mixed
-    workload (the same lengths for every policy, its own token ids). Returns rung 0's full
-    results (every policy ran it: the figure's) with the ladder."""
-    url = fleet.start_router(pd, "kv_aware", pd, extra, decodes)
-    first: dict = {}
-    try:
-        def run_rung(k: float) -> dict:
-            rate = args.b_start_rate * args.b_rung_factor ** k
-            num = rung_size(rate, args.b_rung_seconds, args.mixed_prompts)
-            reqs = relabel(mixed_workload(num, seed=rung_seed(k)), 20 + index, VOCAB)
+    workload (the same lengths for every policy, its own token ids). Returns per policy rung
+    0's full results (every policy ran it: the figure's) with its ladder."""
+    first: dict[str, dict] = {pd: {} for pd in pd_policies}
+
+    def run_rung(pd: str, k: float) -> dict:
+        rate = args.b_start_rate * args.b_rung_factor ** k
+        num = rung_size(rate, args.b_rung_seconds, args.mixed_prompts)
+        reqs = relabel(mixed_workload(num, seed=rung_seed(k)), 20 + PD_ORDER.index(pd), VOCAB)
+        url = fleet.start_router(pd, "kv_aware", pd, extra, 2 if pd == "never" or not equal else 1)
+        try:
             before = pd_decisions(url)
             s = asyncio.run(run_benchmark(url, None, reqs, rate=rate, slos=slos, seed=rung_seed(k), progress=False))
             after = pd_decisions(url)
-            s["pd_decisions"] = {key: v - before.get(key, 0.0) for key, v in after.items() if v > before.get(key, 0.0)}
-            s["rate"], s["num_prompts"] = rate, num
-            if k == 0:
-                first.update(s)
-            print(f"    {pd:<12} rung {k:+.2f} {rate:6.3f} req/s x {num:>3}: {100 * s['slo_attainment']:3.0f}% in SLO  "
-                  f"TTFT p50 {s['median_ttft_ms']:7.0f} p90 {s['p90_ttft_ms']:7.0f} ms  TPOT p50 "
-                  f"{s['median_tpot_ms']:5.1f} p90 {s['p90_tpot_ms']:5.1f} ms  failed {s['failed']}  "
-                  f"{s['pd_decisions']}", flush=True)
-            return {key: s[key] for key in ("rate", "num_prompts", "slo_attainment", "request_goodput",
-                                            "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
-                                            "failed", "pd_decisions")}
+        finally:
+            fleet.stop_router()
+        s["pd_decisions"] = {key: v - before.get(key, 0.0) for key, v in after.items() if v > before.get(key, 0.0)}
+        s["rate"], s["num_prompts"] = rate, num
+        if k == 0:
+            first[pd].update(s)
+        print(f"    {pd:<12} rung {k:+.2f} {rate:6.3f} req/s x {num:>3}: {100 * s['slo_attainment']:3.0f}% in SLO  "
+              f"TTFT p50 {s['median_ttft_ms']:7.0f} p90 {s['p90_ttft_ms']:7.0f} ms  TPOT p50 "
+              f"{s['median_tpot_ms']:5.1f} p90 {s['p90_tpot_ms']:5.1f} ms  failed {s['failed']}  "
+              f"{s['pd_decisions']}", flush=True)
+        return {key: s[key] for key in ("rate", "num_prompts", "slo_attainment", "request_goodput", "median_ttft_ms",
+                                        "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "failed", "pd_decisions")}
 
-        ladder = find_capacity(run_rung, args.attainment, max_up=8, max_down=8, refine=args.b_refine)
-    finally:
-        fleet.stop_router()
-    out = dict(first, label=pd, capacity=ladder.capacity, bounded=ladder.bounded, rungs=ladder.rungs)
-    print(f"  {pd:<12} capacity {'' if ladder.bounded else '>= '}{ladder.capacity:.3f} req/s", flush=True)
+    ladders = interleave({pd: search(args.attainment, max_up=8, max_down=8, refine=args.b_refine)
+                          for pd in pd_policies}, run_rung)
+    out = {}
+    for pd, ladder in ladders.items():
+        out[pd] = dict(first[pd], label=pd, capacity=ladder.capacity, bounded=ladder.bounded, rungs=ladder.rungs)
+        print(f"  {pd:<12} capacity {'' if ladder.bounded else '>= '}{ladder.capacity:.3f} req/s", flush=True)
     return out
 
 
@@ -417,14 +422,13 @@ def main(argv=None) -> int:
                     f"{args.b_start_rate:g} req/s x{args.b_rung_factor:g}, {args.b_refine} bisection(s)")
             print(f"(b) half 8-64 tokens, half 1024-2048 tokens, 32 output tokens; {what}; SLOs {shown} (ms; asked "
                   f"{' '.join(args.goodput_b)}); {layout}", flush=True)
-            for pd in pd_policies:
-                i = PD_ORDER.index(pd)  # each policy keeps its own relabelling whatever the order
-                decodes = 2 if pd == "never" or not equal else 1
-                if args.rate_b is not None:
-                    results[pd] = run(fleet, pd, "kv_aware", pd, relabel(mixed_workload(args.mixed_prompts, seed=20),
-                                      20 + i, VOCAB), args.rate_b, slos_b, local, decodes)
-                else:
-                    results[pd] = capacity_run(fleet, pd, i, slos_b, local, decodes, args)
+            if args.rate_b is not None:
+                for pd in pd_policies:
+                    reqs = relabel(mixed_workload(args.mixed_prompts, seed=20), 20 + PD_ORDER.index(pd), VOCAB)
+                    results[pd] = run(fleet, pd, "kv_aware", pd, reqs, args.rate_b, slos_b, local,
+                                      2 if pd == "never" or not equal else 1)
+            else:
+                results.update(capacity_runs(fleet, pd_policies, equal, slos_b, local, args))
         finally:
             fleet.stop()
     for name, s in results.items():

@@ -63,3 +63,19 @@ def test_refining_needs_a_bracket():
     assert not capacity.find_capacity(run, 0.9, max_up=2, max_down=6, refine=3).bounded and ran == [0, 1, 2]
     run, ran = _rungs(capacity=0.01)
     assert capacity.find_capacity(run, 0.9, max_up=2, max_down=1, refine=3).capacity == 0.0 and ran == [0, -1]
+
+
+def test_interleaved_searches_take_turns_and_each_finds_its_own_capacity():
+    fleets = {"a": _rungs(capacity=1.2 ** 2), "b": _rungs(capacity=1.2 ** -1), "c": _rungs(capacity=1.2 ** 1.7)}
+    order = []
+
+    def run(name, k):
+        order.append(name)
+        return fleets[name][0](k)
+    ladders = capacity.interleave({n: capacity.search(0.9, max_up=6, max_down=6, refine=1) for n in fleets}, run)
+    assert {n: round(lad.capacity, 9) for n, lad in ladders.items()} == {
+        "a": round(1.2 ** 2, 9), "b": round(1.2 ** -1, 9), "c": round(1.2 ** 1.5, 9)}
+    assert fleets["a"][1] == [0, 1, 2, 3, 2.5] and fleets["b"][1] == [0, -1, -0.5] and fleets["c"][1] == [0, 1, 2, 1.5]
+    # Round by round, every unfinished search runs one rung; each round starts one search later.
+    assert order[:3] == ["a", "b", "c"] and order[3:6] == ["b", "c", "a"] and order[6:9] == ["c", "a", "b"]
+    assert order[9:] == ["c", "a", "a"]  # b finished after three rungs, c after four
