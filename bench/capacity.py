@@ -69,15 +69,18 @@ def search(target: float, max_up: int, max_down: int, refine: int = 0) -> Genera
     return Ladder(rungs, best["rate"], True)
 
 
-def interleave(searches: dict, run_rung) -> dict:
+def interleave(searches: dict, run_rung, before_round=None) -> dict:
     """Several searches at once: round after round, the next rung of every unfinished search,
     run_rung(name, k) -> its summary; each round starts one search later than the one before,
     so that a machine's drift (a slow minute) falls on every search alike rather than on the
-    one measured last. Returns each search's Ladder."""
+    one measured last. before_round(r), if given, runs before round r (0, 1, ...). Returns
+    each search's Ladder."""
     pending = {name: next(g) for name, g in searches.items()}
     done = {}
     turn = 0
     while pending:
+        if before_round is not None:
+            before_round(turn)
         names = list(pending)
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             try:

@@ -226,18 +226,25 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
     return s
 
 
+def shown_slos(slos: dict[str, float]) -> str:
+    return " ".join(f"{k}:{1000 * v:.1f}" if k == "tpot" else f"{k}:{1000 * v:.0f}" for k, v in slos.items())
+
+
 def rung_seed(k: float) -> int:
     """Rung k's workload seed (k may be a bisection's fraction, down to 1/64)."""
     return 200 + round(64 * k)
 
 
-def capacity_runs(fleet: Fleet, pd_policies: list[str], equal: bool, slos, extra, args) -> dict[str, dict]:
+def capacity_runs(fleet: Fleet, pd_policies: list[str], equal: bool, current_slos, extra, args) -> dict[str, dict]:
     """Each pd policy's capacity (bench/capacity.py), the searches interleaved: round after
     round, every unfinished policy's next rung, each through its own router. Rung k serves
     `args.b_rung_seconds` of Poisson arrivals at b_start_rate x b_rung_factor^k, a fresh mixed
-    workload (the same lengths for every policy, its own token ids). Returns per policy rung
-    0's full results (every policy ran it: the figure's) with its ladder."""
+    workload (the same lengths for every policy, its own token ids), at the SLOs
+    `current_slos()` gives before each round (relative ones measured then: this machine's
+    unloaded TPOT moved 8.0-11.6 ms between runs, more than the policies differ). Returns per
+    policy rung 0's full results (every policy ran it: the figure's) with its ladder."""
     first: dict[str, dict] = {pd: {} for pd in pd_policies}
+    slos: dict[str, float] = {}
 
     def run_rung(pd: str, k: float) -> dict:
         rate = args.b_start_rate * args.b_rung_factor ** k
@@ -261,10 +268,10 @@ def capacity_runs(fleet: Fleet, pd_policies: list[str], equal: bool, slos, extra
         # Per request too (lengths, TTFT, inter-token gaps): which requests missed, and why.
         return {key: s[key] for key in ("rate", "num_prompts", "slo_attainment", "request_goodput", "median_ttft_ms",
                                         "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "failed", "pd_decisions",
-                                        "input_lens", "ttfts", "itls")}
+                                        "slos_ms", "input_lens", "ttfts", "itls")}
 
     ladders = interleave({pd: search(args.attainment, max_up=8, max_down=8, refine=args.b_refine)
-                          for pd in pd_policies}, run_rung)
+                          for pd in pd_policies}, run_rung, before_round=lambda _: slos.update(current_slos()))
     out = {}
     for pd, ladder in ladders.items():
         out[pd] = dict(first[pd], label=pd, capacity=ladder.capacity, bounded=ladder.bounded, rungs=ladder.rungs)
@@ -417,24 +424,33 @@ def main(argv=None) -> int:
                   if equal else "every configuration over 1 prefill + 2 decodes, unpinned")
         try:
             warm_up(fleet)
-            if factors:
-                unloaded = unloaded_latencies(fleet, 2048, 32, equal, seed=40)
-                slos_b.update({k: f * unloaded[k] for k, f in factors.items()})
-                print(f"(b) unloaded, a 2,048-token prompt alone (the better path's median of 3): TTFT "
-                      f"{1000 * unloaded['ttft']:.0f} ms, TPOT {1000 * unloaded['tpot']:.1f} ms", flush=True)
-            shown = " ".join(f"{k}:{1000 * v:.0f}" if k != "tpot" else f"{k}:{1000 * v:.1f}" for k, v in slos_b.items())
+            probes = iter(range(1 << 30))  # fresh probe tokens every time: nothing cached
+
+            def current_slos() -> dict[str, float]:
+                """(b)'s SLOs; relative ones from the unloaded latency measured now."""
+                out = dict(slos_b)
+                if factors:
+                    unloaded = unloaded_latencies(fleet, 2048, 32, equal, seed=40 + 1000 * next(probes))
+                    out.update({k: f * unloaded[k] for k, f in factors.items()})
+                    print(f"(b) unloaded, a 2,048-token prompt alone (the better path's median of 3): TTFT "
+                          f"{1000 * unloaded['ttft']:.0f} ms, TPOT {1000 * unloaded['tpot']:.1f} ms; SLOs "
+                          f"{shown_slos(out)}", flush=True)
+                return out
+
             what = (f"{args.mixed_prompts} requests at {args.rate_b:g} req/s" if args.rate_b is not None else
                     f"capacity at {100 * args.attainment:.0f}% in SLO, rungs of {args.b_rung_seconds:g} s from "
-                    f"{args.b_start_rate:g} req/s x{args.b_rung_factor:g}, {args.b_refine} bisection(s)")
-            print(f"(b) half 8-64 tokens, half 1024-2048 tokens, 32 output tokens; {what}; SLOs {shown} (ms; asked "
-                  f"{' '.join(args.goodput_b)}); {layout}", flush=True)
+                    f"{args.b_start_rate:g} req/s x{args.b_rung_factor:g}, {args.b_refine} bisection(s)"
+                    + (", relative SLOs measured again before every round" if factors else ""))
+            print(f"(b) half 8-64 tokens, half 1024-2048 tokens, 32 output tokens; {what}; SLOs asked "
+                  f"{' '.join(args.goodput_b)}; {layout}", flush=True)
             if args.rate_b is not None:
+                slos_now = current_slos()
                 for pd in pd_policies:
                     reqs = relabel(mixed_workload(args.mixed_prompts, seed=20), 20 + PD_ORDER.index(pd), VOCAB)
-                    results[pd] = run(fleet, pd, "kv_aware", pd, reqs, args.rate_b, slos_b, local,
+                    results[pd] = run(fleet, pd, "kv_aware", pd, reqs, args.rate_b, slos_now, local,
                                       2 if pd == "never" or not equal else 1)
             else:
-                results.update(capacity_runs(fleet, pd_policies, equal, slos_b, local, args))
+                results.update(capacity_runs(fleet, pd_policies, equal, current_slos, local, args))
         finally:
             fleet.stop()
     for name, s in results.items():

@@ -72,7 +72,14 @@ def test_interleaved_searches_take_turns_and_each_finds_its_own_capacity():
     def run(name, k):
         order.append(name)
         return fleets[name][0](k)
-    ladders = capacity.interleave({n: capacity.search(0.9, max_up=6, max_down=6, refine=1) for n in fleets}, run)
+
+    def next_round(r):
+        order.append(f"round {r}")
+    ladders = capacity.interleave({n: capacity.search(0.9, max_up=6, max_down=6, refine=1) for n in fleets}, run,
+                                  before_round=next_round)
+    rounds = [i for i, x in enumerate(order) if x.startswith("round")]
+    assert [order[i] for i in rounds] == ["round 0", "round 1", "round 2", "round 3", "round 4"]
+    order = [x for x in order if not x.startswith("round")]
     assert {n: round(lad.capacity, 9) for n, lad in ladders.items()} == {
         "a": round(1.2 ** 2, 9), "b": round(1.2 ** -1, 9), "c": round(1.2 ** 1.5, 9)}
     assert fleets["a"][1] == [0, 1, 2, 3, 2.5] and fleets["b"][1] == [0, -1, -0.5] and fleets["c"][1] == [0, 1, 2, 1.5]
