@@ -384,6 +384,8 @@ def main(argv=None) -> int:
             or not 0 < args.attainment <= 1 or args.mixed_prompts < 1 or (args.rate_b is not None and args.rate_b <= 0)):
         ap.error("(b): --b-rung-factor > 1, --b-refine >= 0, --b-rung-seconds >= 0, --b-start-rate > 0, "
                  "0 < --attainment <= 1, --mixed-prompts >= 1 and --rate-b > 0")
+    if "b" in args.parts and not slos_b and not factors:
+        ap.error("--goodput-b: (b) counts requests within its SLOs; give at least one (ttft:MS, tpot:xF, ...)")
     if factors_a:
         ap.error("--goodput: (a)'s SLOs are absolute (ttft:MS, tpot:MS); relative ones are (b)'s, --goodput-b")
     os.makedirs(args.out, exist_ok=True)

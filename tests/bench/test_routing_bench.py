@@ -79,3 +79,6 @@ def test_bad_capacity_search_flags_are_refused(capsys):
         with pytest.raises(SystemExit):
             main(["--parts", "b", *bad])
         assert "--b-rung-factor > 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--parts", "b", "--goodput-b"])  # no SLO: nothing for goodput to count
+    assert "give at least one" in capsys.readouterr().err
