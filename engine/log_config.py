@@ -16,5 +16,5 @@ def log_level() -> int:
     return getattr(logging, name)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=log_level(), format=FORMAT)
+def configure_logging(fmt: str = FORMAT) -> None:
+    logging.basicConfig(level=log_level(), format=fmt)

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from engine.log_config import configure_logging
 from engine.parallel.commands import Call, ComputeLogits, Forward, Shutdown, WorkerInit
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,8 @@ class TPWorker:
 def main() -> int:
     conn = Connection(int(os.environ["PDSERVE_TP_FD"]))
     init: WorkerInit = conn.recv()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s tp-rank-{init.rank} %(name)s: %(message)s")
+    # The service that started this rank checked PDSERVE_LOG_LEVEL; the rank logs at the same level.
+    configure_logging(f"%(asctime)s %(levelname)s tp-rank-{init.rank} %(name)s: %(message)s")
     conn.send(("hello", os.getpid()))
     try:
         worker = TPWorker(init)

@@ -1,12 +1,16 @@
 """`python -m services.planner ...`: the planner on its own (`pdserve planner` once the CLI has it)."""
 import argparse
-import logging
 import sys
 
+from engine.log_config import configure_logging
 from services.planner.cli import add_planner_parser
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     parser = argparse.ArgumentParser(prog="pdserve")
     add_planner_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["planner", *sys.argv[1:]])

@@ -29,3 +29,12 @@ def test_an_unknown_level_is_refused_before_any_service_starts():
     assert proc.returncode == 2
     assert "PDSERVE_LOG_LEVEL='VERBOSE': choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_planner_on_its_own_refuses_an_unknown_level_too():
+    env = {"PDSERVE_LOG_LEVEL": "loud", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "services.planner", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "PDSERVE_LOG_LEVEL='LOUD': choose one of" in proc.stderr and "Traceback" not in proc.stderr
+
