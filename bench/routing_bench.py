@@ -199,6 +199,16 @@ def decision_counts(text: str) -> dict[str, float]:
             if s.name == "pdserve:router_pd_decisions_total"}
 
 
+def measured(url: str, requests, rate: float, slos, seed: int) -> dict:
+    """One measured run through the router at `url`: the benchmark's summary, with the pd
+    decisions the router made during it (`pd_decisions`, 'decision/reason' -> count)."""
+    before = pd_decisions(url)
+    s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=seed, progress=False))
+    after = pd_decisions(url)
+    s["pd_decisions"] = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    return s
+
+
 def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: float, slos, extra,
         decodes: int = 2, warm: list[BenchRequest] | None = None) -> dict:
     """One configuration's measured run through its own router; `warm` (not measured) first, one
@@ -209,10 +219,7 @@ def run(fleet: Fleet, name: str, policy: str, pd_policy: str, requests, rate: fl
             w = asyncio.run(run_benchmark(url, None, warm, max_concurrency=1, seed=3, progress=False))
             if w["failed"]:
                 raise RuntimeError(f"{name}: {w['failed']} of {len(warm)} warm-up requests failed")
-        before = pd_decisions(url)  # the measured run's decisions only, not the warm-up's
-        s = asyncio.run(run_benchmark(url, None, requests, rate=rate, slos=slos, seed=3, progress=False))
-        after = pd_decisions(url)
-        s["pd_decisions"] = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+        s = measured(url, requests, rate, slos, seed=3)  # its decisions only, not the warm-up's
     finally:
         fleet.stop_router()
     s["label"] = name
@@ -252,12 +259,9 @@ def capacity_runs(fleet: Fleet, pd_policies: list[str], equal: bool, current_slo
         reqs = relabel(mixed_workload(num, seed=rung_seed(k)), 20 + PD_ORDER.index(pd), VOCAB)
         url = fleet.start_router(pd, "kv_aware", pd, extra, 2 if pd == "never" or not equal else 1)
         try:
-            before = pd_decisions(url)
-            s = asyncio.run(run_benchmark(url, None, reqs, rate=rate, slos=slos, seed=rung_seed(k), progress=False))
-            after = pd_decisions(url)
+            s = measured(url, reqs, rate, slos, seed=rung_seed(k))
         finally:
             fleet.stop_router()
-        s["pd_decisions"] = {key: v - before.get(key, 0.0) for key, v in after.items() if v > before.get(key, 0.0)}
         s["rate"], s["num_prompts"] = rate, num
         if k == 0:
             first[pd].update(s)
