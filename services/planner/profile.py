@@ -5,6 +5,11 @@ service runs them), one at a time, each timed from schedule() to the sampled tok
 several lengths, alone and batched, chunks after a long context, decode batches of several sizes
 and contexts, and decodes mixed with a prefill chunk (what a colocated instance runs). The step
 cost model is fitted to all of them (services/planner/costmodel.py).
+
+A decode batch's contexts are one computed prompt and copies of its KV, each in blocks of its own,
+loaded through the engine's KV connector seam as a decode instance loads a prefill's (`ClonedKV`):
+the steps measured read b distinct contexts as before, and the profile computes one prompt where it
+computed b (64 x 1k tokens took two of a 12-minute profile's minutes on one slow thread).
 """
 from __future__ import annotations
 
@@ -18,12 +23,93 @@ import sys
 import time
 
 from engine import cpu_allocator
+from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
+                                 KVLoad)
 from services.common.flags import add
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
 from services.planner.profile_serve import ServePathError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ClonedKVScheduler(KVConnectorScheduler):
+    """The profile's connector, scheduler side: a request whose `remote_kv` names blocks of this
+    engine (`ClonedKV.handle`) loads its whole prompt as a copy of them into blocks of its own."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._meta = KVConnectorMetadata()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        return request.num_prompt_tokens - num_computed_tokens if request.remote_kv is not None else 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        first = request.num_computed_tokens // self.block_size
+        last = -(-request.num_prompt_tokens // self.block_size)
+        self._meta.loads.append(KVLoad(request.request_id, request.remote_kv, list(block_ids[first:last]), first))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, bytes | None]:
+        return False, None  # a copy ends within the step that starts it: nothing is ever in flight
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        return meta
+
+
+class ClonedKVWorker(KVConnectorWorker):
+    """Worker side: the engine's own zeroed caches (as without a connector); a load copies the
+    source blocks' keys and values, every layer, and reports the request loaded with the step."""
+
+    def __init__(self) -> None:
+        self.kv_caches: list = []
+        self._finished: list[str] = []
+
+    def allocate_kv_caches(self, spec, num_blocks: int):
+        import torch
+
+        self.kv_caches = [torch.zeros((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                                      dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        return self.kv_caches
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        import torch
+
+        for load in metadata.loads:
+            src = ClonedKV.source_blocks(load.kv_handle)[load.first_block:load.first_block + len(load.block_ids)]
+            if len(src) != len(load.block_ids):
+                raise ValueError(f"{load.request_id}: {len(load.block_ids)} blocks to load from a source of "
+                                 f"{len(src)}")
+            device = self.kv_caches[0].device
+            src_t = torch.tensor(src, dtype=torch.long, device=device)
+            dst_t = torch.tensor(load.block_ids, dtype=torch.long, device=device)
+            for cache in self.kv_caches:
+                cache[:, dst_t] = cache[:, src_t]
+            self._finished.append(load.request_id)
+
+    def get_finished(self) -> KVConnectorOutput:
+        done, self._finished = self._finished, []
+        return KVConnectorOutput(finished_recving=done)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClonedKV:
+    """Factory of the profile's connector (engine.kv_connector.KVConnectorFactory)."""
+    block_size: int
+
+    def __call__(self) -> tuple[ClonedKVScheduler, ClonedKVWorker]:
+        return ClonedKVScheduler(self.block_size), ClonedKVWorker()
+
+    @staticmethod
+    def handle(block_ids: list[int]) -> bytes:
+        """What a request carries as `remote_kv` to load a copy of these blocks."""
+        return b"clone:" + ",".join(map(str, block_ids)).encode()
+
+    @staticmethod
+    def source_blocks(handle: bytes) -> list[int]:
+        if not handle.startswith(b"clone:"):
+            raise ValueError(f"not a cloned-KV handle: {handle[:32]!r}")
+        return [int(b) for b in handle[len(b"clone:"):].split(b",") if b]
 
 
 class StepTimer:
@@ -44,7 +130,7 @@ class StepTimer:
             blocks = _kv_blocks(kv_steps, config.cache.block_size)
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=blocks))
         self.config = config
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, kv_connector_factory=ClonedKV(config.cache.block_size))
         self.vocab = self.core.vocab_size
         self._ids = itertools.count()
         self.points: list[dict] = []
@@ -53,15 +139,24 @@ class StepTimer:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
-    def add(self, prompt_len: int, max_tokens: int, prompt_seed: int | None = None) -> str:
-        """A request of a fresh prompt (no prefix-cache hit), or of prompt_seed's prompt again."""
+    def add(self, prompt_len: int, max_tokens: int, clone_of: str | None = None) -> str:
+        """A request of a fresh prompt (no prefix-cache hit). clone_of: a running request whose
+        prompt is computed; the new one's prompt KV is a copy of its blocks (ClonedKV), in blocks
+        of its own, and it continues from its first token as a request a prefill handed over."""
         from engine.request import Request, SamplingParams
 
         rid = f"p{next(self._ids)}"
-        n = next(self._ids) if prompt_seed is None else prompt_seed
+        n = next(self._ids)
         prompt = [(n * 7919 + i * 31) % (self.vocab - 10) + 10 for i in range(prompt_len)]
-        self.core.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                   temperature=0.0)))
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        if clone_of is not None:
+            source = self.core.scheduler.requests[clone_of]
+            if source.num_computed_tokens < prompt_len:
+                raise ValueError(f"{clone_of} has {source.num_computed_tokens} tokens computed: fewer than "
+                                 f"the {prompt_len} to copy")
+            request.remote_kv = ClonedKV.handle(self.core.scheduler.kv.get_block_ids(clone_of))
+            request.append_token(prompt[-1])  # the first token, as a prefill hands it over
+        self.core.add_request(request)
         return rid
 
     def step(self, kind: str | None) -> float:
@@ -126,13 +221,16 @@ class StepTimer:
         """`steps` decode steps of `batch` sequences at `context`; with prefill_len, each also
         computes a new prompt of that many tokens (a colocated instance's mixed step)."""
         budget = self.config.scheduler.max_num_batched_tokens
-        # Every sequence its own prompt, as requests are: a batch sharing one cached prompt reads
+        # Every sequence its own blocks, as requests are: a batch sharing one cached prompt reads
         # hot blocks (one thread, 4 x 2k tokens shared cost what 1 x 2k did) and would teach the
-        # fit a price per pair that distinct contexts do not pay.
+        # fit a price per pair that distinct contexts do not pay. One prompt is computed, the
+        # others copy its KV (the values do not change what a step costs).
         max_tokens = steps + 64
-        for _ in range(batch):
-            self.add(context, max_tokens)
+        seed = self.add(context, max_tokens)
         self._compute_prompts()
+        for _ in range(batch - 1):
+            self.add(context, max_tokens, clone_of=seed)
+        self._compute_prompts()  # one step: the seed decodes while the copies load
         for _ in range(steps):
             if prefill_len:
                 self.add(min(prefill_len, budget - batch), 1)
@@ -156,18 +254,14 @@ def _grid(quick: bool, budget: int, max_len: int) -> dict:
             "mixed": [(b, 128, p) for b in (4, 16) for p in (256, 1024)], "steps": 6}
 
 
-def _grid_steps(grid: dict, budget: int) -> list[list[int]]:
+def _grid_steps(grid: dict) -> list[list[int]]:
     """The token lengths of the sequences alive in each measured step of the grid, at their
-    longest: a decode batch's first sequences generate a token a step while the others' prompts
-    are computed (`budget` tokens a step), then run `steps` more (and hold the next token's slot);
-    a mixed step adds up to `steps` prompts; a chunk sits after its context."""
+    longest: a decode batch's first sequence generates a token in the step its copies load, then
+    every sequence runs `steps` more (and holds the next token's slot); a mixed step adds up to
+    `steps` prompts; a chunk sits after its context."""
     steps = grid["steps"]
-
-    def longest(b: int, c: int) -> int:
-        return c + -(-b * c // budget) + steps + 1
-
-    out = [[longest(b, c)] * b for b, c in grid["decode"]]
-    out += [[longest(b, c)] * b + [p + 1] * steps for b, c, p in grid["mixed"]]
+    out = [[c + steps + 2] * b for b, c in grid["decode"]]
+    out += [[c + steps + 2] * b + [p + 1] * steps for b, c, p in grid["mixed"]]
     out += [[n + 1 for n in lengths] for lengths in grid["prefill"]]
     out += [[n + c + 1] for n, c in grid["chunk"]]
     return out
@@ -226,7 +320,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     from services.planner.profile_kv import available_transports, measure_transport
 
     # The KV cache holds the grid's largest batch (as if every context length were allowed).
-    kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30), max_num_batched_tokens)
+    kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
     timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype,
                       kv_steps=kv_steps)
     hf = timer.config.model.hf_config

@@ -178,9 +178,8 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path,
     assert {p["seqs"] for p in points if p["kind"] == "decode"} == {1, 4, 8}
     assert any(p["kind"] == "prefill" and p["seqs"] == 2 and p["tokens"] == 32 for p in points)
     assert all(p["seconds"] > 0 for p in points)
-    # Decode batches of distinct prompts (as requests are): 4 x 128 tokens read every context in
-    # full (prompts computed over several 64-token steps: the first ones decode meanwhile), and
-    # each row's pairs are decode pairs.
+    # Decode batches of distinct blocks (as requests are): 4 x 128 tokens read every context in
+    # full (one prompt computed, three copies of its KV), and each row's pairs are decode pairs.
     four = [p for p in points if p["kind"] == "decode" and p["seqs"] == 4]
     assert min(p["kv"] for p in four) >= 4 * 129
     assert all(p["kv"] == p["decode_attn"] and p["attn"] == 0 for p in four)
@@ -266,10 +265,10 @@ def test_profile_grid_batches_fit_the_kv_cache_it_sizes():
     # Distinct-prompt decode batches up to 64 x 1k and 16 x 2k, every one within the cache.
     assert (64, 1024) in grid["decode"] and (16, 2048) in grid["decode"] and (64, 2048) not in grid["decode"]
     for block_size in (16, 32, 128):  # whatever the engine's block size, each batch fits whole
-        blocks = _kv_blocks(_grid_steps(grid, 2048), block_size)
-        # The first of a batch decode while the rest's prompts are computed (2,048 tokens a step).
-        assert all(b * -(-(c + b * c // 2048 + grid["steps"] + 1) // block_size) <= blocks
-                   for b, c in grid["decode"])
+        blocks = _kv_blocks(_grid_steps(grid), block_size)
+        # A batch's first sequence decodes one token while the copies of its KV load, then all
+        # decode `steps` tokens.
+        assert all(b * -(-(c + grid["steps"] + 2) // block_size) <= blocks for b, c in grid["decode"])
         assert blocks * block_size < 90_000 + 64 * block_size  # not the engine's whole memory
     assert all(c + 128 < 1024 for _, c in _grid(False, 2048, 1024)["decode"])
 
@@ -285,6 +284,40 @@ def test_a_profile_whose_cache_preempts_its_batch_refuses_to_fit_it(tiny_llama):
         timer.decode(2, 128, 3)
         with pytest.raises(RuntimeError, match="preempted"):
             timer.check_no_preemptions()
+    finally:
+        timer.core.shutdown()
+
+
+def test_a_decode_batch_computes_one_prompt_and_copies_its_kv_into_blocks_of_its_own(tiny_llama):
+    import torch
+
+    from services.planner.profile import StepTimer
+
+    timer = StepTimer(tiny_llama, "cpu", 1, 64, 8, 512, "float32")
+    try:
+        sched = timer.core.scheduler
+        seed = timer.add(100, 16)
+        timer._compute_prompts()  # two 64-token steps
+        copies = [timer.add(100, 16, clone_of=seed) for _ in range(3)]
+        timer.step("load")
+        # The step that loads the copies computes nothing of their prompts: the seed's token alone.
+        assert timer.points[-1]["chunks"] == [(1, 100)]
+        assert all(sched.requests[r].num_computed_tokens == 100 for r in copies)
+        blocks = {r: sched.kv.get_block_ids(r) for r in [seed, *copies]}
+        assert len({b for ids in blocks.values() for b in ids}) == sum(map(len, blocks.values()))  # none shared
+        for r in copies:  # the prompt's 100 tokens (six blocks of 16 and 4), every layer, bit for bit
+            for cache in timer.core.runner.kv_caches:
+                assert torch.equal(cache[:, blocks[r][:6]], cache[:, blocks[seed][:6]])
+                assert torch.equal(cache[:, blocks[r][6], :4], cache[:, blocks[seed][6], :4])
+                assert cache[:, blocks[r][6], :4].abs().sum() > 0  # values, not the zeroed cache
+            assert sched.requests[r].output_token_ids == [sched.requests[r].prompt_token_ids[-1]]
+        timer.step("decode")  # a batch of four, each at its own blocks
+        assert sorted(timer.points[-1]["chunks"]) == [(1, 100)] * 3 + [(1, 101)]
+        assert timer.points[-1]["kv_read"] == 3 * 101 + 102
+        with pytest.raises(ValueError, match="fewer than"):
+            timer.add(200, 4, clone_of=seed)  # more prompt than the source has computed
+        timer.drain()
+        timer.check_no_preemptions()
     finally:
         timer.core.shutdown()
 
