@@ -260,7 +260,8 @@ def disaggregated(model: str, device: str, rates: dict, prompt_len: int) -> dict
 
 def gpu_tests(small: bool) -> dict:
     runs = {"kernels": ["tests/kernels"], "engine (cuda)": ["tests/engine", "-k", "cuda"],
-            "kv staging (cuda)": ["tests/kvtransfer/test_staging.py"]}
+            "kv staging (cuda)": ["tests/kvtransfer/test_staging.py"],
+            "profile's copied KV (cuda)": ["tests/planner/test_profile.py", "-k", "cuda"]}
     result = {}
     for name, args in runs.items():
         t0 = time.perf_counter()

@@ -344,7 +344,8 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
             serve = measure_serve_cost(model, step, num_threads, dtype, timer.max_model_len, timer.vocab, dev,
                                        tick=lambda: bar.update(1), batch=4 if quick else BATCH,
                                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                       measured=points, router_elsewhere=router_elsewhere, sustained=sustained)
+                                       measured=points, router_elsewhere=router_elsewhere, sustained=sustained,
+                                       strict=not quick)
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                           block_size=block_size, dtype=dtype, device=dev)
         transfers, raw_transfers = {}, {}
@@ -372,7 +373,8 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                                                 "router_token_s": serve.router_token_s,
                                                 "neighbour_points": serve.neighbour_points,
                                                 "neighbour_note": serve.neighbour_note,
-                                                "sustained_runs": serve.sustained_runs}}
+                                                "sustained_runs": serve.sustained_runs,
+                                                "unsettled": serve.unsettled}}
     profile = Profile(step=step, transfers=transfers, model=shape, block_size=block_size,
                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                       token_overhead_s=serve.token_overhead_s, step_overhead_s=serve.step_overhead_s,
@@ -398,7 +400,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--transports", default=None, help="comma-separated (default: every one usable here)")
     p.add_argument("--out", default="profile.json")
-    p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests")
+    p.add_argument("--quick", action="store_true", help="a few points only (seconds): for tests; a rough "
+                   "profile, which keeps the served path's medians where a busy machine never settles them")
     p.add_argument("--no-serve-overhead", action="store_true",
                    help="do not time a live colocated service for the serving path's cost per token")
     p.add_argument("--router-elsewhere", action="store_true",
@@ -484,6 +487,8 @@ def run_cli(args) -> int:
                  f"; the router's and client's CPU, {serve['router_token_s'] * 1e3:.2f} ms a token, is not "
                  f"charged (--router-elsewhere)" if serve.get("router_token_s") else "")
               + ")")
+        if serve.get("unsettled"):
+            print(f"serving path NOT settled: {serve['unsettled']}")
         note = prof.raw["serve"].get("neighbour_note")
         print("busy neighbour on this host: " + (note if note else
               f"prefill x{prof.neighbour_prefill:.2f}, decode x{prof.neighbour_decode:.2f}"))

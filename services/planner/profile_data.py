@@ -129,6 +129,7 @@ class Profile:
                              "batch_points": self.raw.get("serve", {}).get("batch_points", []),
                              "offcore_token_s": self.offcore_token_s,
                              "router_token_s": self.raw.get("serve", {}).get("router_token_s", 0.0),
+                             "unsettled": self.raw.get("serve", {}).get("unsettled", ""),
                              "sustained": {"token_s": self.raw.get("serve", {}).get("sustained_token_s", 0.0),
                                            "points": self.raw.get("serve", {}).get("sustained_points", []),
                                            "runs": self.raw.get("serve", {}).get("sustained_runs", [])},
@@ -155,6 +156,7 @@ class Profile:
                              "sustained_runs": sustained.get("runs", []),
                              "batch_points": overhead.get("batch_points", []),
                              "router_token_s": overhead.get("router_token_s", 0.0),
+                             "unsettled": overhead.get("unsettled", ""),
                              "neighbour_points": neighbour.get("points", []), "neighbour_note": neighbour.get("note", "")},
                    "step": {k: v for k, v in step.items() if k != "fit"},
                    "transfer": {t: {k: v for k, v in d.items() if k != "fit"} for t, d in transfers.items()}}

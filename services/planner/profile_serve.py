@@ -22,7 +22,7 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   the served figure (a lone request's 1-3 ms read as 0 at two threads), and measured under load,
   not extrapolated from one sequence. Rounds continue (up to MAX_ROUNDS) while the batch's gaps
   spread; served steps faster than the engine's beyond noise, or gaps that never settle, are
-  refused with the points, not clamped. Where the profile left cores idle beside the instance,
+  refused with the points, not clamped (a `--quick` profile keeps unsettled medians and says so). Where the profile left cores idle beside the instance,
   the router and the client ran there, out of the instance's latency; a fleet that fills the
   host runs that work on instances' cores, so their CPU time per streamed token (from /proc and
   the client thread's clock, over the batches) is added to the per-token figure (the simulator
@@ -46,6 +46,7 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import statistics
@@ -58,6 +59,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from services.planner.costmodel import StepCost, StepPoint
+
+logger = logging.getLogger(__name__)
 
 LENGTHS = ((128, 48), (1024, 48))  # prompt, output: a short and a long context
 ROUNDS = 4  # of one request per length alone, a batch at once, then the lone lengths beside the busy neighbour
@@ -89,6 +92,7 @@ class ServeCost:
     # Closed loops (sustained traffic): per loop its concurrency and each request's
     # [arrival_s, prompt, output, tpot_s]; calibrate_sustained() turns them into sustained_token_s.
     sustained_runs: list[dict] = field(default_factory=list)
+    unsettled: str = ""  # why the served batch's figures are unsettled medians, if they are (rounds_settled)
 
 
 def _env() -> dict:
@@ -450,16 +454,39 @@ def charge_router_cpu(cost: ServeCost, offcore: bool, router_elsewhere: bool) ->
         cost.token_overhead_s += cost.offcore_token_s
 
 
+def rounds_settled(batch_points: list[dict], rounds: int, strict: bool = True) -> str | None:
+    """After `rounds` rounds of the served batch: None to go on; "" when its gaps settled (their
+    median deviation within SETTLED of the median, or SETTLED_S); past MAX_ROUNDS unsettled, a
+    ServePathError when strict, else the note saying so (a quick profile is rough by design: it
+    keeps the medians rather than fail on a busy machine)."""
+    served = [p["gap_s"] for p in batch_points]
+    middle = statistics.median(served)
+    deviation = statistics.median(abs(g - middle) for g in served)
+    spread = deviation / middle
+    if rounds >= ROUNDS and (spread <= SETTLED or deviation <= SETTLED_S):
+        return ""
+    if rounds < MAX_ROUNDS:
+        return None
+    what = (f"a served batch of {batch_points[0]['batch']} stepped {min(served) * 1e3:.1f}-{max(served) * 1e3:.1f} "
+            f"ms a token over {rounds} rounds (median deviation {spread:.0%} of the median, more than "
+            f"{SETTLED:.0%} and {SETTLED_S * 1e3:.1f} ms)")
+    if strict:
+        raise ServePathError(f"{what}: the machine is too busy to measure the served path; profile again on a "
+                             f"quiet one, or pass --no-serve-overhead. Batches: {batch_points}")
+    return f"{what}: the served path's figures are the medians of unsettled rounds (a quick profile)"
+
+
 def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str, max_model_len: int,
                        vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                        measured: list[StepPoint] = (), router_elsewhere: bool = False,
-                       sustained: tuple[int, ...] = SUSTAINED) -> ServeCost:
+                       sustained: tuple[int, ...] = SUSTAINED, strict: bool = True) -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
     The instance runs with the profile's engine settings; `measured` are the profile's steps.
     router_elsewhere: the fleet's router and clients run on other hosts (charge_router_cpu).
     sustained: the closed loops' concurrencies (sustained_runs; none: not measured).
+    strict: a served batch whose gaps never settle fails the profile (rounds_settled).
     Rounds alternate: requests alone, a
     batch, then beside the busy neighbour, so that the machine's drift over the measurement
     touches every side alike."""
@@ -548,19 +575,12 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                                                   "ttft_alone_s": a.ttft, "ttft_busy_s": b.ttft})
             tick()
             r += 1
-            served = [p["gap_s"] for p in cost.batch_points]
-            middle = statistics.median(served)
-            deviation = statistics.median(abs(g - middle) for g in served)
-            spread = deviation / middle
-            if r >= ROUNDS and (spread <= SETTLED or deviation <= SETTLED_S):
+            unsettled = rounds_settled(cost.batch_points, r, strict)
+            if unsettled is not None:
+                if unsettled:
+                    logger.warning("%s", unsettled)
+                cost.unsettled = unsettled
                 break
-            if r >= MAX_ROUNDS:
-                raise ServePathError(
-                    f"a served batch of {batch} stepped {min(served) * 1e3:.1f}-{max(served) * 1e3:.1f} ms a "
-                    f"token over {r} rounds (median deviation {spread:.0%} of the median, more than {SETTLED:.0%} "
-                    f"and {SETTLED_S * 1e3:.1f} ms): "
-                    f"the machine is too busy to measure the served path; profile again on a quiet one, "
-                    f"or pass --no-serve-overhead. Batches: {cost.batch_points}")
         for i, concurrency in enumerate(sustained):
             loop = fresh_loop(i, concurrency)
             sent = _closed_loop(url, loop, concurrency)

@@ -6,13 +6,14 @@ import json
 import os
 
 import pytest
+import torch
 
 from services.cli import main as pdserve
 from services.planner.costmodel import (CELL_MIN_STEPS, StepCost, StepPoint, fit_quality, fit_step_cost,
                                         fit_transfer_cost)
 from services.planner.profile_data import LLAMA3_8B, ModelShape, Profile, roofline_profile
-from services.planner.profile_serve import (ServeCost, ServePathError, calibrate_sustained, charge_router_cpu,
-                                            engine_step, fit_serve_path)
+from services.planner.profile_serve import (MAX_ROUNDS, ServeCost, ServePathError, calibrate_sustained,
+                                            charge_router_cpu, engine_step, fit_serve_path, rounds_settled)
 from services.planner.simulator import Fleet, simulate
 from services.planner.workload import poisson
 from sim_profiles import CPU_LIKE, profile
@@ -203,6 +204,10 @@ def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path,
     serve = prof.raw["serve"]["points"]
     rounds = len(serve) // 2
     assert 4 <= rounds <= 8 and [p["prompt"] for p in serve] == [128, 1024] * rounds
+    # Where a busy machine never settles the batch's gaps, a quick profile keeps their medians
+    # and says so in the file (a full profile fails instead).
+    unsettled = prof.raw["serve"]["unsettled"]
+    assert unsettled == "" or (rounds == 8 and "unsettled" in unsettled)
     assert all(p["tpot_s"] > 0 and p["step_s"] > 0 and p["batch"] == 1 for p in serve)
     batches = prof.raw["serve"]["batch_points"]
     assert len(batches) == rounds
@@ -288,12 +293,12 @@ def test_a_profile_whose_cache_preempts_its_batch_refuses_to_fit_it(tiny_llama):
         timer.core.shutdown()
 
 
-def test_a_decode_batch_computes_one_prompt_and_copies_its_kv_into_blocks_of_its_own(tiny_llama):
-    import torch
-
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_decode_batch_computes_one_prompt_and_copies_its_kv_into_blocks_of_its_own(tiny_llama, device):
     from services.planner.profile import StepTimer
 
-    timer = StepTimer(tiny_llama, "cpu", 1, 64, 8, 512, "float32")
+    timer = StepTimer(tiny_llama, device, 1, 64, 8, 512, "float32")
     try:
         sched = timer.core.scheduler
         seed = timer.add(100, 16)
@@ -371,6 +376,24 @@ def _loop_run(prof: Profile, extra_s: float, scale: float = 1.0) -> dict:
     traces = sorted(simulate(slow, Fleet(num_colocated=1), list(wl.requests)), key=lambda t: t.request.arrival)
     return {"concurrency": 16, "requests": [[t.request.arrival, t.request.isl, t.request.osl, t.tpot * scale]
                                             for t in traces]}
+
+
+def test_served_rounds_go_on_until_the_batch_settles_and_only_a_quick_profile_keeps_unsettled_ones():
+    def batches(gaps_ms):
+        return [{"batch": 16, "gap_s": g / 1e3} for g in gaps_ms]
+
+    settled = batches([40.0, 41.0, 40.5, 39.8])
+    assert rounds_settled(settled[:3], 3) is None  # fewer than four rounds: go on
+    assert rounds_settled(settled, 4) == ""
+    noisy = batches([36.0, 72.0, 54.0, 38.0, 70.0, 60.0, 37.0, 55.0])
+    assert rounds_settled(noisy[:5], 5) is None and rounds_settled(noisy[:5], 5, strict=False) is None
+    with pytest.raises(ServePathError, match="too busy") as e:
+        rounds_settled(noisy, MAX_ROUNDS)
+    assert "36.0-72.0 ms a token over 8 rounds" in str(e.value)
+    note = rounds_settled(noisy, MAX_ROUNDS, strict=False)
+    assert "36.0-72.0 ms" in note and "unsettled" in note and "quick" in note
+    # A millisecond step's jitter settles by the absolute bound (0.5 ms), not the relative one.
+    assert rounds_settled(batches([2.0, 2.4, 2.1, 2.5]), 4) == ""
 
 
 def test_sustained_calibration_finds_the_per_token_time_the_steps_lack():
