@@ -22,7 +22,8 @@ second instance as wide on the next cores is kept busy (long prompts back to bac
   the served figure (a lone request's 1-3 ms read as 0 at two threads), and measured under load,
   not extrapolated from one sequence. Rounds continue (up to MAX_ROUNDS) while the batch's gaps
   spread; served steps faster than the engine's beyond noise, or gaps that never settle, are
-  refused with the points, not clamped (a `--quick` profile keeps unsettled medians and says so). Where the profile left cores idle beside the instance,
+  refused with the points, not clamped (a `--quick` profile keeps unsettled medians and says
+  so). Where the profile left cores idle beside the instance,
   the router and the client ran there, out of the instance's latency; a fleet that fills the
   host runs that work on instances' cores, so their CPU time per streamed token (from /proc and
   the client thread's clock, over the batches) is added to the per-token figure (the simulator
