@@ -39,6 +39,15 @@ class KVCacheSpec:
     total_kv_heads: int = 0  # 0: num_kv_heads (TP=1)
 
 
+def zeroed_kv_caches(spec: KVCacheSpec, num_blocks: int) -> list["torch.Tensor"]:
+    """The engine's own KV caches, one (2, num_blocks, block_size, kv_heads, head_dim) tensor per
+    layer, zero-initialised: attention reads padding slots (masked), and 0 * NaN would poison them."""
+    import torch
+
+    return [torch.zeros((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                        dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+
 @dataclass(frozen=True)
 class KVLoad:
     """Pull the remote blocks [first_block, first_block + len(block_ids)) of `kv_handle` into

@@ -11,7 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device
-from engine.kv_connector import KVCacheSpec, KVConnectorWorker
+from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import resolve_dtype
@@ -80,11 +80,7 @@ class ModelRunner:
         if connector is not None:  # e.g. shared memory, registered with the transport
             self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
         else:
-            # Zero-initialised: attention reads padding slots (masked); 0 * NaN would poison them.
-            self.kv_caches = [
-                torch.zeros((2, self.num_blocks, self.block_size, self.num_kv_heads, arch.head_dim),
-                            dtype=self.dtype, device=self.device)
-                for _ in range(arch.num_layers)]
+            self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         sc = config.scheduler
         self._input_ids = np.zeros(sc.max_num_batched_tokens, dtype=np.int64)

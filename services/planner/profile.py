@@ -24,7 +24,7 @@ import time
 
 from engine import cpu_allocator
 from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
-                                 KVLoad)
+                                 KVLoad, zeroed_kv_caches)
 from services.common.flags import add
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
@@ -66,10 +66,7 @@ class ClonedKVWorker(KVConnectorWorker):
         self._finished: list[str] = []
 
     def allocate_kv_caches(self, spec, num_blocks: int):
-        import torch
-
-        self.kv_caches = [torch.zeros((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-                                      dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        self.kv_caches = zeroed_kv_caches(spec, num_blocks)
         return self.kv_caches
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
