@@ -133,7 +133,10 @@ class Dispatcher:
                 f"no other healthy {route.role} instance to retry on")
             raise RouterError(503, reason, code="no_healthy_instance")
         inst = self.policy.select(candidates, route)
-        inst.routed_tokens += self.policy.added_load(inst, route)
+        added = self.policy.added_load(inst, route)
+        inst.routed_tokens += added
+        if route.role == "prefill":
+            inst.prefilling[route.request_id] = added  # until its Prefill call ends
         self.metrics.routing_decisions.labels(route.role, inst.address).inc()
         return inst
 
@@ -265,8 +268,8 @@ class Dispatcher:
             decodes = [d for d in self.pool.healthy("decode") if d not in lost]  # only a prefill one can pull from
             inst = self._pick(route, tried, decodes)
             tried.append(inst)
-            timeout = min(self.prefill_timeout_s, self._remaining(deadline))
             try:
+                timeout = min(self.prefill_timeout_s, self._remaining(deadline))
                 return inst, await inst.prefill.Prefill(req, timeout=timeout)
             except asyncio.CancelledError:
                 self._abort_later(inst, request_id)  # it may have pinned the KV already
@@ -285,6 +288,8 @@ class Dispatcher:
                 if not retrying:
                     raise RouterError(503, f"prefill failed on {len(tried)} instance(s): "
                                            f"{'; '.join(failures)}", code="upstream_failed") from None
+            finally:
+                inst.prefilling.pop(request_id, None)
 
     async def _decode(self, route: RouteRequest, req: pb.DecodeRequest, deadline: float, lost: list[Instance],
                       first: TokenChunk | None = None, prefill: Instance | None = None) -> AsyncIterator[TokenChunk]:

@@ -47,6 +47,9 @@ class Instance:
         # Decode streams this router has open here (admitted, pulling KV or generating): fresh
         # where the load report's num_running is up to a poll old, but this router's alone.
         self.streams = 0
+        # Prompts this router has computing here (a prefill instance), request id -> the tokens
+        # routing added (`RoutingPolicy.added_load`), in the order they were sent.
+        self.prefilling: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"

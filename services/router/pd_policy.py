@@ -21,8 +21,13 @@
       takes (the decode's compute being the same model on the same kind of device), so the
       wait it saves at the prefill must exceed the prompt's own compute once for every stream
       it holds up; on an idle decode, the prompt's own tokens (it would wait longer than
-      computing it takes). (Until 2026-12-04 the running streams were not counted: a long
-      prompt computed on a busy decode made the streams there miss a tight TPOT, docs/routing.md);
+      computing it takes). The requests now computing at the prefill pool that will finish
+      before the local prompt does reach a decode meanwhile and stall too, each for the rest of
+      the prompt's compute (counted in tokens: the prompt's uncached tokens less the prefill
+      tokens ahead of and in that request, this router's own in the order it sent them, shared
+      among the decodes that prefill pairs with). (Until 2026-12-04 the running streams were
+      not counted, until 2026-12-05 the arriving ones: a long prompt computed on a busy decode
+      made the streams there miss a tight TPOT, docs/routing.md);
   else the prompt goes to a prefill instance.
 Each decision is counted in pdserve:router_pd_decisions_total{decision, reason}.
 """
@@ -94,12 +99,17 @@ class PdPolicy:
             return PdDecision(False, "no_prefill", local)
         queue = min(i.queued_tokens for i in prefills)
         running = self._running(decode)
-        bound = uncached * (1 + running) if self.max_prefill_queue_tokens is None else self.max_prefill_queue_tokens
+        arriving = self._arriving_stall(prefills, uncached)
+        if self.max_prefill_queue_tokens is None:
+            bound = uncached * (1 + running) + arriving
+        else:
+            bound = self.max_prefill_queue_tokens
         here = queue > bound and self._has_room(decode)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%d prompt tokens, %d uncached on %s (%d running, %d waiting): prefill queue %d "
-                         "against a bound of %d: %s", len(route.prompt_token_ids), uncached, decode.address, running,
-                         decode.load.num_waiting if decode.load is not None else 0, queue, bound,
+            logger.debug("%d prompt tokens, %d uncached on %s (%d running, %d waiting, %d tokens of stall for "
+                         "requests arriving from the prefill pool): prefill queue %d against a bound of %d: %s",
+                         len(route.prompt_token_ids), uncached, decode.address, running,
+                         decode.load.num_waiting if decode.load is not None else 0, arriving, queue, bound,
                          "computed on the decode" if here else "sent to a prefill")
         if here:
             return PdDecision(False, "prefill_queue", local)
@@ -112,6 +122,29 @@ class PdPolicy:
         has open there now (the request it sent since the report included)."""
         reported = decode.load.num_running if decode.load is not None else 0
         return max(reported, decode.streams)
+
+    def _arriving_stall(self, prefills, uncached: int) -> int:
+        """Stream-time, in prompt tokens, that a prompt of `uncached` tokens computed on a decode
+        costs the requests that this router has computing at `prefills` and that finish before it:
+        each reaches a decode while the prompt computes and waits out the rest of it. A prefill
+        computes its requests in the order they came (this router's, as it sent them), at about
+        the decode's token rate (the same model on the same kind of device), and what its load
+        report no longer counts was computed from the head; a finished request goes to one of
+        the healthy decodes that prefill pairs with, this one as likely as another."""
+        decodes = self.pool.healthy("decode")
+        stall = 0.0
+        for p in prefills:
+            tokens = list(p.prefilling.values())
+            if not tokens:
+                continue
+            share = 1 / max(1, sum(1 for d in decodes if self.pool.pairs.can_pair(p, d)))
+            finished_at = -max(0, sum(tokens) - p.load_score)  # computed already, as its load shows
+            for t in tokens:
+                finished_at += t
+                if finished_at >= uncached:
+                    break
+                stall += (uncached - max(0, finished_at)) * share
+        return round(stall)
 
     def _has_room(self, decode) -> bool:
         report = decode.load

@@ -29,9 +29,9 @@ BS = 4
 PROMPT = list(range(100, 140))  # 10 blocks
 
 
-def inst(address: str, load: int = 0, streams: int = 0, **report):
+def inst(address: str, load: int = 0, streams: int = 0, prefilling: dict | None = None, **report):
     fake = SimpleNamespace(address=address, load_score=load, load=pb.LoadReport(**report) if report else None,
-                           streams=streams)
+                           streams=streams, prefilling=prefilling or {})
     fake.queued_tokens = Instance.queued_tokens.fget(fake)  # the router's own rule
     return fake
 
@@ -205,6 +205,30 @@ def test_the_streams_counted_are_the_more_of_the_report_and_the_routers_own(repo
     pd = PdPolicy("conditional", make_policy("auto", index_with({"d": []})),
                   FakePool([inst("p", load=prefill_load)], [decode]), metrics, max_local_prefill_tokens=8)
     decision = pd.decide(route(PROMPT))
+    assert (decision.disaggregate, decision.reason) == expect
+
+
+@pytest.mark.parametrize("prefilling,prefill_load,decodes,expect", [
+    # The 40-token prompt on an idle decode, the prefill's queue 70 tokens: worth computing here
+    # alone, but "a" (10 tokens) reaches the decode 10 tokens into it and waits out the other 30.
+    ({"a": 10, "b": 60}, 70, 1, (True, "long_uncached")),  # bound 40 + 30
+    ({"a": 10, "b": 60}, 71, 1, (False, "prefill_queue")),  # one token over the bound
+    ({"a": 10, "b": 60}, 70, 2, (False, "prefill_queue")),  # "a" goes to either decode: 15 expected here
+    ({"a": 50, "b": 50}, 100, 1, (False, "prefill_queue")),  # both finish after the local prompt: bound 40
+    # Its load report no longer counts 15 of "a"'s 30 tokens: "a" ends at 15, stalled for 25.
+    ({"a": 30, "b": 45}, 60, 1, (True, "long_uncached")),  # bound 40 + 25 = 65 > 60
+    ({"a": 5, "b": 5, "c": 100}, 111, 1, (False, "prefill_queue")),  # two arrive, stalled 35 + 30: bound 105
+    # The load shows 106 of their 110 tokens: "a" ends at 1 (stalled 39), "b" at 6 (34): bound 113.
+    ({"a": 5, "b": 5, "c": 100}, 106, 1, (True, "long_uncached")),
+])
+def test_prompts_the_prefill_finishes_during_a_local_prompt_count_as_streams_it_stalls(prefilling, prefill_load,
+                                                                                   decodes, expect):
+    metrics = RouterMetrics()
+    pool = FakePool([inst("p", load=prefill_load, prefilling=prefilling)],
+                    [inst(f"d{i}", num_waiting=0, kv_cache_usage=0.3) for i in range(decodes)])
+    index = index_with({f"d{i}": [] for i in range(decodes)})
+    decision = PdPolicy("conditional", make_policy("auto", index), pool, metrics,
+                        max_local_prefill_tokens=8).decide(route(PROMPT))
     assert (decision.disaggregate, decision.reason) == expect
 
 

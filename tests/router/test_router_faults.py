@@ -106,6 +106,27 @@ def test_client_disconnect_during_prefill_aborts_prefill(make_stack):
     assert not stack.decodes[0].engine.requests  # decode never heard of them
     assert stack.metric("pdserve:router_client_aborts_total") == 2
     assert stack.prefills[0].calls.count("/pdserve.v1.Engine/Abort") == 2  # the role-free service
+    assert stack.router.pool.instances("prefill")[0].prefilling == {}  # nothing counted as computing there
+
+
+def test_the_router_counts_the_prompts_it_has_computing_at_each_prefill_in_the_order_sent(make_stack, tokenizer):
+    stack = make_stack(prefill=1, decode=1)
+    prefill = stack.prefills[0].engine
+    prefill.gate = asyncio.Event()
+    router_side = stack.router.pool.instances("prefill")[0]
+    prompts = {"first": "Hello world", "second": "Hello world, and a longer prompt than the first"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = []
+        for rid, prompt in prompts.items():
+            futures.append(pool.submit(stack.post, "/v1/completions", {"prompt": prompt, "max_tokens": 3},
+                                       {"X-Request-Id": rid}))
+            wait_until(lambda: rid in client_ids(prefill.running), what=f"{rid}'s prefill running")
+        # Prompt tokens plus the one token a prefill generates (the load the engine reports).
+        assert (client_ids(router_side.prefilling), list(router_side.prefilling.values())) == (
+            list(prompts), [len(tokenizer.encode(p)) + 1 for p in prompts.values()])
+        stack.lt.loop.call_soon_threadsafe(prefill.gate.set)
+        assert all(f.result()[0] == 200 for f in futures)
+    assert router_side.prefilling == {}
 
 
 def test_stop_string_cancels_the_decode_stream(make_stack, tokenizer):
@@ -127,6 +148,7 @@ def test_slow_prefill_times_out_and_is_retried(make_stack):
     assert stack.metric("pdserve:router_upstream_retries_total",
                         {"role": "prefill", "instance": slow.address, "code": "DEADLINE_EXCEEDED"}) >= 1
     wait_until(lambda: len(slow.engine.aborts) >= 1, what="the timed-out prefill aborted")
+    assert all(inst.prefilling == {} for inst in stack.router.pool.instances("prefill"))
 
 
 def test_request_timeout_is_504(make_stack):
