@@ -99,7 +99,7 @@ class PdPolicy:
             return PdDecision(False, "no_prefill", local)
         queue = min(i.queued_tokens for i in prefills)
         running = self._running(decode)
-        arriving = self._arriving_stall(prefills, uncached)
+        arriving = self._arriving_stall(prefills, decodes, uncached)
         if self.max_prefill_queue_tokens is None:
             bound = uncached * (1 + running) + arriving
         else:
@@ -123,15 +123,15 @@ class PdPolicy:
         reported = decode.load.num_running if decode.load is not None else 0
         return max(reported, decode.streams)
 
-    def _arriving_stall(self, prefills, uncached: int) -> int:
+    def _arriving_stall(self, prefills, decodes, uncached: int) -> int:
         """Stream-time, in prompt tokens, that a prompt of `uncached` tokens computed on a decode
         costs the requests that this router has computing at `prefills` and that finish before it:
         each reaches a decode while the prompt computes and waits out the rest of it. A prefill
         computes its requests in the order they came (this router's, as it sent them), at about
         the decode's token rate (the same model on the same kind of device), and what its load
         report no longer counts was computed from the head; a finished request goes to one of
-        the healthy decodes that prefill pairs with, this one as likely as another."""
-        decodes = self.pool.healthy("decode")
+        `decodes` (healthy, less those this request lost) that prefill pairs with, this one as
+        likely as another."""
         stall = 0.0
         for p in prefills:
             tokens = list(p.prefilling.values())
