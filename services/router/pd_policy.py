@@ -99,10 +99,11 @@ class PdPolicy:
             return PdDecision(False, "no_prefill", local)
         queue = min(i.queued_tokens for i in prefills)
         running = self._running(decode)
-        arriving = self._arriving_stall(prefills, decodes, uncached)
         if self.max_prefill_queue_tokens is None:
+            arriving = self._arriving_stall(prefills, decodes, uncached)
             bound = uncached * (1 + running) + arriving
-        else:
+        else:  # a fixed bound: the arriving requests are not weighed
+            arriving = 0
             bound = self.max_prefill_queue_tokens
         here = queue > bound and self._has_room(decode)
         if logger.isEnabledFor(logging.DEBUG):

@@ -239,6 +239,17 @@ def test_a_fixed_queue_bound_is_the_operators_whatever_runs_on_the_decode():
     assert (decision.disaggregate, decision.reason) == (False, "prefill_queue")
 
 
+def test_a_fixed_queue_bound_does_not_weigh_the_prompts_arriving_from_the_prefill():
+    # By default "a" arriving 10 tokens into the 40-token local prompt raises the bound to 70;
+    # an operator's bound of 69 is the bound.
+    pool = FakePool([inst("p", load=70, prefilling={"a": 10, "b": 60})],
+                    [inst("d0", num_waiting=0, kv_cache_usage=0.3)])
+    for fixed, expect in ((None, (True, "long_uncached")), (69, (False, "prefill_queue"))):
+        decision = PdPolicy("conditional", make_policy("auto", index_with({"d0": []})), pool, RouterMetrics(),
+                            max_local_prefill_tokens=8, max_prefill_queue_tokens=fixed).decide(route(PROMPT))
+        assert (decision.disaggregate, decision.reason) == expect
+
+
 @pytest.mark.parametrize("prefill_load,expect", [
     (2048 + 40, (True, "long_uncached")),  # one step's worth may be running now: 40 queued, as long as the prompt
     (2048 + 41, (False, "prefill_queue")),  # 41 surely wait behind the running step
