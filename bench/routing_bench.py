@@ -307,9 +307,11 @@ def plot(results: dict[str, dict], out: str) -> str:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, names, title in ((axes[0], ("least_load", "kv_aware"), "(a) multi-tenant shared prefixes"),
-                             (axes[1], ("always", "never", "conditional"), "(b) mixed prompt lengths")):
+    panels = [(names, title) for names, title in ((("least_load", "kv_aware"), "(a) multi-tenant shared prefixes"),
+                                                  (("always", "never", "conditional"), "(b) mixed prompt lengths"))
+              if any(name in results for name in names)]  # the parts run
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (names, title) in zip(axes[0], panels):
         for name in names:
             if name in results:
                 xs = np.sort([t * 1000 for t in results[name]["ttfts"] if t > 0])

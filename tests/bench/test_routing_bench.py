@@ -82,3 +82,19 @@ def test_bad_capacity_search_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--parts", "b", "--goodput-b"])  # no SLO: nothing for goodput to count
     assert "give at least one" in capsys.readouterr().err
+
+
+def test_the_figure_has_a_panel_for_each_part_run(tmp_path):
+    from PIL import Image
+
+    from bench.routing_bench import plot
+
+    run = {"ttfts": [0.1, 0.2, 0.4]}
+    widths = {}
+    for parts, results in (("b", {"always": run, "never": run, "conditional": run}),
+                           ("ab", {"least_load": run, "kv_aware": run, "always": run, "conditional": run})):
+        out = tmp_path / parts
+        out.mkdir()
+        with Image.open(plot(results, str(out))) as image:
+            widths[parts] = image.width
+    assert widths["ab"] == 2 * widths["b"]  # no empty panel for a part not run
