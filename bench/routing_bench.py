@@ -18,8 +18,10 @@ and none draws lighter work.
     each policy's capacity (DistServe's goodput, bench/capacity.py): the highest Poisson rate at
     which --attainment (0.9) of a rung's requests meet both SLOs, rungs from --b-start-rate (1
     req/s) x --b-rung-factor (1.25) up while they pass and down while they fail, then
-    --b-refine (1) bisection between the bracketing rungs; a rung is --b-rung-seconds (60) of
-    arrivals, fresh prompts per rung, the same lengths for every policy; the policies' searches
+    --b-refine (1) bisection between the bracketing rungs; a rung is --b-rung-seconds (180) of
+    arrivals, fresh prompts per rung, the same lengths for every policy (rungs of 60 s, 40-60
+    requests against a 90% threshold, moved a rung either way on two requests: three runs gave
+    0.89-1.25 on one machine; (b) takes about 35 minutes at 180 s); the policies' searches
     are interleaved, a rung of each in turn, so that the machine's drift falls on all of them.
     (Requests in SLO per second at one rate, --rate-b R, cannot separate policies that all meet
     the SLOs there: the better one's margin is at most 1 / the other's attainment.) Equal
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--b-rung-factor", type=float, default=1.25, help="(b) capacity search: rate ratio between rungs")
     ap.add_argument("--b-refine", type=int, default=1,
                     help="(b) capacity search: bisections between the last passing and the first failing rung")
-    ap.add_argument("--b-rung-seconds", type=float, default=60.0,
+    ap.add_argument("--b-rung-seconds", type=float, default=180.0,
                     help="(b) capacity search: seconds of arrivals per rung (at least --mixed-prompts requests)")
     ap.add_argument("--attainment", type=float, default=0.9,
                     help="(b) capacity search: the share of a rung's requests that must meet both SLOs")
