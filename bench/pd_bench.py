@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, allowed_cpus, ensure_tiny_model, exit_on_signals, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
 
@@ -169,4 +169,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

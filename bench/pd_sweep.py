@@ -51,6 +51,7 @@ from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noq
 from bench.serve import run_benchmark  # noqa: E402
 from bench.sim_validate import ARRIVAL_SEED, fresh_profile, sim_requests  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
+from bench.procs import exit_on_signals  # noqa: E402
 from services.planner.plan import choose, plan_widths, resolve_slo  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
 from services.planner.workload import Workload  # noqa: E402
@@ -328,4 +329,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from services.launcher import free_port, http_ok  # noqa: F401 (the benchmarks' import point)
+from services.launcher import exit_on_signals, free_port, http_ok, stop_with_parent  # noqa: F401 (the benchmarks' import point)
 
 
 def ensure_tiny_model(path: str, **shape) -> str:
@@ -19,13 +19,19 @@ def ensure_tiny_model(path: str, **shape) -> str:
     return path
 
 
+def _child_setup(cores: set[int] | None) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
+    stop_with_parent()  # a benchmark killed outright leaves no stack serving
+
+
 class Proc:
     def __init__(self, name: str, cmd: list[str], cores: set[int] | None = None, env: dict | None = None,
                  log_dir: str | None = None) -> None:
         self.name = name
         log = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: _child_setup(cores))
 
     def alive(self) -> bool:
         return self.proc.poll() is None

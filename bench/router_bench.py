@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.procs import Proc, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, exit_on_signals, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from services.api.pdserve.v1 import pdserve_pb2 as pb  # noqa: E402
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -177,4 +177,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

@@ -49,7 +49,7 @@ sys.path.insert(0, ROOT)
 
 from bench.capacity import interleave, rung_size, search  # noqa: E402
 from bench.metrics import parse_slos  # noqa: E402
-from bench.procs import Proc, allowed_cpus, ensure_tiny_model, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import Proc, allowed_cpus, ensure_tiny_model, exit_on_signals, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import BenchRequest, relabel, shared_prefix, synthetic  # noqa: E402
 
@@ -476,4 +476,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve  # noqa: E402
-from bench.procs import allowed_cpus, pdserve_cmd  # noqa: E402
+from bench.procs import allowed_cpus, exit_on_signals, pdserve_cmd  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.workloads import poisson_arrivals, synthetic  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
@@ -200,4 +200,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

@@ -25,7 +25,7 @@ import aiohttp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.procs import ensure_tiny_model  # noqa: E402
+from bench.procs import ensure_tiny_model, exit_on_signals  # noqa: E402
 from bench.serve import sse_events  # noqa: E402
 from bench.soak_stack import SoakStack  # noqa: E402
 from bench.workloads import poisson_arrivals  # noqa: E402
@@ -424,4 +424,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signals()  # SIGTERM stops the stack this started, too
     sys.exit(main())

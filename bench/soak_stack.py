@@ -2,7 +2,6 @@
 as a Deployment's pods are, and a proxy in front of each prefill's KV port that can cut a pull."""
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -14,14 +13,13 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import descendants, free_port, grpc_serving, http_ok, pdserve_cmd
+from bench.procs import descendants, free_port, grpc_serving, http_ok, pdserve_cmd, stop_with_parent
 
 # Decodes reach a prefill's KV port through its proxy: the prefill binds 127.0.0.1:P and its
 # handles name PROXY_HOST:P (--kv-advertise-host), where the proxy listens. Both are loopback.
 PROXY_HOST = "127.0.0.2"
 CUT_MIN_BYTES = 1024  # control messages are smaller; KV bytes come in larger reads
 RESTART_BACKOFF_S = 1.0
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class Service:
@@ -40,7 +38,7 @@ class Service:
     def start(self) -> None:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=_stop_with_parent)
+                                         preexec_fn=stop_with_parent)
 
     @property
     def pid(self) -> int:
@@ -254,11 +252,6 @@ class SoakStack:
         for p in self.proxies:
             p.close()
         return codes
-
-
-def _stop_with_parent() -> None:
-    """SIGTERM when the soak dies (killed by a test's timeout, say): no stack left running."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def rss_kb(pid: int) -> int:

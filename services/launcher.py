@@ -60,6 +60,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_with_parent() -> None:
+    """A child's preexec_fn: SIGTERM (a service drains on it) when the process that started it dies,
+    even by SIGKILL (Linux's PR_SET_PDEATHSIG; elsewhere nothing). Start such children from the main
+    thread: the signal comes when the starting *thread* exits."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)) -> None:
+    """SIGTERM or SIGHUP ends this process as SystemExit(128 + signum) instead of outright, so its
+    `finally` blocks and context managers stop what it started (a benchmark's stack of services);
+    further signals are ignored while that runs. Call from the main thread."""
+    def on_signal(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for s in signals:
+        signal.signal(s, on_signal)
+
+
 @dataclass
 class Child:
     name: str

@@ -26,6 +26,7 @@ from engine import cpu_allocator
 from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
                                  KVLoad, zeroed_kv_caches)
 from services.common.flags import add
+from services.launcher import exit_on_signals
 from services.planner.costmodel import StepPoint, fit_quality, fit_step_cost, fit_transfer_cost
 from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, roofline_profile
 from services.planner.profile_serve import ServePathError
@@ -443,8 +444,9 @@ def run_cli(args) -> int:
     if args.roofline:
         return write_roofline(args)
     os.environ["PDSERVE_CPU_ALLOCATOR"] = args.cpu_allocator  # the live service's, too
-    if _started_as_pdserve():  # never re-execute a program that called main() (a test)
+    if _started_as_pdserve():  # never re-execute (or take the signals of) a program that called main() (a test)
         cpu_allocator.reexec_with_allocator(args.cpu_allocator, cpu_allocator.device_type_of(args.device))
+        exit_on_signals()  # SIGTERM stops the live instance and router it measures through, too
     model = args.model or default_model()
     transports = args.transports.split(",") if args.transports else None
     try:

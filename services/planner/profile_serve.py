@@ -59,6 +59,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from services.launcher import stop_with_parent
 from services.planner.costmodel import StepCost, StepPoint
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,11 @@ def _cpu_list(text: str) -> set[int]:
 def _start(cmd: list[str], cores: set[int] | None, stack: ExitStack, ready, what: str) -> int:
     """Start `cmd` (stopped when `stack` closes) and wait until `ready()`; its log in the error
     if it exits first. Returns its pid."""
-    preexec = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+    def preexec() -> None:
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        stop_with_parent()  # a profile killed outright leaves no instance serving
+
     # Its log goes to a file, not a pipe nobody drains while it serves (a full pipe would stall it).
     log = stack.enter_context(tempfile.TemporaryFile())
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=_env(), preexec_fn=preexec)
