@@ -48,10 +48,10 @@ sys.path.insert(0, ROOT)
 from bench.capacity import Ladder, find_capacity, rung_size  # noqa: E402,F401
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
+from bench.procs import exit_on_signals  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
 from bench.sim_validate import ARRIVAL_SEED, fresh_profile, sim_requests  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
-from bench.procs import exit_on_signals  # noqa: E402
 from services.planner.plan import choose, plan_widths, resolve_slo  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
 from services.planner.workload import Workload  # noqa: E402

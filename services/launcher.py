@@ -76,13 +76,16 @@ def stop_with_parent() -> None:
 def exit_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)) -> None:
     """SIGTERM or SIGHUP ends this process as SystemExit(128 + signum) instead of outright, so its
     `finally` blocks and context managers stop what it started (a benchmark's stack of services);
-    further signals are ignored while that runs. Call from the main thread."""
+    further signals are ignored while that runs. A signal this process was started ignoring stays
+    ignored (`nohup` keeps a benchmark through a closed terminal). Call from the main thread."""
+    taken = [s for s in signals if signal.getsignal(s) is not signal.SIG_IGN]
+
     def on_signal(signum, frame):
-        for s in signals:
+        for s in taken:
             signal.signal(s, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    for s in signals:
+    for s in taken:
         signal.signal(s, on_signal)
 
 

@@ -39,9 +39,9 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path) -> tuple[subprocess.Popen, int]:
+def _start(tmp_path, preexec=None) -> tuple[subprocess.Popen, int]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), CHILD], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+                              env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=preexec)
     deadline = time.monotonic() + 60
     while not (tmp_path / "up").exists():
         assert parent.poll() is None, "the benchmark exited during start-up"
@@ -80,3 +80,14 @@ def test_a_benchmark_killed_outright_still_stops_its_stack(tmp_path):
     assert _gone(child), "the child outlived its killed benchmark"
     assert (tmp_path / "drained").read_text() == "drained"  # it got SIGTERM, so a service drains
     assert not (tmp_path / "stopped").exists()
+
+
+def test_a_benchmark_started_under_nohup_keeps_running_through_a_hangup(tmp_path):
+    parent, child = _start(tmp_path, preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    parent.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert parent.poll() is None and not (tmp_path / "drained").exists()
+    parent.send_signal(signal.SIGTERM)  # SIGTERM still stops it, and its stack first
+    assert parent.wait(60) == 128 + signal.SIGTERM
+    assert (tmp_path / "drained").read_text() == "drained"
+    assert _gone(child, 5)
