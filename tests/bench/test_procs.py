@@ -39,9 +39,11 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path, preexec=None) -> tuple[subprocess.Popen, int]:
+def _start(tmp_path, hangup=signal.SIG_DFL) -> tuple[subprocess.Popen, int]:
+    # SIGHUP as a terminal's shell would leave it (this suite may itself run under nohup), or ignored.
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), CHILD], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=preexec)
+                              env=dict(os.environ, PYTHONPATH=ROOT),
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     deadline = time.monotonic() + 60
     while not (tmp_path / "up").exists():
         assert parent.poll() is None, "the benchmark exited during start-up"
@@ -83,7 +85,7 @@ def test_a_benchmark_killed_outright_still_stops_its_stack(tmp_path):
 
 
 def test_a_benchmark_started_under_nohup_keeps_running_through_a_hangup(tmp_path):
-    parent, child = _start(tmp_path, preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    parent, child = _start(tmp_path, hangup=signal.SIG_IGN)
     parent.send_signal(signal.SIGHUP)
     time.sleep(1.0)
     assert parent.poll() is None and not (tmp_path / "drained").exists()
