@@ -87,9 +87,9 @@ def test_a_benchmark_killed_outright_still_stops_its_stack(tmp_path):
 def test_a_benchmark_started_under_nohup_keeps_running_through_a_hangup(tmp_path):
     parent, child = _start(tmp_path, hangup=signal.SIG_IGN)
     parent.send_signal(signal.SIGHUP)
-    time.sleep(1.0)
-    assert parent.poll() is None and not (tmp_path / "drained").exists()
-    parent.send_signal(signal.SIGTERM)  # SIGTERM still stops it, and its stack first
+    # Had the hangup been taken, it would end the benchmark as 129 (Python runs pending handlers in
+    # signal order, and the first one ignores the rest); ignored, only SIGTERM stops it, its stack first.
+    parent.send_signal(signal.SIGTERM)
     assert parent.wait(60) == 128 + signal.SIGTERM
     assert (tmp_path / "drained").read_text() == "drained"
     assert _gone(child, 5)
