@@ -29,6 +29,11 @@ shapes held the loose SLOs at 3-5x the simulated capacity, and at 21 req/s). The
 capacities (and the plan) come from `--plan-requests` (300) requests of the shape, as the rungs
 serve many draws of it, not the cell's 12. Two capacities within one rung are a tie.
 
+Each configuration also serves one request alone (1,024 prompt tokens, 64 out) before and after
+its cells: the report prints it against the profile's prediction (`profile_drift`: the plan is
+only as good as the profile is of the machine now; past 20% it says to profile again) and the
+move between the two (`machine_drift`), as sim_validate does.
+
     python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
     python -m bench.pd_sweep --capacity [--shapes 1:1,1:10] [--slos loose] [--profile FILE]...
 """
@@ -50,10 +55,12 @@ from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
 from bench.procs import exit_on_signals  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402
-from bench.sim_validate import ARRIVAL_SEED, fresh_profile, sim_requests  # noqa: E402
+from bench.sim_validate import ARRIVAL_SEED, PROBE, fresh_profile, probe_requests, sim_requests  # noqa: E402
 from bench.workloads import synthetic  # noqa: E402
 from services.planner.plan import choose, plan_widths, resolve_slo  # noqa: E402
 from services.planner.profile_data import Profile  # noqa: E402
+from services.planner.sim_metrics import summarize  # noqa: E402
+from services.planner.simulator import Fleet, simulate  # noqa: E402
 from services.planner.workload import Workload  # noqa: E402
 
 # Prompt and output lengths per shape, sized so that a cell's requests take about a minute here.
@@ -64,6 +71,11 @@ SLOS = {"loose": "ttft:4000,tpot:100", "tight": "ttft:4000,tpot:x1.5"}
 FLEET_OF = {"1P+1D": "disaggregated", "2C": "colocated", "1Cx2": "colocated-wide"}
 PDSERVE = ("disaggregated", "colocated", "colocated-wide")
 NOISE_REL = 0.1  # goodput within 10% (or one request in SLO over the run) is a tie
+QUICK_PROBE = ("fixed:64", "fixed:8")
+PROBED = ("p50_ttft_ms", "p50_tpot_ms")
+# A lone request this much slower or faster than its profile predicts: the plan was made for a
+# machine of another speed (this VM's moved 30-50% within hours; sim_validate's machine_drift).
+STALE = 0.2
 
 
 @dataclass
@@ -79,6 +91,69 @@ class Cell:
     seed: int = 0  # of the cell's requests; capacity rungs draw theirs from it
 
 
+@dataclass
+class Probe:
+    """One request alone on a configuration before and after its cells, and what the profile of its
+    width predicts for it: how far the machine is from the profile the plan used, and how far it
+    moved while the configuration was measured."""
+    before: dict
+    after: dict | None = None
+    predicted: dict | None = None  # vLLM, or no profile of the configuration's width: none
+
+    def profile_error(self) -> float:
+        """The first probe's larger relative move from the prediction, TTFT or TPOT (0 unpredicted)."""
+        if not self.predicted:
+            return 0.0
+        return max((self.before[k] / self.predicted[k] - 1 for k in PROBED if self.predicted[k] > 0),
+                   key=abs, default=0.0)
+
+    def moved(self) -> float:
+        """The larger relative move between the two probes, TTFT or TPOT (0 without the second)."""
+        if not self.after:
+            return 0.0
+        return max((self.after[k] / self.before[k] - 1 for k in PROBED if self.before[k] > 0),
+                   key=abs, default=0.0)
+
+
+def transport_of(profile: Profile) -> str:
+    return "tcp" if "tcp" in profile.transfers else next(iter(profile.transfers))
+
+
+def predict_probe(profiles: list[Profile], name: str, probe: list) -> dict | None:
+    """The lone request as the simulator predicts it on that configuration's profile (None for vLLM
+    or where no profile has the configuration's width)."""
+    width = 2 if name == "colocated-wide" else 1
+    prof = next((p for p in profiles if p.width == width), None)
+    if prof is None or name not in PDSERVE:
+        return None
+    fleet = (Fleet(num_prefill=1, num_decode=1, transport=transport_of(prof)) if name == "disaggregated"
+             else Fleet(num_colocated=1))
+    return summarize(simulate(prof, fleet, sim_requests(probe, 1.0)))
+
+
+def probe_report(probes: dict[str, Probe], lengths: tuple[str, str]) -> None:
+    print(f"\nprofile check: one request alone ({lengths[0]} prompt, {lengths[1]} output tokens) on each "
+          "configuration before and after its cells, against its profile's prediction")
+
+    def times(s: dict) -> str:
+        return f"TTFT {s['p50_ttft_ms']:.0f} ms, TPOT {s['p50_tpot_ms']:.1f} ms"
+
+    for name, p in probes.items():
+        pred = "" if p.predicted is None else (f"predicted {times(p.predicted)}; measured "
+                                               f"{100 * p.profile_error():+.0f}%: ")
+        after = "" if p.after is None else f"; after its cells {times(p.after)} ({100 * p.moved():+.0f}%)"
+        print(f"  {name:<16}{pred}before its cells {times(p.before)}{after}")
+    worst = max(probes, key=lambda n: abs(probes[n].profile_error()), default=None)
+    profile_drift = abs(probes[worst].profile_error()) if worst else 0.0
+    print(f"profile_drift={profile_drift:.3f}  (the lone request's largest move from its profile's prediction)")
+    print(f"machine_drift={max((abs(p.moved()) for p in probes.values()), default=0.0):.3f}  (its largest "
+          "move between a configuration's first and last probe)")
+    if profile_drift > STALE:
+        print(f"the profiles do not describe this machine now ({worst}'s lone request "
+              f"{100 * probes[worst].profile_error():+.0f}% from the prediction): the simulated capacities "
+              "and the plan's choice are for another speed; profile again (omit --profile)")
+
+
 def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo: str, num: int, seed: int,
               rate: float | None, load: float, plan_requests: int = 0) -> Cell:
     """plan_requests: plan on that many requests of the shape (a capacity ladder serves fresh
@@ -89,7 +164,7 @@ def plan_cell(profiles: list[Profile], shape: str, lengths: tuple[str, str], slo
     planned_on = synthetic(plan_requests, *lengths, vocab_size=4000, seed=seed * 1000 + 499) if plan_requests else reqs
     wl = Workload(tuple(sim_requests(planned_on, 1.0)), f"{shape} ({len(planned_on)} requests)")
     slos = resolve_slo(SLOS[slo], profiles[0], wl)
-    transport = "tcp" if "tcp" in profiles[0].transfers else next(iter(profiles[0].transfers))
+    transport = transport_of(profiles[0])
     # Capacities do not depend on wl's own rate.
     results, _ = plan_widths(profiles, wl, slos, [2], transport)
     capacity = {FLEET_OF[r.name]: r.capacity_rps for r in results if r.name in FLEET_OF}
@@ -289,6 +364,9 @@ def main(argv=None) -> int:
     results: dict[str, dict[int, dict]] = {}
     ladders: dict[str, dict[int, Ladder]] = {}
     warmup = synthetic(2, "fixed:64", "fixed:8", vocab_size=4000, seed=0)
+    probe_lengths = QUICK_PROBE if args.quick else PROBE
+    warm_probe, first_probe, last_probe = probe_requests(probe_lengths)
+    probes: dict[str, Probe] = {}
     logs = os.path.join(args.out, "logs")
     for name in configs:
         try:
@@ -301,6 +379,9 @@ def main(argv=None) -> int:
             continue
         try:
             asyncio.run(run_benchmark(url, None, warmup, progress=False))
+            asyncio.run(run_benchmark(url, None, warm_probe, progress=False))  # the probe's shapes warmed up
+            probe = probes[name] = Probe(asyncio.run(run_benchmark(url, None, first_probe, progress=False)),
+                                         predicted=predict_probe(profiles, name, first_probe))
             for i, c in enumerate(cells):
                 if args.capacity:
                     print(f"  {name} {c.shape} {c.slo}: capacity", flush=True)
@@ -321,8 +402,14 @@ def main(argv=None) -> int:
                       f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
                 with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                     json.dump(results[name], f)
+            probe.after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
         finally:
             cfg.stop()
+    with open(os.path.join(args.out, "probes.json"), "w") as f:
+        json.dump({n: {"predicted": p.predicted and {k: p.predicted[k] for k in PROBED},
+                       **{w: s and {k: s[k] for k in PROBED} for w, s in (("before", p.before), ("after", p.after))}}
+                   for n, p in probes.items()}, f)
+    probe_report(probes, probe_lengths)
     if args.capacity:
         return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment)
     return report(cells, results, not_run)

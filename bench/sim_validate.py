@@ -79,10 +79,10 @@ def compare(name: str, rate: float, measured: dict, predicted: dict) -> list[flo
 PROBE = ("fixed:1024", "fixed:64")  # the drift probe: one request alone on the fleet
 
 
-def probe_requests() -> tuple[list, list, list]:
+def probe_requests(lengths: tuple[str, str] = PROBE) -> tuple[list, list, list]:
     """The probe's warm-up, first and last requests: one each, the probe's lengths, each its own
     prompt (a repeat would hit the prefix cache, and its TTFT would measure no prefill)."""
-    return tuple(synthetic(1, *PROBE, vocab_size=4000, seed=seed) for seed in (99, 100, 101))
+    return tuple(synthetic(1, *lengths, vocab_size=4000, seed=seed) for seed in (99, 100, 101))
 
 
 def drift(predicted_ms: float, before_ms: float, after_ms: float) -> tuple[float, str]:

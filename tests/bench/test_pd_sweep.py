@@ -1,7 +1,11 @@
 """bench/pd_sweep.py --quick: one small cell served for real by 1P+1D and 2C, planned from a given profile."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+
+import pytest
 
 from bench import pd_sweep
 from tests.planner.sim_profiles import CPU_LIKE, profile
@@ -28,6 +32,22 @@ def test_quick_sweep_prints_each_config_the_plans_verdict_and_the_vllm_ratio(tmp
     assert "vllm: not run (--quick)" in out
     assert re.search(r"^plan_choice_won_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_goodput_min_ratio=nan  \(vLLM not run\)", out, re.M)
+    assert_probed(out, tmp_path / "out", {"disaggregated", "colocated"})
+
+
+def assert_probed(out: str, out_dir, configs: set[str]) -> None:
+    """Each configuration's lone request before and after its cells, against its profile's prediction."""
+    lines = dict(re.findall(r"^  (disaggregated|colocated)\s+(predicted TTFT \d+ ms, TPOT [\d.]+ ms; measured "
+                            r"[+-]\d+%: before its cells TTFT \d+ ms, TPOT [\d.]+ ms; after its cells .*)$", out, re.M))
+    assert set(lines) == configs, out
+    drift = re.search(r"^profile_drift=([\d.]+) ", out, re.M)
+    assert drift and re.search(r"^machine_drift=[\d.]+ ", out, re.M), out
+    # The test's profile is a synthetic CPU's, not the tiny model's: the check must say so.
+    assert float(drift[1]) > 0.2 and "profile again (omit --profile)" in out
+    saved = json.loads((out_dir / "probes.json").read_text())
+    assert set(saved) == configs
+    for p in saved.values():
+        assert p["before"]["p50_ttft_ms"] > 0 and p["after"]["p50_tpot_ms"] > 0 and p["predicted"]["p50_ttft_ms"] > 0
 
 
 def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
@@ -52,3 +72,32 @@ def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
     assert re.search(r"rung \+0 [\d.]+ req/s x 4: \d+% in SLO", out)
     assert re.search(r"^plan_choice_won_capacity_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio=nan  \(vLLM not run\)", out, re.M)
+    assert_probed(out, tmp_path / "out", {"disaggregated", "colocated"})
+
+
+def test_probe_says_how_far_the_machine_is_from_the_profile_and_how_far_it_moved():
+    def s(ttft, tpot):
+        return {"p50_ttft_ms": ttft, "p50_tpot_ms": tpot}
+
+    p = pd_sweep.Probe(before=s(1200, 20.0), after=s(1200, 15.0), predicted=s(1000, 20.0))
+    assert p.profile_error() == pytest.approx(0.2)  # TTFT's +20% outweighs TPOT's 0
+    assert p.moved() == pytest.approx(-0.25)  # the larger move keeps its sign
+    assert pd_sweep.Probe(before=s(1200, 20.0)).profile_error() == 0.0  # vLLM: nothing predicted
+    assert pd_sweep.Probe(before=s(1200, 20.0)).moved() == 0.0  # its cells failed before the second probe
+
+
+def test_the_probe_is_predicted_on_the_profile_of_the_configurations_width():
+    one = profile(CPU_LIKE, machine={"device": "cpu", "threads": 1})
+    two = profile(dataclasses.replace(CPU_LIKE, base=CPU_LIKE.base / 2), machine={"device": "cpu", "threads": 2})
+    probe = pd_sweep.probe_requests(pd_sweep.PROBE)[1]
+    assert pd_sweep.predict_probe([one, two], "vllm", probe) is None
+    assert pd_sweep.predict_probe([one], "colocated-wide", probe) is None  # no two-thread profile
+    narrow = pd_sweep.predict_probe([one, two], "colocated", probe)
+    wide = pd_sweep.predict_probe([one, two], "colocated-wide", probe)
+    assert wide == pd_sweep.predict_probe([two, one], "colocated-wide", probe)
+    assert 0 < wide["p50_tpot_ms"] < narrow["p50_tpot_ms"]  # the two-thread profile's faster step
+    disagg = pd_sweep.predict_probe([one, two], "disaggregated", probe)
+    # The prefill streams the first token (the colocated TTFT on the same profile); the KV pull
+    # delays the decode's first step, so the lone request's TPOT is longer.
+    assert disagg["p50_ttft_ms"] == pytest.approx(narrow["p50_ttft_ms"])
+    assert disagg["p50_tpot_ms"] > narrow["p50_tpot_ms"]
