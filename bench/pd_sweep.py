@@ -187,28 +187,36 @@ def measure(url: str, cell: Cell) -> dict:
     return s
 
 
-def rung_requests(cell: Cell, k: int, num: int) -> list:
+def rung_seed(cell: Cell, k: float) -> int:
+    """The seed of rung k's requests: cell.seed * 1000 + 500 + k on the ladder's integer rungs; a
+    refining rung between two (k + 1/2, ...) draws from a stream of its own."""
+    if k == int(k):
+        return cell.seed * 1000 + 500 + int(k)
+    return 10_000_000 + cell.seed * 10_000 + 5_000 + round(k * 64)
+
+
+def rung_requests(cell: Cell, k: float, num: int) -> list:
     """Rung k's requests: fresh prompts (no prefix-cache hits from other rungs); every configuration's
     rung k draws from the same stream."""
-    return synthetic(num, *cell.lengths, vocab_size=4000, seed=cell.seed * 1000 + 500 + k)
+    return synthetic(num, *cell.lengths, vocab_size=4000, seed=rung_seed(cell, k))
 
 
 def measure_capacity(url: str, cell: Cell, base: float, factor: float, seconds: float, min_prompts: int,
-                     target: float, max_up: int, max_down: int, log=print) -> Ladder:
-    def run_rung(k: int) -> dict:
+                     target: float, max_up: int, max_down: int, log=print, refine: int = 0) -> Ladder:
+    def run_rung(k: float) -> dict:
         rate = base * factor ** k
         num = rung_size(rate, seconds, min_prompts)
         s = asyncio.run(run_benchmark(url, None, rung_requests(cell, k, num), rate=rate, slos=cell.slos,
-                                      seed=ARRIVAL_SEED + k, progress=False))
+                                      seed=ARRIVAL_SEED + rung_seed(cell, k) - rung_seed(cell, 0), progress=False))
         out = {"rate": rate, "num_prompts": num, "slo_attainment": s["slo_attainment"],
                "request_goodput": s["request_goodput"], "p90_ttft_ms": s["p90_ttft_ms"],
                "median_tpot_ms": s["median_tpot_ms"], "failed": s["failed"]}
-        log(f"    rung {k:+d} {rate:.3f} req/s x {num}: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
+        log(f"    rung {k:+g} {rate:.3f} req/s x {num}: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
             f"{s['p90_ttft_ms']:.0f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms"
             + (f", {s['failed']} failed" if s["failed"] else ""))
         return out
 
-    return find_capacity(run_rung, target, max_up, max_down)
+    return find_capacity(run_rung, target, max_up, max_down, refine)
 
 
 def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
@@ -321,6 +329,9 @@ def main(argv=None) -> int:
                     help="--capacity: the simulated capacities (and the plan) from this many requests of the "
                          "shape, as the rungs draw theirs (a cell's 12 requests are too few: the 10:1 shape's "
                          "1-2k-token prompts put 1P+1D's at 1.44x what 300 give)")
+    ap.add_argument("--refine", type=int, default=0,
+                    help="--capacity: bisections (in the exponent) between the highest passing rung and the "
+                         "lowest failing one, each a rung of its own (two: a quarter of --rung-factor's step)")
     ap.add_argument("--max-rungs-up", type=int, default=6)
     ap.add_argument("--max-rungs-down", type=int, default=6)
     ap.add_argument("--out", default=os.path.join(BUILD, "sweep"))
@@ -331,9 +342,9 @@ def main(argv=None) -> int:
     configs = args.configs.split(",")
     not_run = {}
     if (args.rung_factor <= 1 or args.rung_prompts < 1 or args.rung_seconds < 0 or not 0 < args.attainment <= 1
-            or args.plan_requests < 1):
-        ap.error("--rung-factor > 1, --rung-prompts >= 1, --rung-seconds >= 0, 0 < --attainment <= 1 and "
-                 "--plan-requests >= 1")
+            or args.plan_requests < 1 or args.refine < 0):
+        ap.error("--rung-factor > 1, --rung-prompts >= 1, --rung-seconds >= 0, 0 < --attainment <= 1, "
+                 "--plan-requests >= 1 and --refine >= 0")
     if args.quick:
         shapes, slos, args.num_prompts, args.plan_requests = ["1:1"], ["loose"], 4, 4
         args.rung_prompts, args.rung_seconds, args.max_rungs_up, args.max_rungs_down = 4, 0.0, 1, 1
@@ -388,7 +399,7 @@ def main(argv=None) -> int:
                     lad = measure_capacity(url, c, c.predicted.get(name) or c.rate, args.rung_factor,
                                            args.rung_seconds, args.rung_prompts, args.attainment,
                                            args.max_rungs_up, args.max_rungs_down,
-                                           log=lambda line: print(line, flush=True))
+                                           log=lambda line: print(line, flush=True), refine=args.refine)
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)

@@ -57,6 +57,12 @@ def test_capacity_rungs_draw_fresh_requests_shared_by_every_config():
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert {tuple(r.prompt) for r in a}.isdisjoint({tuple(r.prompt) for r in pd_sweep.rung_requests(cell, 2, 5)})
     assert all(48 <= len(r.prompt) <= 80 for r in a)
+    # --refine's rungs between two (k + 1/2, k + 1/4) draw fresh prompts of their own.
+    seeds = [pd_sweep.rung_seed(cell, k) for k in (-2, -1, 0, 1, 2, 1.5, 1.25, 1.75, -1.5, 0.5)]
+    assert seeds[:5] == [100_498, 100_499, 100_500, 100_501, 100_502] and len(set(seeds)) == len(seeds)
+    assert all(isinstance(x, int) for x in seeds)
+    refined = pd_sweep.rung_requests(cell, 1.5, 5)
+    assert {tuple(r.prompt) for r in refined}.isdisjoint({tuple(r.prompt) for r in a})
 
 
 def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
