@@ -27,7 +27,9 @@ cell's shape drawn from one stream per rung. A rung must last: an overloaded fle
 by the excess rate, and a short burst is absorbed by the batch (40 requests of the 1:1 and 1:10
 shapes held the loose SLOs at 3-5x the simulated capacity, and at 21 req/s). The simulated
 capacities (and the plan) come from `--plan-requests` (300) requests of the shape, as the rungs
-serve many draws of it, not the cell's 12. Two capacities within one rung are a tie.
+serve many draws of it, not the cell's 12. Two capacities within one rung are a tie. Every
+configuration's stack is up at once and their searches take turns, a rung each (only one serves
+at a time), so a slow phase of the machine falls on all of them rather than on the one it met.
 
 Each configuration also serves one request alone (1,024 prompt tokens, 64 out) before and after
 its cells: the report prints it against the profile's prediction (`profile_drift`: the plan is
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.capacity import Ladder, find_capacity, rung_size  # noqa: E402,F401
+from bench.capacity import Ladder, interleave, rung_size, search  # noqa: E402
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
 from bench.procs import exit_on_signals  # noqa: E402
@@ -201,8 +203,8 @@ def rung_requests(cell: Cell, k: float, num: int) -> list:
     return synthetic(num, *cell.lengths, vocab_size=4000, seed=rung_seed(cell, k))
 
 
-def measure_capacity(url: str, cell: Cell, base: float, factor: float, seconds: float, min_prompts: int,
-                     target: float, max_up: int, max_down: int, log=print, refine: int = 0) -> Ladder:
+def rung_runner(url: str, cell: Cell, base: float, factor: float, seconds: float, min_prompts: int, log=print):
+    """run_rung(k) for one configuration's capacity search on one cell: serves rung k, returns its summary."""
     def run_rung(k: float) -> dict:
         rate = base * factor ** k
         num = rung_size(rate, seconds, min_prompts)
@@ -216,7 +218,20 @@ def measure_capacity(url: str, cell: Cell, base: float, factor: float, seconds: 
             + (f", {s['failed']} failed" if s["failed"] else ""))
         return out
 
-    return find_capacity(run_rung, target, max_up, max_down, refine)
+    return run_rung
+
+
+def interleaved_capacities(stacks: dict[str, str], cell: Cell, base: dict[str, float], args) -> dict[str, Ladder]:
+    """Every configuration's capacity search on one cell, a rung of each in turn (capacity.interleave:
+    each round starts one configuration later), every stack up at once and only one serving: a slow
+    phase of the machine falls on all of them, not on the one measured in it. Run one after another,
+    the 1:10 tight cell measured pdserve's best fleet at 0.60x vLLM; interleaved the same hour, both
+    held every rate up to vLLM's capacity there, pdserve's TPOT ~10% above vLLM's."""
+    runners = {name: rung_runner(url, cell, base[name], args.rung_factor, args.rung_seconds, args.rung_prompts,
+                                 log=lambda line, name=name: print(f"  {name:<15}{line.strip()}", flush=True))
+               for name, url in stacks.items()}
+    searches = {name: search(args.attainment, args.max_rungs_up, args.max_rungs_down, args.refine) for name in stacks}
+    return interleave(searches, lambda name, k: runners[name](k))
 
 
 def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
@@ -379,7 +394,9 @@ def main(argv=None) -> int:
     warm_probe, first_probe, last_probe = probe_requests(probe_lengths)
     probes: dict[str, Probe] = {}
     logs = os.path.join(args.out, "logs")
-    for name in configs:
+
+    def start(name: str):
+        """The configuration's stack, warmed up and probed; None (and why, in not_run) where it cannot run."""
         try:
             cfg, url = (start_vllm(model, logs) if name == "vllm"
                         else start_pdserve(name, model, logs, name == "disaggregated", [],
@@ -387,35 +404,58 @@ def main(argv=None) -> int:
         except Exception as e:  # vLLM not installable or not runnable here: the rest still counts
             not_run[name] = f"{type(e).__name__}: {e}"
             print(f"{name}: not run ({not_run[name]})", flush=True)
-            continue
+            return None
         try:
             asyncio.run(run_benchmark(url, None, warmup, progress=False))
             asyncio.run(run_benchmark(url, None, warm_probe, progress=False))  # the probe's shapes warmed up
-            probe = probes[name] = Probe(asyncio.run(run_benchmark(url, None, first_probe, progress=False)),
-                                         predicted=predict_probe(profiles, name, first_probe))
+            probes[name] = Probe(asyncio.run(run_benchmark(url, None, first_probe, progress=False)),
+                                 predicted=predict_probe(profiles, name, first_probe))
+        except BaseException:
+            cfg.stop()
+            raise
+        return cfg, url
+
+    if args.capacity:
+        # Every stack up at once (one serves at a time), the configurations' rungs interleaved.
+        stacks = {}
+        try:
+            for name in configs:
+                started = start(name)
+                if started is not None:
+                    stacks[name] = started
             for i, c in enumerate(cells):
-                if args.capacity:
-                    print(f"  {name} {c.shape} {c.slo}: capacity", flush=True)
-                    lad = measure_capacity(url, c, c.predicted.get(name) or c.rate, args.rung_factor,
-                                           args.rung_seconds, args.rung_prompts, args.attainment,
-                                           args.max_rungs_up, args.max_rungs_down,
-                                           log=lambda line: print(line, flush=True), refine=args.refine)
+                print(f"  {c.shape} {c.slo}: capacity, {', '.join(stacks)} in turn", flush=True)
+                found = interleaved_capacities({n: url for n, (_, url) in stacks.items()}, c,
+                                               {n: c.predicted.get(n) or c.rate for n in stacks}, args)
+                for name, lad in found.items():
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
-                    continue
-                s = measure(url, c)
-                if s["failed"]:
-                    print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
-                          f"{[e for e in s['errors'] if e][:2]}", flush=True)
-                results.setdefault(name, {})[i] = s
-                print(f"  {name} {c.shape} {c.slo}: {100 * s['slo_attainment']:.0f}% in SLO, goodput "
-                      f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
-                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                    json.dump(results[name], f)
-            probe.after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
+            for name, (_, url) in stacks.items():
+                probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
         finally:
-            cfg.stop()
+            for cfg, _ in stacks.values():
+                cfg.stop()
+    else:
+        for name in configs:
+            started = start(name)
+            if started is None:
+                continue
+            cfg, url = started
+            try:
+                for i, c in enumerate(cells):
+                    s = measure(url, c)
+                    if s["failed"]:
+                        print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
+                              f"{[e for e in s['errors'] if e][:2]}", flush=True)
+                    results.setdefault(name, {})[i] = s
+                    print(f"  {name} {c.shape} {c.slo}: {100 * s['slo_attainment']:.0f}% in SLO, goodput "
+                          f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
+                    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                        json.dump(results[name], f)
+                probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
+            finally:
+                cfg.stop()
     with open(os.path.join(args.out, "probes.json"), "w") as f:
         json.dump({n: {"predicted": p.predicted and {k: p.predicted[k] for k in PROBED},
                        **{w: s and {k: s[k] for k in PROBED} for w, s in (("before", p.before), ("after", p.after))}}

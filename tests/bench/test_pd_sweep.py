@@ -76,6 +76,9 @@ def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
     # The tiny model serves 4 short requests well inside the loose SLO at the cell's rate.
     assert all(cap > 0 for cap in rows.values()), out
     assert re.search(r"rung \+0 [\d.]+ req/s x 4: \d+% in SLO", out)
+    # Both stacks up at once, their rungs in turn: each configuration's rung 0 before either's next.
+    turns = re.findall(r"^  (disaggregated|colocated)\s+rung ([+-][\d.]+) ", out, re.M)
+    assert {turns[0][0], turns[1][0]} == {"disaggregated", "colocated"} and turns[0][1] == turns[1][1] == "+0", out
     assert re.search(r"^plan_choice_won_capacity_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio=nan  \(vLLM not run\)", out, re.M)
     assert_probed(out, tmp_path / "out", {"disaggregated", "colocated"})
