@@ -208,12 +208,14 @@ def rung_runner(url: str, cell: Cell, base: float, factor: float, seconds: float
     def run_rung(k: float) -> dict:
         rate = base * factor ** k
         num = rung_size(rate, seconds, min_prompts)
+        # Arrivals: ARRIVAL_SEED + k on the integer rungs, as before --refine; a stream of their own between.
+        arrivals = ARRIVAL_SEED + rung_seed(cell, k) - rung_seed(cell, 0)
         s = asyncio.run(run_benchmark(url, None, rung_requests(cell, k, num), rate=rate, slos=cell.slos,
-                                      seed=ARRIVAL_SEED + rung_seed(cell, k) - rung_seed(cell, 0), progress=False))
+                                      seed=arrivals, progress=False))
         out = {"rate": rate, "num_prompts": num, "slo_attainment": s["slo_attainment"],
                "request_goodput": s["request_goodput"], "p90_ttft_ms": s["p90_ttft_ms"],
                "median_tpot_ms": s["median_tpot_ms"], "failed": s["failed"]}
-        log(f"    rung {k:+g} {rate:.3f} req/s x {num}: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
+        log(f"rung {k:+g} {rate:.3f} req/s x {num}: {100 * s['slo_attainment']:.0f}% in SLO, TTFT p90 "
             f"{s['p90_ttft_ms']:.0f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms"
             + (f", {s['failed']} failed" if s["failed"] else ""))
         return out
@@ -228,7 +230,7 @@ def interleaved_capacities(stacks: dict[str, str], cell: Cell, base: dict[str, f
     the 1:10 tight cell measured pdserve's best fleet at 0.60x vLLM; interleaved the same hour, both
     held every rate up to vLLM's capacity there, pdserve's TPOT ~10% above vLLM's."""
     runners = {name: rung_runner(url, cell, base[name], args.rung_factor, args.rung_seconds, args.rung_prompts,
-                                 log=lambda line, name=name: print(f"  {name:<15}{line.strip()}", flush=True))
+                                 log=lambda line, name=name: print(f"  {name:<15}{line}", flush=True))
                for name, url in stacks.items()}
     searches = {name: search(args.attainment, args.max_rungs_up, args.max_rungs_down, args.refine) for name in stacks}
     return interleave(searches, lambda name, k: runners[name](k))

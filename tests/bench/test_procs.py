@@ -6,33 +6,36 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from tests.services.service_procs import poll_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A stand-in service: records the SIGTERM it drains on, then exits.
 CHILD = textwrap.dedent("""
-    import signal, sys, time
+    import signal, sys
     def on_term(signum, frame):
         open(sys.argv[1], "w").write("drained")
         sys.exit(0)
     signal.signal(signal.SIGTERM, on_term)
     open(sys.argv[2], "w").write("up")
-    time.sleep(600)
+    while True:
+        signal.pause()  # until its SIGTERM
 """)
 
 # A benchmark as the bench mains run: signals become SystemExit, the stack stops in `finally`.
 PARENT = textwrap.dedent("""
-    import os, sys, time
+    import signal, sys
     from bench.procs import Proc, exit_on_signals
     exit_on_signals()
     tmp = sys.argv[1]
     child = Proc("child", [sys.executable, "-c", sys.argv[2], tmp + "/drained", tmp + "/up"])
     open(tmp + "/child.pid", "w").write(str(child.proc.pid))
     try:
-        time.sleep(600)
+        while True:
+            signal.pause()  # until a signal ends it (exit_on_signals), or SIGKILL
     finally:
         child.stop(timeout=30)
         open(tmp + "/stopped", "w").write(str(child.proc.returncode))
@@ -44,25 +47,23 @@ def _start(tmp_path, hangup=signal.SIG_DFL) -> tuple[subprocess.Popen, int]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), CHILD], cwd=ROOT,
                               env=dict(os.environ, PYTHONPATH=ROOT),
                               preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "up").exists():
+    def up() -> bool:
         assert parent.poll() is None, "the benchmark exited during start-up"
-        assert time.monotonic() < deadline, "the child never came up"
-        time.sleep(0.05)
+        return (tmp_path / "up").exists()
+
+    assert poll_until(up, 60), "the child never came up"
     return parent, int((tmp_path / "child.pid").read_text())
 
 
 def _gone(pid: int, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def exited() -> bool:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
-                    return True
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
         except FileNotFoundError:
             return True
-        time.sleep(0.05)
-    return False
+
+    return poll_until(exited, timeout)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
