@@ -1,4 +1,5 @@
-"""The CPU attention path (C++ decode kernel + torch prefill) against kernels.reference."""
+"""The CPU attention path (C++ decode and prefill kernels, SDPA prefill without them) against
+kernels.reference."""
 from __future__ import annotations
 
 import pytest
@@ -72,13 +73,15 @@ def test_mixed_decode_and_prefill_batch():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
-@pytest.mark.parametrize("masked", [False, True], ids=["split", "masked"])
-def test_chunks_after_context_match_reference(heads, kv_heads, masked, monkeypatch):
-    """A prompt's later chunk (the context unmasked plus its own causal triangle, merged by
-    log-sum-exp; or, where torch lacks the flash op with log-sum-exp, an explicit mask): long
-    chunks after short context and the reverse, a few speculative tokens after a long context,
-    beside a fresh prompt and a decode."""
-    if masked:
+@pytest.mark.parametrize("path", ["cpp", "sdpa-split", "sdpa-masked"])
+def test_chunks_after_context_match_reference(heads, kv_heads, path, monkeypatch):
+    """A prompt's later chunk beside a fresh prompt and a decode: long chunks after short context
+    and the reverse, a few speculative tokens after a long context. Through the C++ kernel, and
+    through SDPA as without it (the context unmasked plus the chunk's own causal triangle, merged
+    by log-sum-exp; or, where torch lacks the flash op with log-sum-exp, an explicit mask)."""
+    if path != "cpp":
+        monkeypatch.setattr(torch_attention, "_prefill", torch_attention._sdpa_prefill)
+    if path == "sdpa-masked":
         monkeypatch.setattr(torch_attention, "_FLASH_LSE", None)
     q_lens = [300, 40, 3, 1, 64, 129]
     ctx = [300 + 700, 40 + 16, 3 + 1000, 77, 64, 129 + 1]
@@ -87,6 +90,72 @@ def test_chunks_after_context_match_reference(heads, kv_heads, masked, monkeypat
     out = torch.full_like(q, float("nan"))
     torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _prefill(q, kv, qsl, lens, tables, scale):
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.load().paged_prefill_attention(q, kv, qsl.long(), lens, tables, scale, out)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (8, 1), (12, 4), (7, 7), (32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 32])  # unrolled sizes, and runtime ones
+def test_prefill_kernel_matches_reference(heads, kv_heads, head_dim):
+    """Fresh prompts and chunks after context of lengths that leave partial tiles of rows and
+    keys (a tile is 64 (token, head) rows of one KV head against 64 keys), in one call."""
+    q_lens = [1, 2, 17, 70, 200]
+    ctx = [33, 2, 17, 70 + 129, 200 + 5]
+    q, kv, qsl, lens, tables = make_case(q_lens, ctx, heads, kv_heads, head_dim, block_size=16)
+    expected = reference.paged_attention(q, kv, qsl, lens, tables, head_dim ** -0.5)
+    torch.testing.assert_close(_prefill(q, kv, qsl, lens, tables, head_dim ** -0.5), expected,
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_prefill_kernel_long_prompts_any_threads(threads, block_size):
+    """Long prompts, whose tiles differ most in cost (handed out longest first), at thread
+    counts below, at and above the number of sequences."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kv, qsl, lens, tables = make_case([1100, 333], [1100, 333 + 900], 8, 4, block_size=block_size)
+        expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.125)
+        torch.testing.assert_close(_prefill(q, kv, qsl, lens, tables, 0.125), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_prefill_kernel_half_precision(dtype, tol):
+    q, kv, qsl, lens, tables = make_case([150, 40], [150, 40 + 90], 8, 2, dtype=dtype)
+    expected = reference.paged_attention(q.float(), kv.float(), qsl, lens, tables, 0.125)
+    out = _prefill(q, kv, qsl, lens, tables, 0.125)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_peaked_scores_and_unused_table_entries():
+    """Scores spanning the float range (most weights exactly 0), and block-table entries past a
+    sequence's keys that are no block id at all: only the blocks a sequence reaches are read."""
+    q, kv, qsl, lens, tables = make_case([90, 20], [90, 20], 8, 4, head_dim=32)
+    tables[1, 2:] = -5  # 20 keys use 2 blocks of 16
+    expected = reference.paged_attention(q * 8, kv * 8, qsl, lens, tables.clamp(min=0), 1.0)
+    out = _prefill(q * 8, kv * 8, qsl, lens, tables, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_prefill_kernel_refuses_inconsistent_inputs():
+    q, kv, qsl, lens, tables = make_case([10, 5], [10, 5], 8, 4)
+    with pytest.raises(RuntimeError, match="query rows but"):
+        _prefill(q, kv, qsl, torch.tensor([10, 4], dtype=torch.int32), tables, 0.1)
+    bad = tables.clone()
+    bad[0, 0] = kv.shape[1]
+    with pytest.raises(RuntimeError, match="outside"):
+        _prefill(q, kv, qsl, lens, bad, 0.1)
+    with pytest.raises(RuntimeError, match="span"):
+        _prefill(q, kv, torch.tensor([0, 10, 14]), lens, tables, 0.1)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
