@@ -34,7 +34,10 @@ at a time), so a slow phase of the machine falls on all of them rather than on t
 Each configuration also serves one request alone (1,024 prompt tokens, 64 out) before and after
 its cells: the report prints it against the profile's prediction (`profile_drift`: the plan is
 only as good as the profile is of the machine now; past 20% it says to profile again) and the
-move between the two (`machine_drift`), as sim_validate does.
+move between the two (`machine_drift`), as sim_validate does. With `--capacity` one of them (a
+one-thread pdserve stack where there is one) also serves it before each round of rungs: the report
+prints the machine's move round by round and `machine_drift_during_search`, and says where a move
+past 20% makes failed rungs the machine's rather than the configurations'.
 
     python -m bench.pd_sweep [--quick] [--profile FILE]... [--configs disaggregated,colocated,colocated-wide,vllm]
     python -m bench.pd_sweep --capacity [--shapes 1:1,1:10] [--slos loose] [--profile FILE]...
@@ -47,7 +50,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -78,6 +81,7 @@ PROBED = ("p50_ttft_ms", "p50_tpot_ms")
 # A lone request this much slower or faster than its profile predicts: the plan was made for a
 # machine of another speed (this VM's moved 30-50% within hours; sim_validate's machine_drift).
 STALE = 0.2
+GAUGE_SEED = 200_000  # the gauge's prompts: clear of the probes' (99-101) and the rungs' (~100_000 + 500)
 
 
 @dataclass
@@ -93,6 +97,11 @@ class Cell:
     seed: int = 0  # of the cell's requests; capacity rungs draw theirs from it
 
 
+def move(now: dict, base: dict) -> float:
+    """The larger relative move of `now` from `base`, TTFT or TPOT, with its sign (0: nothing to compare)."""
+    return max((now[k] / base[k] - 1 for k in PROBED if base[k] > 0), key=abs, default=0.0)
+
+
 @dataclass
 class Probe:
     """One request alone on a configuration before and after its cells, and what the profile of its
@@ -104,17 +113,39 @@ class Probe:
 
     def profile_error(self) -> float:
         """The first probe's larger relative move from the prediction, TTFT or TPOT (0 unpredicted)."""
-        if not self.predicted:
-            return 0.0
-        return max((self.before[k] / self.predicted[k] - 1 for k in PROBED if self.predicted[k] > 0),
-                   key=abs, default=0.0)
+        return move(self.before, self.predicted) if self.predicted else 0.0
 
     def moved(self) -> float:
         """The larger relative move between the two probes, TTFT or TPOT (0 without the second)."""
-        if not self.after:
-            return 0.0
-        return max((self.after[k] / self.before[k] - 1 for k in PROBED if self.before[k] > 0),
-                   key=abs, default=0.0)
+        return move(self.after, self.before) if self.after else 0.0
+
+
+@dataclass
+class Gauge:
+    """The machine's speed while interleaved searches run: one request alone on one stack before
+    each round of rungs. The rungs of a round alternate between configurations, so a move of the
+    machine falls on all of them alike, but the tight SLO is fixed from the profile: a machine
+    slower by more than STALE fails rungs its configurations would hold, and only the ratios
+    between them still say something."""
+    name: str
+    url: str
+    lengths: tuple[str, str]  # the probe's
+    seed: int  # round r's prompt: seed + r (a repeat would hit the prefix cache)
+    readings: list = field(default_factory=list)
+
+    def __call__(self, round_: int) -> None:
+        probe = synthetic(1, *self.lengths, vocab_size=4000, seed=self.seed + round_)
+        s = asyncio.run(run_benchmark(self.url, None, probe, progress=False))
+        self.readings.append({k: s[k] for k in PROBED})
+        print(f"  round {round_}: one request alone on {self.name}: TTFT {s['p50_ttft_ms']:.0f} ms, TPOT "
+              f"{s['p50_tpot_ms']:.1f} ms ({100 * self.moves()[-1]:+.0f}% from round 0)", flush=True)
+
+    def moves(self) -> list[float]:
+        return [move(r, self.readings[0]) for r in self.readings]
+
+    def drift(self) -> float:
+        """The largest move from round 0, with its sign."""
+        return max(self.moves(), key=abs, default=0.0)
 
 
 def transport_of(profile: Profile) -> str:
@@ -223,21 +254,23 @@ def rung_runner(url: str, cell: Cell, base: float, factor: float, seconds: float
     return run_rung
 
 
-def interleaved_capacities(stacks: dict[str, str], cell: Cell, base: dict[str, float], args) -> dict[str, Ladder]:
+def interleaved_capacities(stacks: dict[str, str], cell: Cell, base: dict[str, float], args,
+                           gauge: Gauge | None = None) -> dict[str, Ladder]:
     """Every configuration's capacity search on one cell, a rung of each in turn (capacity.interleave:
     each round starts one configuration later), every stack up at once and only one serving: a slow
     phase of the machine falls on all of them, not on the one measured in it. Run one after another,
     the 1:10 tight cell measured pdserve's best fleet at 0.60x vLLM; interleaved the same hour, both
-    held every rate up to vLLM's capacity there, pdserve's TPOT ~10% above vLLM's."""
+    held every rate up to vLLM's capacity there, pdserve's TPOT ~10% above vLLM's. gauge, if
+    given, reads the machine's speed before each round."""
     runners = {name: rung_runner(url, cell, base[name], args.rung_factor, args.rung_seconds, args.rung_prompts,
                                  log=lambda line, name=name: print(f"  {name:<15}{line}", flush=True))
                for name, url in stacks.items()}
     searches = {name: search(args.attainment, args.max_rungs_up, args.max_rungs_down, args.refine) for name in stacks}
-    return interleave(searches, lambda name, k: runners[name](k))
+    return interleave(searches, lambda name, k: runners[name](k), before_round=gauge)
 
 
 def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
-                    factor: float, target: float) -> int:
+                    factor: float, target: float, gauges: dict[int, Gauge] | None = None) -> int:
     print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g} "
           "from the simulated capacity; '>=' where no rung above failed)")
     print(f"{'cell':<16}{'config':<16}{'measured':>10}{'predicted':>11}{'pred/meas':>11}  rungs (req/s: % in SLO)")
@@ -267,11 +300,23 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
                   f"best {best.capacity:.3f} req/s)")
         if c.planned in mine and i in ladders.get("vllm", {}):
             worst = min(worst, ratio(mine[c.planned].capacity, ladders["vllm"][i].capacity))
+        gauge = (gauges or {}).get(i)
+        if gauge is not None and gauge.readings:
+            print(f"{'':<16}the machine, round by round (one request alone on {gauge.name}): "
+                  + ", ".join(f"{100 * m:+.0f}%" for m in gauge.moves()))
+            if abs(gauge.drift()) > STALE:
+                print(f"{'':<16}the machine moved {100 * gauge.drift():+.0f}% during the search: rungs failed "
+                      "after the move may be the machine's; the configurations' rungs alternated, so their "
+                      "ratios hold better than the capacities against the profile's SLO")
     for name, why in not_run.items():
         print(f"{name}: not run ({why})")
     vllm_note = "" if "vllm" in ladders else "  (vLLM not run)"
     print(f"\nplan_choice_won_capacity_cells={sum(wins)}/{len(wins)}")
     print(f"planned_vs_vllm_capacity_min_ratio={worst if worst != math.inf else math.nan:.3f}{vllm_note}")
+    drifts = [abs(g.drift()) for g in (gauges or {}).values() if g.readings]
+    if drifts:
+        print(f"machine_drift_during_search={max(drifts):.3f}  (the lone request's largest move from a search's "
+              "first round)")
     return 0
 
 
@@ -419,7 +464,7 @@ def main(argv=None) -> int:
 
     if args.capacity:
         # Every stack up at once (one serves at a time), the configurations' rungs interleaved.
-        stacks = {}
+        stacks, gauges = {}, {}
         try:
             for name in configs:
                 started = start(name)
@@ -427,12 +472,17 @@ def main(argv=None) -> int:
                     stacks[name] = started
             for i, c in enumerate(cells):
                 print(f"  {c.shape} {c.slo}: capacity, {', '.join(stacks)} in turn", flush=True)
+                if stacks:  # the gauge on a one-thread pdserve stack where there is one
+                    ref = next((n for n in ("colocated", "disaggregated") if n in stacks), next(iter(stacks)))
+                    gauges[i] = Gauge(ref, stacks[ref][1], probe_lengths, GAUGE_SEED + 1000 * i)
                 found = interleaved_capacities({n: url for n, (_, url) in stacks.items()}, c,
-                                               {n: c.predicted.get(n) or c.rate for n in stacks}, args)
+                                               {n: c.predicted.get(n) or c.rate for n in stacks}, args, gauges.get(i))
                 for name, lad in found.items():
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
+                with open(os.path.join(args.out, "gauge.json"), "w") as f:
+                    json.dump({k: {"config": g.name, "readings": g.readings} for k, g in gauges.items()}, f)
             for name, (_, url) in stacks.items():
                 probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
         finally:
@@ -464,7 +514,7 @@ def main(argv=None) -> int:
                    for n, p in probes.items()}, f)
     probe_report(probes, probe_lengths)
     if args.capacity:
-        return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment)
+        return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment, gauges)
     return report(cells, results, not_run)
 
 

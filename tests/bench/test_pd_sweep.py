@@ -85,6 +85,13 @@ def test_quick_capacity_sweep_measures_each_configs_capacity(tmp_path, capsys):
     assert re.search(r"^plan_choice_won_capacity_cells=[01]/1$", out, re.M)
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio=nan  \(vLLM not run\)", out, re.M)
     assert_probed(out, tmp_path / "out", {"disaggregated", "colocated"})
+    # The machine read before each round, on the one-thread colocated stack, and its largest move.
+    assert re.search(r"^  round 0: one request alone on colocated: TTFT \d+ ms, TPOT [\d.]+ ms \(\+0% from round 0\)$",
+                     out, re.M), out
+    assert re.search(r"^ +the machine, round by round \(one request alone on colocated\): \+0%", out, re.M), out
+    assert re.search(r"^machine_drift_during_search=\d+\.\d{3}  ", out, re.M), out
+    gauge = json.loads((tmp_path / "out" / "gauge.json").read_text())
+    assert gauge["0"]["config"] == "colocated" and len(gauge["0"]["readings"]) >= 1
 
 
 def test_probe_says_how_far_the_machine_is_from_the_profile_and_how_far_it_moved():
@@ -113,3 +120,21 @@ def test_the_probe_is_predicted_on_the_profile_of_the_configurations_width():
     # delays the decode's first step, so the lone request's TPOT is longer.
     assert disagg["p50_ttft_ms"] == pytest.approx(narrow["p50_ttft_ms"])
     assert disagg["p50_tpot_ms"] > narrow["p50_tpot_ms"]
+
+
+def test_the_gauge_reads_the_machine_before_each_round_on_fresh_prompts(monkeypatch, capsys):
+    seen, tpots = [], iter([10.0, 12.5, 9.0])
+
+    async def fake_benchmark(url, tokenizer, requests, progress=True):
+        seen.append(tuple(requests[0].prompt))
+        return {"p50_ttft_ms": 200.0, "p50_tpot_ms": next(tpots)}
+
+    monkeypatch.setattr(pd_sweep, "run_benchmark", fake_benchmark)
+    gauge = pd_sweep.Gauge("colocated", "http://x", ("fixed:32", "fixed:4"), pd_sweep.GAUGE_SEED)
+    for r in range(3):
+        gauge(r)
+    assert len(set(seen)) == 3 and all(len(p) == 32 for p in seen)  # no prefix-cache hits
+    assert gauge.moves() == pytest.approx([0.0, 0.25, -0.1])
+    assert gauge.drift() == pytest.approx(0.25)
+    out = capsys.readouterr().out
+    assert "round 1: one request alone on colocated: TTFT 200 ms, TPOT 12.5 ms (+25% from round 0)" in out
