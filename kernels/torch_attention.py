@@ -92,8 +92,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         token_idx = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
         out[token_idx] = _prefill(query[token_idx], kv_cache, sub_qsl, seq_lens[rows], block_tables[rows], scale)
         return out
-    out.copy_(_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale))
-    return out
+    return _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out)
 
 
 # SDPA's CPU flash kernel with the log-sum-exp of each query row (torch's own op; absent in
@@ -101,16 +100,21 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tensor:
+def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out=None) -> torch.Tensor:
     """Varlen causal attention over the paged cache (each row's query tokens at the end of its
-    keys): the C++ kernel, else _sdpa_prefill."""
+    keys): the C++ kernel, else _sdpa_prefill; into `out` when given (the kernel writes it in
+    place where it is contiguous and of the query's dtype)."""
     ext = _ext(query)
     if ext is not None and query.dtype == kv_cache.dtype:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        direct = out is not None and out.is_contiguous() and out.dtype == query.dtype
+        result = out if direct else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         ext.paged_prefill_attention(query.contiguous(), kv_cache, qsl, seq_lens.to(torch.int32),
-                                    block_tables.to(torch.int32), scale, out)
-        return out
-    return _sdpa_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale)
+                                    block_tables.to(torch.int32), scale, result)
+    else:
+        result = _sdpa_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale)
+    if out is None or result is out:
+        return result
+    return out.copy_(result)
 
 
 def _sdpa_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.Tensor:

@@ -273,3 +273,18 @@ def test_rms_norm_matches_reference(dtype, tol, with_residual):
     heads = x.view(70, 8, 32)[:, ::2]  # q/k-norm: per-head rows of a strided view
     got, _ = torch_attention.rms_norm(heads, weight[:32], 1e-6)
     torch.testing.assert_close(got.float(), reference.rms_norm(heads, weight[:32], 1e-6)[0].float(), atol=tol, rtol=tol)
+
+
+def test_prefill_only_step_writes_the_callers_output():
+    """A step of prompts only: the kernel writes the caller's output in place where it can, and a
+    strided one (a view into a wider buffer) gets the same values copied in."""
+    q, kv, qsl, lens, tables = make_case([70, 33], [70, 33 + 40], 8, 4)
+    expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.125)
+    out = torch.full_like(q, float("nan"))
+    assert torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out) is out
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    wide = torch.full((q.shape[0], q.shape[1], 2 * q.shape[2]), float("nan"))
+    view = wide[..., :q.shape[2]]
+    assert torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, view) is view
+    torch.testing.assert_close(view, expected, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(wide[..., q.shape[2]:]).all()
