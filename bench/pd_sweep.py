@@ -50,6 +50,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +133,7 @@ class Gauge:
     lengths: tuple[str, str]  # the probe's
     seed: int  # round r's prompt: seed + r (a repeat would hit the prefix cache)
     readings: list = field(default_factory=list)
+    on_reading: Callable[[], None] | None = None  # after each reading (the sweep saves gauge.json: a stopped run keeps it)
 
     def __call__(self, round_: int) -> None:
         probe = synthetic(1, *self.lengths, vocab_size=4000, seed=self.seed + round_)
@@ -139,6 +141,8 @@ class Gauge:
         self.readings.append({k: s[k] for k in PROBED})
         print(f"  round {round_}: one request alone on {self.name}: TTFT {s['p50_ttft_ms']:.0f} ms, TPOT "
               f"{s['p50_tpot_ms']:.1f} ms ({100 * self.moves()[-1]:+.0f}% from round 0)", flush=True)
+        if self.on_reading is not None:
+            self.on_reading()
 
     def moves(self) -> list[float]:
         return [move(r, self.readings[0]) for r in self.readings]
@@ -465,6 +469,11 @@ def main(argv=None) -> int:
     if args.capacity:
         # Every stack up at once (one serves at a time), the configurations' rungs interleaved.
         stacks, gauges = {}, {}
+
+        def save_gauges():
+            with open(os.path.join(args.out, "gauge.json"), "w") as f:
+                json.dump({k: {"config": g.name, "readings": g.readings} for k, g in gauges.items()}, f)
+
         try:
             for name in configs:
                 started = start(name)
@@ -474,15 +483,13 @@ def main(argv=None) -> int:
                 print(f"  {c.shape} {c.slo}: capacity, {', '.join(stacks)} in turn", flush=True)
                 if stacks:  # the gauge on a one-thread pdserve stack where there is one
                     ref = next((n for n in ("colocated", "disaggregated") if n in stacks), next(iter(stacks)))
-                    gauges[i] = Gauge(ref, stacks[ref][1], probe_lengths, GAUGE_SEED + 1000 * i)
+                    gauges[i] = Gauge(ref, stacks[ref][1], probe_lengths, GAUGE_SEED + 1000 * i, on_reading=save_gauges)
                 found = interleaved_capacities({n: url for n, (_, url) in stacks.items()}, c,
                                                {n: c.predicted.get(n) or c.rate for n in stacks}, args, gauges.get(i))
                 for name, lad in found.items():
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
-                with open(os.path.join(args.out, "gauge.json"), "w") as f:
-                    json.dump({k: {"config": g.name, "readings": g.readings} for k, g in gauges.items()}, f)
             for name, (_, url) in stacks.items():
                 probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
         finally:

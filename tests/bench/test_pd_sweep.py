@@ -130,9 +130,12 @@ def test_the_gauge_reads_the_machine_before_each_round_on_fresh_prompts(monkeypa
         return {"p50_ttft_ms": 200.0, "p50_tpot_ms": next(tpots)}
 
     monkeypatch.setattr(pd_sweep, "run_benchmark", fake_benchmark)
-    gauge = pd_sweep.Gauge("colocated", "http://x", ("fixed:32", "fixed:4"), pd_sweep.GAUGE_SEED)
+    saved = []
+    gauge = pd_sweep.Gauge("colocated", "http://x", ("fixed:32", "fixed:4"), pd_sweep.GAUGE_SEED,
+                           on_reading=lambda: saved.append(len(gauge.readings)))
     for r in range(3):
         gauge(r)
+    assert saved == [1, 2, 3]  # each reading handed on as it comes (the sweep saves gauge.json)
     assert len(set(seen)) == 3 and all(len(p) == 32 for p in seen)  # no prefix-cache hits
     assert gauge.moves() == pytest.approx([0.0, 0.25, -0.1])
     assert gauge.drift() == pytest.approx(0.25)
