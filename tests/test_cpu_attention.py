@@ -54,6 +54,23 @@ def test_decode_single_sequences_and_small_batches_match_reference(threads):
         torch.set_num_threads(before)
 
 
+def test_decode_kernel_refuses_block_ids_outside_the_cache():
+    """A stray block id (or a length past the table) is an error, not a read of memory outside the
+    cache; entries past a sequence's keys are never read, so they may hold anything."""
+    q, kv, qsl, lens, tables = make_case([1, 1], [40, 20], 8, 4)
+    unused = tables.clone()
+    unused[1, 2:] = -5  # 20 keys use 2 blocks of 16
+    torch.testing.assert_close(torch_attention.paged_decode_attention(q, kv, lens, unused, 0.1),
+                               reference.paged_decode_attention(q, kv, lens, tables, 0.1), atol=1e-5, rtol=1e-5)
+    bad = tables.clone()
+    bad[0, 2] = kv.shape[1]
+    with pytest.raises(RuntimeError, match="outside"):
+        torch_attention.paged_decode_attention(q, kv, lens, bad, 0.1)
+    with pytest.raises(RuntimeError, match="exceed its block table"):
+        torch_attention.paged_decode_attention(q, kv, torch.tensor([40, 16 * tables.shape[1] + 1],
+                                                                   dtype=torch.int32), tables, 0.1)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
 def test_decode_half_precision(dtype, tol):
     q, kv, qsl, lens, tables = make_case([1] * 4, [3, 16, 40, 200], 8, 2, dtype=dtype)

@@ -215,6 +215,22 @@ void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
   });
 }
 
+// Every block a sequence's keys reach must lie in the cache: a stray id would read another
+// process's memory rather than fail. Only the blocks the sequences reach are read; unused table
+// entries may hold anything. One pass over the ids in use (1,024 at a batch of 16 sequences of
+// 1k tokens in blocks of 16), beside a kernel that reads those blocks' K and V.
+void check_block_tables(const int32_t* lp, const torch::Tensor& tables, int64_t B, int64_t BS, int64_t NB) {
+  const int64_t width = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && (lp[b] + BS - 1) / BS <= width, "sequence ", b, ": ", lp[b], " keys exceed its block table");
+    for (int64_t blk = 0; blk * BS < lp[b]; ++blk) {
+      const int32_t id = tp[b * width + blk];
+      TORCH_CHECK(id >= 0 && id < NB, "block id ", id, " outside [0, ", NB, ")");
+    }
+  }
+}
+
 }  // namespace
 
 // query [B, H, D]; kv_cache [2, num_blocks, block_size, kv_heads, D]; out [B, H, D].
@@ -229,6 +245,9 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(lens.numel() == B && tables.dim() == 2 && tables.size(0) == B,
+              "seq_lens [B] and block_tables [B, n] expected for ", B, " queries");
+  check_block_tables(lens.data_ptr<int32_t>(), tables, B, BS, NB);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode", [&] {
     const scalar_t* kc = kv_cache.data_ptr<scalar_t>();
     const int32_t* lp = lens.data_ptr<int32_t>();
@@ -508,14 +527,9 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = qp[b + 1] - qp[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lp[b], "sequence ", b, ": ", q_len, " query rows but ", lp[b], " keys");
-    TORCH_CHECK((lp[b] + BS - 1) / BS <= tables.size(1), "sequence ", b, ": ", lp[b], " keys exceed its block table");
   }
+  check_block_tables(lp, tables, B, BS, NB);
   const int32_t* tp = tables.data_ptr<int32_t>();
-  for (int64_t i = 0; i < tables.numel(); ++i) {
-    // Only the blocks the sequences reach are read; unused table entries may hold anything.
-    const int64_t b = i / tables.size(1), blk = i % tables.size(1);
-    if (blk * BS < lp[b]) TORCH_CHECK(tp[i] >= 0 && tp[i] < NB, "block id ", tp[i], " outside [0, ", NB, ")");
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_prefill", [&] {
     const scalar_t* kc = kv_cache.data_ptr<scalar_t>();
     const PrefillArgs<scalar_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, qp, lp, tp,
