@@ -91,7 +91,3 @@ def interleave(searches: dict, run_rung, before_round=None) -> dict:
         turn += 1
     return {name: done[name] for name in searches}
 
-
-def find_capacity(run_rung, target: float, max_up: int, max_down: int, refine: int = 0) -> Ladder:
-    """One search, run_rung(k) -> the summary of rung k (see `search`)."""
-    return interleave({None: search(target, max_up, max_down, refine)}, lambda _, k: run_rung(k))[None]

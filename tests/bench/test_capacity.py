@@ -15,26 +15,32 @@ def _rungs(capacity: float, base: float = 1.0, factor: float = 1.2):
     return run_rung, ran
 
 
+def find_capacity(run_rung, target: float, max_up: int, max_down: int, refine: int = 0) -> capacity.Ladder:
+    """One search alone, through `interleave` as bench-pd's sweep runs them."""
+    return capacity.interleave({"one": capacity.search(target, max_up, max_down, refine)},
+                               lambda _, k: run_rung(k))["one"]
+
+
 def test_capacity_ladder_climbs_until_a_rung_fails():
     run, ran = _rungs(capacity=1.2 ** 3)
-    lad = capacity.find_capacity(run, 0.9, max_up=6, max_down=6)
+    lad = find_capacity(run, 0.9, max_up=6, max_down=6)
     assert ran == [0, 1, 2, 3, 4]
     assert abs(lad.capacity - 1.2 ** 3) < 1e-9 and lad.bounded
 
 
 def test_capacity_ladder_descends_when_the_cells_rate_fails():
     run, ran = _rungs(capacity=1.2 ** -2)
-    lad = capacity.find_capacity(run, 0.9, max_up=6, max_down=6)
+    lad = find_capacity(run, 0.9, max_up=6, max_down=6)
     assert ran == [0, -1, -2]
     assert abs(lad.capacity - 1.2 ** -2) < 1e-9 and lad.bounded
 
 
 def test_capacity_ladder_says_when_it_is_only_a_lower_bound_or_nothing_passed():
     run, ran = _rungs(capacity=100.0)
-    lad = capacity.find_capacity(run, 0.9, max_up=2, max_down=6)
+    lad = find_capacity(run, 0.9, max_up=2, max_down=6)
     assert ran == [0, 1, 2] and not lad.bounded and abs(lad.capacity - 1.44) < 1e-9
     run, ran = _rungs(capacity=0.01)
-    lad = capacity.find_capacity(run, 0.9, max_up=2, max_down=3)
+    lad = find_capacity(run, 0.9, max_up=2, max_down=3)
     assert ran == [0, -1, -2, -3] and lad.capacity == 0.0
 
 
@@ -48,11 +54,11 @@ def test_a_rung_lasts_its_seconds_at_its_rate():
 def test_refining_bisects_between_the_last_passing_and_the_first_failing_rung():
     # Capacity 1.2^2.6: the ladder brackets it between rungs 2 and 3, then halves the gap twice.
     run, ran = _rungs(capacity=1.2 ** 2.6)
-    lad = capacity.find_capacity(run, 0.9, max_up=6, max_down=6, refine=2)
+    lad = find_capacity(run, 0.9, max_up=6, max_down=6, refine=2)
     assert ran == [0, 1, 2, 3, 2.5, 2.75]
     assert abs(lad.capacity - 1.2 ** 2.5) < 1e-9 and lad.bounded
     run, ran = _rungs(capacity=1.2 ** -1.3)  # descending: between rungs -2 and -1
-    lad = capacity.find_capacity(run, 0.9, max_up=6, max_down=6, refine=1)
+    lad = find_capacity(run, 0.9, max_up=6, max_down=6, refine=1)
     assert ran == [0, -1, -2, -1.5]
     assert abs(lad.capacity - 1.2 ** -1.5) < 1e-9 and lad.bounded
 
@@ -60,9 +66,9 @@ def test_refining_bisects_between_the_last_passing_and_the_first_failing_rung():
 def test_refining_needs_a_bracket():
     # Nothing failed above (a lower bound) or nothing passed: no bisection to run.
     run, ran = _rungs(capacity=100.0)
-    assert not capacity.find_capacity(run, 0.9, max_up=2, max_down=6, refine=3).bounded and ran == [0, 1, 2]
+    assert not find_capacity(run, 0.9, max_up=2, max_down=6, refine=3).bounded and ran == [0, 1, 2]
     run, ran = _rungs(capacity=0.01)
-    assert capacity.find_capacity(run, 0.9, max_up=2, max_down=1, refine=3).capacity == 0.0 and ran == [0, -1]
+    assert find_capacity(run, 0.9, max_up=2, max_down=1, refine=3).capacity == 0.0 and ran == [0, -1]
 
 
 def test_interleaved_searches_take_turns_and_each_finds_its_own_capacity():
