@@ -4,6 +4,9 @@
    straight to a colocated engine's gRPC Decode (the call the router makes), same engine, same run.
 2. Router throughput: the router pinned to one core in front of instant in-process engines
    (so the engine is never the bottleneck), closed loop at growing concurrency.
+3. The serving path's cost per streamed token: a colocated engine (the tiny model) behind the
+   router, streaming requests in a closed loop, at --stream-interval 1 and larger; CPU seconds
+   of the router, the service's host process and its engine core, per token the clients got.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ sys.path.insert(0, ROOT)
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.procs import Proc, exit_on_signals, free_port, grpc_serving, http_ok, pdserve_cmd, wait_until  # noqa: E402
+from bench.procs import (Proc, descendants, exit_on_signals, free_port, grpc_serving, http_ok,  # noqa: E402
+                         pdserve_cmd, wait_until)
 from services.api.pdserve.v1 import pdserve_pb2 as pb  # noqa: E402
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -95,8 +99,9 @@ def serve_instant(port: int) -> None:
     asyncio.run(main())
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
-    body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": 1}
+async def closed_loop(url: str, concurrency: int, seconds: float, body: dict) -> tuple[int, float]:
+    """`concurrency` clients posting `body` to /v1/completions back to back for `seconds`:
+    (requests answered 200, seconds). A streamed answer is read to its end."""
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -111,13 +116,52 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         t = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        return done / (time.perf_counter() - t)
+        return done, time.perf_counter() - t
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stream_cost(interval: int, env: dict, args) -> dict:
+    """Part 3 at one stream interval: tokens/s and CPU microseconds per token of each process."""
+    eng_port, http = free_port(), free_port()
+    procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
+        "colocated", "--model", "tiny", "--port", str(eng_port), "--num-threads", "1",
+        "--stream-interval", str(interval)), {1}, env, BUILD)]
+    try:
+        wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
+        procs.append(Proc(f"router-si{interval}", pdserve_cmd(
+            "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
+            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
+        url = f"http://127.0.0.1:{http}"
+        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+        body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": args.stream_tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        asyncio.run(closed_loop(url, args.streams, 2.0, body))  # warm-up
+        pids = {"router": procs[1].proc.pid, "service host": procs[0].proc.pid}
+        pids["engine core"] = descendants(procs[0].proc.pid)
+        before = {k: sum(map(cpu_seconds, v)) if isinstance(v, list) else cpu_seconds(v) for k, v in pids.items()}
+        done, seconds = asyncio.run(closed_loop(url, args.streams, args.seconds, body))
+        tokens = done * args.stream_tokens
+        after = {k: sum(map(cpu_seconds, v)) if isinstance(v, list) else cpu_seconds(v) for k, v in pids.items()}
+        row = {"interval": interval, "tokens_per_s": tokens / seconds}
+        row.update({k: 1e6 * (after[k] - before[k]) / tokens for k in pids})
+        return row
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--seconds", type=float, default=5.0, help="per concurrency level")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per concurrency level (and stream interval)")
+    ap.add_argument("--stream-intervals", default="1,4,16", help="part 3: the engine's --stream-interval values")
+    ap.add_argument("--streams", type=int, default=32, help="part 3: concurrent streaming requests")
+    ap.add_argument("--stream-tokens", type=int, default=128, help="part 3: tokens per request")
     args = ap.parse_args(argv)
     os.makedirs(BUILD, exist_ok=True)
     env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
@@ -161,12 +205,31 @@ def main(argv=None) -> int:
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
         best = 0.0
         print("\nrouter alone on core 0 (instant engines), closed loop, max_tokens=1:")
+        body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": 1}
         for c in (1, 4, 16, 64):
-            rate = asyncio.run(closed_loop(url, c, args.seconds))
+            done, seconds = asyncio.run(closed_loop(url, c, args.seconds, body))
+            rate = done / seconds
             best = max(best, rate)
             print(f"  concurrency {c:>3}: {rate:8.0f} req/s")
         for f in fakes:
             f.terminate()
+        for p in reversed(procs):
+            p.stop()
+        procs.clear()
+
+        # Part 3: CPU per streamed token, router and engine service, at each stream interval.
+        rows = [stream_cost(int(k), env, args) for k in args.stream_intervals.split(",")]
+        print(f"\n{args.streams} streams of {args.stream_tokens} tokens, tiny model (router on core 0, "
+              f"colocated engine on core 1), CPU microseconds per token:")
+        print(f"{'stream interval':>16}{'tokens/s':>10}{'router':>9}{'host':>9}{'engine core':>13}{'path':>9}")
+        for r in rows:
+            r["path"] = r["router"] + r["service host"]
+            print(f"{r['interval']:>16}{r['tokens_per_s']:>10.0f}{r['router']:>9.1f}{r['service host']:>9.1f}"
+                  f"{r['engine core']:>13.1f}{r['path']:>9.1f}")
+        print(f"\nrouter_us_per_streamed_token={rows[0]['router']:.1f}")
+        print(f"serving_path_us_per_streamed_token={rows[0]['path']:.1f}")
+        for r in rows[1:]:
+            print(f"stream_interval_{r['interval']}_path_cpu_ratio={r['path'] / rows[0]['path']:.3f}")
         print(f"\nrouter_added_p99_ms={added_p99:.2f}")
         print(f"router_max_rps_one_core={best:.0f}")
         print(f"router_added_p50_ms={added_p50:.2f}")

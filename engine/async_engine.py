@@ -85,7 +85,8 @@ class AsyncEngine:
         self.multiprocess = multiprocess
         self.tokenizer = load_tokenizer(config.model.path)
         # Services stream token ids and leave text to the router: no detokenizing there.
-        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None, OutputKind.DELTA)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None, OutputKind.DELTA,
+                                                config.stream_interval)
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -121,9 +121,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_backend: str = "auto"
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # vLLM's --kv-events-config
+    # Tokens a streamed request's updates carry at least after its first (finishing ones aside):
+    # vLLM's and SGLang's --stream-interval. 1 sends every step's token at once.
+    stream_interval: int = 1
     speculative: SpeculativeConfig | None = None  # vLLM's speculative_config; None: off
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.speculative is not None and self.scheduler.async_scheduling:
             # Step n+1 is queued with one input token per row before n's accepted run is known.
             raise ValueError("speculative decoding does not combine with async scheduling: "
@@ -142,7 +147,7 @@ class EngineConfig:
                     parts[name][key] = value
                     break
             else:
-                if key == "kernel_backend":
+                if key in ("kernel_backend", "stream_interval"):
                     top[key] = value
                 elif key == "kv_events":
                     top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))

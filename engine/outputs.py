@@ -81,14 +81,24 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
+        self.streamed = False  # an update went out (the first always goes at once)
+        self.held: RequestOutput | None = None  # DELTA updates short of the stream interval
 
 
 class OutputProcessor:
-    """Detokenizes core outputs; finds stop strings (the core must then be told to stop)."""
+    """Detokenizes core outputs; finds stop strings (the core must then be told to stop).
 
-    def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+    stream_interval (DELTA only; vLLM's and SGLang's --stream-interval): a request's updates after
+    its first carry at least this many tokens, or finish it. Every token still arrives, in fewer
+    messages: each hop of a stream (the service's gRPC, the router, the client's HTTP) pays per
+    message, which a GPU's decode batch of hundreds makes the serving path's cost."""
+
+    def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.kind = kind
+        self.stream_interval = stream_interval if kind is OutputKind.DELTA else 1
         self.states: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -100,7 +110,8 @@ class OutputProcessor:
         state = self.states.pop(request_id, None)
         if state is None:
             return None
-        return self._make(state, "", [], None, "abort", None, True)
+        out = self._make(state, "", [], None, "abort", None, True)
+        return out if state.held is None else merge_delta(state.held, out)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         outputs, stopped = [], []
@@ -138,8 +149,22 @@ class OutputProcessor:
             out.kv_handle = co.kv_handle
             out.prompt_logprobs = state.prompt_logprobs
             out.queue_time = co.queue_time
+            if self.stream_interval > 1:
+                out = self._interval(state, out)
+                if out is None:
+                    continue
             outputs.append(out)
         return outputs, stopped
+
+    def _interval(self, state: RequestState, out: RequestOutput) -> RequestOutput | None:
+        """`out` with the updates held before it, or None while it stays short of the interval."""
+        if state.held is not None:
+            out, state.held = merge_delta(state.held, out), None
+        if out.finished or not state.streamed or len(out.outputs[0].token_ids) >= self.stream_interval:
+            state.streamed = True
+            return out
+        state.held = out
+        return None
 
     def _make(self, state: RequestState, delta: str, new_ids: list[int], new_logprobs: list | None,
               finish_reason, stop_reason, finished: bool, num_cached_tokens: int = 0) -> RequestOutput:

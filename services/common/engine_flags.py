@@ -40,6 +40,9 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "shared by prompts in flight counts once (default: the KV cache's size)")
     add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add(p, "--stream-interval", type=int, default=1,
+        help="tokens a streamed request's updates carry at least after its first, as vLLM's and SGLang's flag: "
+             "fewer gRPC, router and HTTP messages per token, each update later by up to N - 1 steps")
     add(p, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
     add(p, "--num-threads", type=int, default=None,
         help="torch threads of the engine core (per rank with --tensor-parallel-size; default there: "

@@ -92,6 +92,7 @@ def engine_kwargs(args) -> dict:
                 max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
+                stream_interval=args.stream_interval,
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
                 linear_backend=args.linear_backend, cpu_allocator=args.cpu_allocator,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,

@@ -61,6 +61,15 @@ _COUNTERS = {
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_"
 
 
+
+def observe_per_token(histogram, seconds: float, tokens: int) -> None:
+    """An inter-token latency histogram, fed a streamed update's gap spread over the tokens it
+    carries (a --stream-interval, or a consumer that fell behind, sends several at once): it then
+    counts tokens at the pace the engine made them, which the planner's latency feedback reads."""
+    gap = seconds / max(1, tokens)
+    for _ in range(max(1, tokens)):
+        histogram.observe(gap)
+
 class EngineStatsCollector:
     """Reads the engine core's counters at scrape time (no bookkeeping on the hot path)."""
 

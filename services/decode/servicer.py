@@ -10,6 +10,7 @@ from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.common.engine_host import EngineHost
+from services.common.metrics import observe_per_token
 from services.common.grpc_server import FailedPrecondition
 
 # Sent as the stream's headers once the engine has taken the request: the router holds the
@@ -49,7 +50,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if first:
                 host.observe_first_token(start, out.queue_time)
             else:
-                host.metrics.itl.observe(now - last)
+                observe_per_token(host.metrics.itl, now - last, len(c.token_ids))
             last = now
             response = pb.DecodeResponse(token_ids=c.token_ids, finish_reason=c.finish_reason or "",
                                          num_cached_tokens=out.num_cached_tokens)

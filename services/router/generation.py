@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.detokenizer import IncrementalDetokenizer
+from services.common.metrics import observe_per_token
 
 from services.router.dispatcher import Dispatcher
 from services.router.errors import RouterError
@@ -68,7 +69,7 @@ class TextGenerator:
                     if first:
                         m.ttft.observe(now - start)
                     else:
-                        m.itl.observe(now - last)
+                        observe_per_token(m.itl, now - last, len(chunk.token_ids))
                     last = now
                     seen = len(detok.token_ids)
                     text = detok.add_tokens(chunk.token_ids, finished=chunk.finish_reason is not None)

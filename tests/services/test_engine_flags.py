@@ -37,7 +37,9 @@ def test_every_engine_flag_is_read_into_the_engine_arguments(role):
 
 
 def test_cpu_and_linear_backends_reach_the_engine_config(tiny_llama):
-    args = parse(Role.DECODE, "--model", tiny_llama, "--linear-backend", "torch", "--cpu-allocator", "system")
+    args = parse(Role.DECODE, "--model", tiny_llama, "--linear-backend", "torch", "--cpu-allocator", "system",
+                 "--stream-interval", "8")
     config = EngineConfig.create(tiny_llama, **engine_kwargs(args))
     assert (config.model.linear_backend, config.parallel.cpu_allocator) == ("torch", "system")
+    assert config.stream_interval == 8
     assert EngineConfig.create(tiny_llama, **engine_kwargs(parse(Role.DECODE))).parallel.cpu_allocator == "auto"

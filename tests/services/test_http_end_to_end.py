@@ -21,16 +21,22 @@ def workload(n: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-async def stream_completion(session, url, prompt, max_tokens) -> tuple[str, str]:
-    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    text = []
+async def stream_choices(session, url, body) -> list[dict]:
+    """Every streamed chunk's choices, in order."""
+    choices = []
     async with session.post(f"{url}/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
             line = line.strip()
             if line.startswith(b"data: ") and line != b"data: [DONE]":
-                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+                choices += json.loads(line[6:])["choices"]
+    return choices
+
+
+async def stream_completion(session, url, prompt, max_tokens) -> tuple[str, str]:
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text = [c["text"] for c in await stream_choices(session, url, body)]
     body["stream"] = False
     async with session.post(f"{url}/v1/completions", json=body) as r:
         whole = (await r.json())["choices"][0]["text"]
@@ -59,3 +65,33 @@ def test_http_gateway_disaggregated_token_exact(llm, transport_stack):
         got = asyncio.run(main())
     for (streamed, whole), exp in zip(got, expected):
         assert streamed == whole == exp
+
+
+def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
+    """A decode started with --stream-interval 6: after the prefill's token and the decode's first,
+    each streamed chunk through the router carries at least 6 tokens (the last may carry fewer),
+    the text is the reference's, and the router's inter-token histogram still counts tokens."""
+    from stack import Stack, StackSpec
+
+    max_tokens = 26
+    prompts = [[(7 * i + 3 * k) % 480 + 10 for k in range(20 + 13 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    with Stack(e2e_model, StackSpec(decode_args=("--stream-interval", "6"))) as stack:
+        itl = "pdserve:router_inter_token_latency_seconds_count"
+        before = stack.router.metric(itl)
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                return await asyncio.gather(*(stream_choices(session, stack.url, {
+                    "model": SERVED_MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "logprobs": 0}) for p in prompts))
+
+        got = asyncio.run(main())
+        for chunks, exp in zip(got, expected):
+            assert "".join(c["text"] for c in chunks) == exp.text
+            sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]]
+            assert sum(sizes) == max_tokens
+            assert sizes[:2] == [1, 1] and all(n >= 6 for n in sizes[2:-1]), sizes
+        assert stack.router.metric(itl) - before == len(prompts) * (max_tokens - 1)
