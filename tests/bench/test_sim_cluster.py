@@ -20,7 +20,7 @@ def quick_run(tmp_path_factory):
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert sim_cluster.main(["--quick", "--jobs", "1", "--out", str(out)]) == 0
+        assert sim_cluster.main(["--quick", "--jobs", "2", "--out", str(out)]) == 0
     return buf.getvalue(), json.loads(out.read_text())
 
 
