@@ -10,8 +10,8 @@ from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.api.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.common.engine_host import EngineHost
-from services.common.metrics import observe_per_token
 from services.common.grpc_server import FailedPrecondition
+from services.common.metrics import observe_per_token
 
 # Sent as the stream's headers once the engine has taken the request: the router holds the
 # prefill's first token back until then, so a request every decode refuses is still a clean 429

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.detokenizer import IncrementalDetokenizer
-from services.common.metrics import observe_per_token
 
+from services.common.metrics import observe_per_token
 from services.router.dispatcher import Dispatcher
 from services.router.errors import RouterError
 from services.router.sampling import PreparedPrompt
