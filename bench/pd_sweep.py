@@ -12,7 +12,10 @@ core each), as bench-pd runs them, or one colocated instance two threads wide on
    choice; the cell's arrival rate is `--load` (0.8) x the highest capacity, unless `--rate` is
    given.
 3. Each configuration serves every cell (fresh prompts per cell: no prefix-cache hits between
-   runs); per-request SLO attainment, goodput, TTFT p90, ITL p99 and the longest stall.
+   runs); per-request SLO attainment, goodput, TTFT p90, ITL p99 and the longest stall. Every
+   configuration's stack is up at once; within a cell they take turns (one serves at a time),
+   each cell starting with the next configuration, so a slow phase of the machine falls on all
+   of them rather than on the one measured last.
 
 Prints per cell whether the plan's choice was the measured winner (or within noise: one request
 in SLO over the run, or 10%), and `planned_vs_vllm_goodput_min_ratio` over the cells (vLLM not
@@ -466,20 +469,22 @@ def main(argv=None) -> int:
             raise
         return cfg, url
 
-    if args.capacity:
-        # Every stack up at once (one serves at a time), the configurations' rungs interleaved.
-        stacks, gauges = {}, {}
+    # Every stack up at once (one serves at a time), the configurations taking turns within each
+    # cell, each cell starting one configuration later: a slow phase of the machine falls on all
+    # of them alike rather than on the one measured last.
+    stacks, gauges = {}, {}
 
-        def save_gauges():
-            with open(os.path.join(args.out, "gauge.json"), "w") as f:
-                json.dump({k: {"config": g.name, "readings": g.readings} for k, g in gauges.items()}, f)
+    def save_gauges():
+        with open(os.path.join(args.out, "gauge.json"), "w") as f:
+            json.dump({k: {"config": g.name, "readings": g.readings} for k, g in gauges.items()}, f)
 
-        try:
-            for name in configs:
-                started = start(name)
-                if started is not None:
-                    stacks[name] = started
-            for i, c in enumerate(cells):
+    try:
+        for name in configs:
+            started = start(name)
+            if started is not None:
+                stacks[name] = started
+        for i, c in enumerate(cells):
+            if args.capacity:
                 print(f"  {c.shape} {c.slo}: capacity, {', '.join(stacks)} in turn", flush=True)
                 if stacks:  # the gauge on a one-thread pdserve stack where there is one
                     ref = next((n for n in ("colocated", "disaggregated") if n in stacks), next(iter(stacks)))
@@ -490,31 +495,23 @@ def main(argv=None) -> int:
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
-            for name, (_, url) in stacks.items():
-                probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
-        finally:
-            for cfg, _ in stacks.values():
-                cfg.stop()
-    else:
-        for name in configs:
-            started = start(name)
-            if started is None:
                 continue
-            cfg, url = started
-            try:
-                for i, c in enumerate(cells):
-                    s = measure(url, c)
-                    if s["failed"]:
-                        print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
-                              f"{[e for e in s['errors'] if e][:2]}", flush=True)
-                    results.setdefault(name, {})[i] = s
-                    print(f"  {name} {c.shape} {c.slo}: {100 * s['slo_attainment']:.0f}% in SLO, goodput "
-                          f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
-                    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                        json.dump(results[name], f)
-                probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
-            finally:
-                cfg.stop()
+            names = list(stacks)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                s = measure(stacks[name][1], c)
+                if s["failed"]:
+                    print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
+                          f"{[e for e in s['errors'] if e][:2]}", flush=True)
+                results.setdefault(name, {})[i] = s
+                print(f"  {name} {c.shape} {c.slo}: {100 * s['slo_attainment']:.0f}% in SLO, goodput "
+                      f"{s['request_goodput']:.3f} req/s, max stall {s['max_stall_ms']:.0f} ms", flush=True)
+                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                    json.dump(results[name], f)
+        for name, (_, url) in stacks.items():
+            probes[name].after = asyncio.run(run_benchmark(url, None, last_probe, progress=False))
+    finally:
+        for cfg, _ in stacks.values():
+            cfg.stop()
     with open(os.path.join(args.out, "probes.json"), "w") as f:
         json.dump({n: {"predicted": p.predicted and {k: p.predicted[k] for k in PROBED},
                        **{w: s and {k: s[k] for k in PROBED} for w, s in (("before", p.before), ("after", p.after))}}
