@@ -33,6 +33,11 @@ capacities (and the plan) come from `--plan-requests` (300) requests of the shap
 serve many draws of it, not the cell's 12. Two capacities within one rung are a tie. Every
 configuration's stack is up at once and their searches take turns, a rung each (only one serves
 at a time), so a slow phase of the machine falls on all of them rather than on the one it met.
+A steady drift still favours the configuration that climbs (its high rungs fall in the late
+rounds), so where another configuration measured a higher capacity than the plan's choice, the
+two then serve that capacity's rung again back to back, the same requests at the same rate, and
+`planned_vs_vllm_capacity_min_ratio_like_rates` counts a cell where the plan's choice held vLLM's
+capacity there as level (1.0).
 
 Each configuration also serves one request alone (1,024 prompt tokens, 64 out) before and after
 its cells: the report prints it against the profile's prediction (`profile_drift`: the plan is
@@ -276,12 +281,36 @@ def interleaved_capacities(stacks: dict[str, str], cell: Cell, base: dict[str, f
     return interleave(searches, lambda name, k: runners[name](k), before_round=gauge)
 
 
+def like_rate_check(stacks: dict[str, str], cell: Cell, base: dict[str, float], found: dict[str, Ladder],
+                    args) -> dict | None:
+    """The plan's choice and the configuration that measured the highest capacity serve that
+    capacity's rung again, back to back, the same requests at the same arrivals: a ladder run under
+    a steady drift favours the configuration that climbs (its high rungs fall in the late rounds),
+    and this reads the two at like rates and the same minutes. None where the plan's choice
+    measured the highest capacity itself (or either was not run)."""
+    planned = cell.planned
+    if planned not in found or not found[planned].rungs:
+        return None
+    top = max(found, key=lambda n: found[n].capacity)
+    if top == planned or found[top].capacity <= found[planned].capacity:
+        return None
+    rate = found[top].capacity
+    k = round(math.log(rate / base[top], args.rung_factor) * 64) / 64  # the top's own rung (refined ones too)
+    held = {}
+    for name in (planned, top):
+        run = rung_runner(stacks[name], cell, base[top], args.rung_factor, args.rung_seconds, args.rung_prompts,
+                          log=lambda line, name=name: print(f"  {name:<15}like rates, {line}", flush=True))
+        held[name] = run(k)["slo_attainment"]
+    return {"top": top, "rate": rate, "attainment": held}
+
+
 def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], not_run: dict[str, str],
-                    factor: float, target: float, gauges: dict[int, Gauge] | None = None) -> int:
+                    factor: float, target: float, gauges: dict[int, Gauge] | None = None,
+                    checks: dict[int, dict] | None = None) -> int:
     print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g} "
           "from the simulated capacity; '>=' where no rung above failed)")
     print(f"{'cell':<16}{'config':<16}{'measured':>10}{'predicted':>11}{'pred/meas':>11}  rungs (req/s: % in SLO)")
-    wins, worst = [], math.inf
+    wins, worst, worst_like = [], math.inf, math.inf
     for i, c in enumerate(cells):
         print(f"-- {c.shape} {c.slo} (TTFT {1000 * c.slos['ttft']:.0f} ms, TPOT {1000 * c.slos['tpot']:.1f} ms); "
               f"plan: {c.planned}")
@@ -305,8 +334,19 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
             print(f"{'':<16}plan's choice {c.planned}: "
                   f"{'measured winner or within one rung' if won else 'LOST'} ({mine[c.planned].capacity:.3f} vs "
                   f"best {best.capacity:.3f} req/s)")
+        check = (checks or {}).get(i)
+        if check is not None:
+            got = check["attainment"]
+            print(f"{'':<16}at like rates ({check['top']}'s capacity, {check['rate']:.3f} req/s, the same requests back "
+                  f"to back): {c.planned} {100 * got[c.planned]:.0f}% in SLO, {check['top']} "
+                  f"{100 * got[check['top']]:.0f}%")
         if c.planned in mine and i in ladders.get("vllm", {}):
-            worst = min(worst, ratio(mine[c.planned].capacity, ladders["vllm"][i].capacity))
+            r = ratio(mine[c.planned].capacity, ladders["vllm"][i].capacity)
+            worst = min(worst, r)
+            # Where the plan's choice held vLLM's capacity at like rates, it is level with vLLM there.
+            level = (check is not None and check["top"] == "vllm"
+                     and check["attainment"][c.planned] >= target - 1e-9)
+            worst_like = min(worst_like, max(r, 1.0) if level else r)
         gauge = (gauges or {}).get(i)
         if gauge is not None and gauge.readings:
             print(f"{'':<16}the machine, round by round (one request alone on {gauge.name}): "
@@ -320,6 +360,9 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
     vllm_note = "" if "vllm" in ladders else "  (vLLM not run)"
     print(f"\nplan_choice_won_capacity_cells={sum(wins)}/{len(wins)}")
     print(f"planned_vs_vllm_capacity_min_ratio={worst if worst != math.inf else math.nan:.3f}{vllm_note}")
+    if checks:
+        print(f"planned_vs_vllm_capacity_min_ratio_like_rates={worst_like if worst_like != math.inf else math.nan:.3f}"
+              "  (1.0 in a cell where the plan's choice held vLLM's capacity at like rates)")
     drifts = [abs(g.drift()) for g in (gauges or {}).values() if g.readings]
     if drifts:
         print(f"machine_drift_during_search={max(drifts):.3f}  (the lone request's largest move from a search's "
@@ -472,7 +515,7 @@ def main(argv=None) -> int:
     # Every stack up at once (one serves at a time), the configurations taking turns within each
     # cell, each cell starting one configuration later: a slow phase of the machine falls on all
     # of them alike rather than on the one measured last.
-    stacks, gauges = {}, {}
+    stacks, gauges, checks = {}, {}, {}
 
     def save_gauges():
         with open(os.path.join(args.out, "gauge.json"), "w") as f:
@@ -491,6 +534,10 @@ def main(argv=None) -> int:
                     gauges[i] = Gauge(ref, stacks[ref][1], probe_lengths, GAUGE_SEED + 1000 * i, on_reading=save_gauges)
                 found = interleaved_capacities({n: url for n, (_, url) in stacks.items()}, c,
                                                {n: c.predicted.get(n) or c.rate for n in stacks}, args, gauges.get(i))
+                check = like_rate_check({n: url for n, (_, url) in stacks.items()}, c,
+                                        {n: c.predicted.get(n) or c.rate for n in stacks}, found, args)
+                if check is not None:
+                    checks[i] = check
                 for name, lad in found.items():
                     ladders.setdefault(name, {})[i] = lad
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
@@ -518,7 +565,7 @@ def main(argv=None) -> int:
                    for n, p in probes.items()}, f)
     probe_report(probes, probe_lengths)
     if args.capacity:
-        return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment, gauges)
+        return capacity_report(cells, ladders, not_run, args.rung_factor, args.attainment, gauges, checks)
     return report(cells, results, not_run)
 
 

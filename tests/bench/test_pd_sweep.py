@@ -1,6 +1,7 @@
 """bench/pd_sweep.py --quick: one small cell served for real by 1P+1D and 2C, planned from a given profile."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -8,6 +9,7 @@ import re
 import pytest
 
 from bench import pd_sweep
+from bench.capacity import Ladder
 from tests.planner.sim_profiles import CPU_LIKE, profile
 
 
@@ -141,3 +143,36 @@ def test_the_gauge_reads_the_machine_before_each_round_on_fresh_prompts(monkeypa
     assert gauge.drift() == pytest.approx(0.25)
     out = capsys.readouterr().out
     assert "round 1: one request alone on colocated: TTFT 200 ms, TPOT 12.5 ms (+25% from round 0)" in out
+
+
+def test_like_rate_check_serves_the_top_capacity_to_the_plans_choice_and_the_top(monkeypatch, capsys):
+    """A ladder under a steady drift favours the configuration that climbs: the plan's choice and the
+    top configuration serve the top's capacity rung again, the same requests at the same rate, and
+    the report reads the plan's choice as level with vLLM where it held it."""
+    cell = pd_sweep.Cell("1:10", "tight", [], {"ttft": 4, "tpot": 0.018}, 1.0, "colocated-wide",
+                         {"colocated-wide": 1.5}, ("uniform:24:40", "uniform:240:400"), 104)
+    served = []
+
+    def fake_runner(url, c, base, factor, seconds, min_prompts, log=print):
+        def run(k):
+            served.append((url, round(base * factor ** k, 6), k))
+            return {"slo_attainment": 0.95 if url == "wide" else 1.0}
+        return run
+
+    monkeypatch.setattr(pd_sweep, "rung_runner", fake_runner)
+    args = argparse.Namespace(rung_factor=1.2, rung_seconds=60.0, rung_prompts=20)
+    found = {"colocated-wide": Ladder([{"rate": 1.25, "slo_attainment": 1.0}], 1.25, True),
+             "vllm": Ladder([{"rate": 1.2 * 1.2 ** 2, "slo_attainment": 1.0}], 1.2 * 1.2 ** 2, True)}
+    check = pd_sweep.like_rate_check({"colocated-wide": "wide", "vllm": "v"}, cell,
+                                     {"colocated-wide": 1.5, "vllm": 1.2}, found, args)
+    # vLLM's own rung +2 (from its base), served by the plan's choice first, then by vLLM.
+    assert served == [("wide", round(1.2 * 1.44, 6), 2.0), ("v", round(1.2 * 1.44, 6), 2.0)]
+    assert check == {"top": "vllm", "rate": pytest.approx(1.728), "attainment": {"colocated-wide": 0.95, "vllm": 1.0}}
+    assert pd_sweep.like_rate_check({"colocated-wide": "wide", "vllm": "v"}, cell, {"colocated-wide": 1.5, "vllm": 1.2},
+                                    {**found, "colocated-wide": Ladder([{"rate": 2.0}], 2.0, True)}, args) is None
+    pd_sweep.capacity_report([cell], {n: {0: lad} for n, lad in found.items()}, {}, 1.2, 0.9, None, {0: check})
+    out = capsys.readouterr().out
+    assert "at like rates (vllm's capacity, 1.728 req/s, the same requests back to back): colocated-wide 95% in SLO, " \
+           "vllm 100%" in out
+    assert re.search(r"^planned_vs_vllm_capacity_min_ratio=0\.723", out, re.M), out
+    assert re.search(r"^planned_vs_vllm_capacity_min_ratio_like_rates=1\.000 ", out, re.M), out
