@@ -69,6 +69,11 @@ def search(target: float, max_up: int, max_down: int, refine: int = 0) -> Genera
     return Ladder(rungs, best["rate"], True)
 
 
+def rotated(names: list, turn: int) -> list:
+    """names in turn `turn`'s order: each turn starts one name later than the one before."""
+    return names[turn % len(names):] + names[:turn % len(names)] if names else []
+
+
 def interleave(searches: dict, run_rung, before_round=None) -> dict:
     """Several searches at once: round after round, the next rung of every unfinished search,
     run_rung(name, k) -> its summary; each round starts one search later than the one before,
@@ -81,8 +86,7 @@ def interleave(searches: dict, run_rung, before_round=None) -> dict:
     while pending:
         if before_round is not None:
             before_round(turn)
-        names = list(pending)
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+        for name in rotated(list(pending), turn):
             try:
                 pending[name] = searches[name].send(run_rung(name, pending[name]))
             except StopIteration as stop:

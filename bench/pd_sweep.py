@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.capacity import Ladder, interleave, rung_size, search  # noqa: E402
+from bench.capacity import Ladder, interleave, rotated, rung_size, search  # noqa: E402
 from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
 from bench.procs import exit_on_signals  # noqa: E402
@@ -532,10 +532,10 @@ def main(argv=None) -> int:
                 if stacks:  # the gauge on a one-thread pdserve stack where there is one
                     ref = next((n for n in ("colocated", "disaggregated") if n in stacks), next(iter(stacks)))
                     gauges[i] = Gauge(ref, stacks[ref][1], probe_lengths, GAUGE_SEED + 1000 * i, on_reading=save_gauges)
-                found = interleaved_capacities({n: url for n, (_, url) in stacks.items()}, c,
-                                               {n: c.predicted.get(n) or c.rate for n in stacks}, args, gauges.get(i))
-                check = like_rate_check({n: url for n, (_, url) in stacks.items()}, c,
-                                        {n: c.predicted.get(n) or c.rate for n in stacks}, found, args)
+                urls = {n: url for n, (_, url) in stacks.items()}
+                base = {n: c.predicted.get(n) or c.rate for n in stacks}
+                found = interleaved_capacities(urls, c, base, args, gauges.get(i))
+                check = like_rate_check(urls, c, base, found, args)
                 if check is not None:
                     checks[i] = check
                 for name, lad in found.items():
@@ -543,8 +543,7 @@ def main(argv=None) -> int:
                     with open(os.path.join(args.out, f"{name}-capacity.json"), "w") as f:
                         json.dump({k: vars(v) for k, v in ladders[name].items()}, f)
                 continue
-            names = list(stacks)
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in rotated(list(stacks), i):
                 s = measure(stacks[name][1], c)
                 if s["failed"]:
                     print(f"  {name} {c.shape} {c.slo}: {s['failed']} requests failed: "
