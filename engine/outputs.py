@@ -83,6 +83,7 @@ class RequestState:
         self.prompt_logprobs: list | None = None
         self.streamed = False  # an update went out (the first always goes at once)
         self.held: RequestOutput | None = None  # DELTA updates short of the stream interval
+        self.interval = 1  # this request's stream interval (the processor sets it)
 
 
 class OutputProcessor:
@@ -91,7 +92,8 @@ class OutputProcessor:
     stream_interval (DELTA only; vLLM's and SGLang's --stream-interval): a request's updates after
     its first carry at least this many tokens, or finish it. Every token still arrives, in fewer
     messages: each hop of a stream (the service's gRPC, the router, the client's HTTP) pays per
-    message, which a GPU's decode batch of hundreds makes the serving path's cost."""
+    message, which a GPU's decode batch of hundreds makes the serving path's cost. A request's
+    SamplingParams.stream_interval raises its own interval above this one (never below)."""
 
     def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE, stream_interval: int = 1) -> None:
         if stream_interval < 1:
@@ -103,7 +105,10 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams) -> None:
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        if self.kind is OutputKind.DELTA:
+            state.interval = max(self.stream_interval, params.stream_interval or 1)
+        self.states[request_id] = state
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The final, aborted output of a request still in flight (None if there is none)."""
@@ -149,7 +154,7 @@ class OutputProcessor:
             out.kv_handle = co.kv_handle
             out.prompt_logprobs = state.prompt_logprobs
             out.queue_time = co.queue_time
-            if self.stream_interval > 1:
+            if state.interval > 1:
                 out = self._interval(state, out)
                 if out is None:
                     continue
@@ -160,7 +165,7 @@ class OutputProcessor:
         """`out` with the updates held before it, or None while it stays short of the interval."""
         if state.held is not None:
             out, state.held = merge_delta(state.held, out), None
-        if out.finished or not state.streamed or len(out.outputs[0].token_ids) >= self.stream_interval:
+        if out.finished or not state.streamed or len(out.outputs[0].token_ids) >= state.interval:
             state.streamed = True
             return out
         state.held = out

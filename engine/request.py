@@ -64,6 +64,9 @@ class SamplingParams:
     resumed_tokens: int = 0
     # Guided decoding: the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Streamed (DELTA) updates after the first carry at least this many tokens, or finish the
+    # request (vLLM's per-request field): clamped up to the engine's stream_interval. None: the engine's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +101,9 @@ class SamplingParams:
             raise InvalidRequestError(f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
+        si = self.stream_interval
+        if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
+            raise InvalidRequestError(f"stream_interval must be an integer >= 1, got {si!r}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -32,6 +32,7 @@ def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids),
         resumed_tokens=p.resumed_tokens,
+        stream_interval=p.stream_interval if p.HasField("stream_interval") else None,
         structured_outputs=structured_from_proto(p.structured_outputs) if p.HasField("structured_outputs") else None)
 
 
@@ -68,7 +69,8 @@ def check_wire_ranges(s: SamplingParams) -> None:
         if value is not None and not bounds[0] <= value <= bounds[1]:
             raise InvalidRequestError(f"{name} must be in [{bounds[0]}, {bounds[1]}], got {value}")
 
-    for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "resumed_tokens"):
+    for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "resumed_tokens",
+                 "stream_interval"):
         check(name, getattr(s, name), INT32)
     check("seed", s.seed, INT64)
     for t in s.stop_token_ids:
@@ -111,6 +113,8 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     p.logit_bias.update(s.logit_bias)
     p.bad_words_token_ids.extend(pb.TokenIds(ids=word) for word in s.bad_words_token_ids)
     p.resumed_tokens = s.resumed_tokens
+    if s.stream_interval is not None:
+        p.stream_interval = s.stream_interval
     if s.structured_outputs is not None:
         p.structured_outputs.CopyFrom(structured_to_proto(s.structured_outputs))
     return p

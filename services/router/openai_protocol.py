@@ -17,7 +17,7 @@ COMMON_FIELDS = {
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
-    "bad_words"} | STRUCTURED_FIELDS
+    "bad_words", "stream_interval"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -160,6 +160,7 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
                  frequency_penalty=b.get("frequency_penalty", "number", 0.0),
                  repetition_penalty=b.get("repetition_penalty", "number", 1.0),
                  logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model),
+                 stream_interval=b.get("stream_interval", "int"),
                  structured_outputs=parse_structured_outputs(b.body, tool_schema))
     return knobs
 

@@ -9,6 +9,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.outputs import OutputKind, OutputProcessor
+from engine.request import InvalidRequestError
 from engine.scheduler_output import EngineCoreOutput
 
 
@@ -58,6 +59,26 @@ def test_one_and_non_streaming_kinds_are_unchanged():
     assert [o.outputs[0].token_ids for o in steps(final_only, "r", [5, 6, 7])] == [[5, 6, 7]]
     with pytest.raises(ValueError, match="stream_interval"):
         OutputProcessor(None, OutputKind.DELTA, stream_interval=0)
+
+
+def test_a_request_raises_its_own_interval_never_lowers_it():
+    """SamplingParams.stream_interval (vLLM's per-request field): above the engine's it holds that
+    request's updates to it; below, the engine's stands; other requests keep the engine's."""
+    p = OutputProcessor(None, OutputKind.DELTA, stream_interval=3)
+    for rid, si in (("own", 5), ("low", 2), ("none", None)):
+        p.add(rid, None, [1], SamplingParams(max_tokens=12, stream_interval=si))
+    sizes = {rid: [len(o.outputs[0].token_ids) for o in steps(p, rid, list(range(12)))]
+             for rid in ("own", "low", "none")}
+    assert sizes == {"own": [1, 5, 5, 1], "low": [1, 3, 3, 3, 2], "none": [1, 3, 3, 3, 2]}
+    one = OutputProcessor(None, OutputKind.DELTA)  # the default engine: the request's alone
+    one.add("r", None, [1], SamplingParams(max_tokens=9, stream_interval=4))
+    assert [len(o.outputs[0].token_ids) for o in steps(one, "r", list(range(9)))] == [1, 4, 4]
+    cumulative = OutputProcessor(None, OutputKind.CUMULATIVE)  # the offline API: every step, whole
+    cumulative.add("r", None, [1], SamplingParams(max_tokens=3, stream_interval=4))
+    assert [o.outputs[0].token_ids for o in steps(cumulative, "r", [5, 6, 7])] == [[5], [5, 6], [5, 6, 7]]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(InvalidRequestError, match="stream_interval"):
+            SamplingParams(stream_interval=bad)
 
 
 def test_engine_streams_in_intervals_token_exact(tiny_llama):

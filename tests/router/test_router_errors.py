@@ -49,6 +49,9 @@ def assert_error(result, status: int, param: str | None = None, contains: str = 
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "hi", "bad_words": [1]}, "bad_words", "strings"),
+    ({"prompt": "hi", "stream": True, "stream_interval": 0}, "stream_interval", ">= 1"),
+    ({"prompt": "hi", "stream_interval": 2.5}, "stream_interval", "integer"),
+    ({"prompt": "hi", "stream_interval": 2 ** 40}, "stream_interval", "2147483647"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
 ])

@@ -37,6 +37,13 @@ def test_proto_zeros_mean_unset_where_zero_is_not_usable():
     p = pb.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=["a"], stop_token_ids=[9],
                           logprobs=2, skip_special_tokens=True)
     assert sampling_to_proto(sampling_from_proto(p, for_engine=False)) == p
+    # stream_interval: unset stays unset (the engine's own interval), a value travels as sent.
+    assert sampling_from_proto(p).stream_interval is None
+    p.stream_interval = 7
+    assert sampling_from_proto(p).stream_interval == 7
+    assert sampling_to_proto(sampling_from_proto(p, for_engine=False)) == p
+    with pytest.raises(InvalidRequestError, match="stream_interval"):
+        sampling_from_proto(pb.SamplingParams(max_tokens=2, stream_interval=0))
 
 
 def test_fast_codec_agrees_with_the_tokenizer(tokenizer):

@@ -95,3 +95,29 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
             assert sum(sizes) == max_tokens
             assert sizes[:2] == [1, 1] and all(n >= 6 for n in sizes[2:-1]), sizes
         assert stack.router.metric(itl) - before == len(prompts) * (max_tokens - 1)
+
+        # A request's own stream_interval (vLLM's field) raises the decode's for it alone, one below
+        # the decode's changes nothing, and a text stop string (the router's) still cuts the output
+        # where it matched, though it now arrives inside a chunk.
+        stop_at = expected[0].text[8:12]
+        stopped = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                           stop=[stop_at]))[0].outputs[0]
+
+        async def own():
+            base = {"model": SERVED_MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "logprobs": 0}
+            async with aiohttp.ClientSession() as session:
+                return await asyncio.gather(
+                    stream_choices(session, stack.url, {**base, "prompt": prompts[1], "stream_interval": 9}),
+                    stream_choices(session, stack.url, {**base, "prompt": prompts[2], "stream_interval": 2}),
+                    stream_choices(session, stack.url, {**base, "prompt": prompts[0], "stream_interval": 9,
+                                                        "stop": [stop_at]}))
+
+        nine, two, stop = asyncio.run(own())
+        for chunks, exp, interval in ((nine, expected[1], 9), (two, expected[2], 6)):
+            assert "".join(c["text"] for c in chunks) == exp.text
+            sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]]
+            assert sum(sizes) == max_tokens
+            assert sizes[:2] == [1, 1] and all(n >= interval for n in sizes[2:-1]), sizes
+        assert "".join(c["text"] for c in stop) == stopped.text
+        assert stop[-1]["finish_reason"] == "stop"
