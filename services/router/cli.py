@@ -106,6 +106,11 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--max-stop-sequences", "stop strings per request; beyond it 400", default=64, type=int)
     _flag(p, "--max-n", "n and best_of of one request (each sample is an engine request; prompts x best_of "
           "counts against --max-prompts-per-request too); beyond it 400", default=16, type=int)
+    _flag(p, "--non-streaming-interval", "tokens per upstream message for a request the client does not "
+          "stream and that has no text stop strings: the engine holds its tokens back to this many a message "
+          "(each message costs the router and the engine's service CPU; vLLM sends such output once, at the "
+          "end). A decode lost mid-request then loses up to this many - 1 tokens the new one recomputes; "
+          "1: a message every step", default=64, type=int)
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -140,7 +145,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests, max_prompts_per_request=args.max_prompts_per_request,
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
-        max_n=args.max_n,
+        max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,
                                            args.engine_ssl_keyfile, args.engine_ssl_server_name))

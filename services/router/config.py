@@ -76,6 +76,9 @@ class RouterConfig:
     max_stop_sequences: int = 64
     max_n: int = 16  # n and best_of of one request (each sample is an engine request)
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
+    # Requests the client does not stream and with no text stop strings: the engines send their
+    # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
+    non_streaming_interval: int = 64
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
     def __post_init__(self) -> None:
@@ -97,7 +100,8 @@ class RouterConfig:
             raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",
                      "load_poll_interval_s", "max_concurrent_requests", "max_prompts_per_request",
-                     "max_concurrent_prompts", "max_payload_size", "max_stop_sequences", "max_n"):
+                     "max_concurrent_prompts", "max_payload_size", "max_stop_sequences", "max_n",
+                     "non_streaming_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

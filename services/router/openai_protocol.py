@@ -174,6 +174,15 @@ def _stream_flags(b: Body) -> tuple[bool, bool]:
     return stream, stream and include_usage
 
 
+def _unwatched_interval(knobs: dict, stream: bool, limits: RequestLimits) -> None:
+    """A request the client does not stream gets its tokens upstream at least
+    --non-streaming-interval a message (vLLM answers it once, at the end): only the router reads
+    them, and each message costs the router and the engine's service CPU. Not with text stop
+    strings: the router finds those, and the engine would generate on past them meanwhile."""
+    if not stream and not knobs["stop"] and limits.non_streaming_interval > 1:
+        knobs["stream_interval"] = max(knobs["stream_interval"] or 1, limits.non_streaming_interval)
+
+
 def _max_tokens(b: Body) -> int | None:
     value = b.get("max_completion_tokens", "int")
     return value if value is not None else b.get("max_tokens", "int")
@@ -227,6 +236,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     knobs = _knobs(b, model)
     stream, include_usage = _stream_flags(b)
     n, best_of = _samples(b, limits, stream, best_of_allowed=True)
+    _unwatched_interval(knobs, stream, limits)
     # best_of ranks the samples by their logprobs: the engines send them even when not shown.
     knobs["logprobs"] = logprobs if best_of == n or logprobs is not None else 0
     knobs["prompt_logprobs"] = logprobs if echo else None
@@ -309,6 +319,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     knobs["logprobs"] = logprobs
     stream, include_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
+    _unwatched_interval(knobs, stream, limits)
     _check_fan_out(1, n, limits)
     max_tokens = _max_tokens(b)
     prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,

@@ -24,11 +24,12 @@ class RequestLimits:
     max_prompts_per_request: int = 256  # engine requests one request fans out into (prompts x best_of)
     trust_request_chat_template: bool = False
     max_n: int = 16  # n and best_of
+    non_streaming_interval: int = 64  # tokens a message upstream when nobody watches them arrive
 
     @classmethod
     def from_config(cls, config) -> "RequestLimits":
         return cls(config.max_stop_sequences, config.max_prompts_per_request, config.trust_request_chat_template,
-                   config.max_n)
+                   config.max_n, config.non_streaming_interval)
 
 
 @dataclass

@@ -30,3 +30,13 @@ def test_every_part_prints_its_figures(capsys):
 def test_parts_are_checked():
     with pytest.raises(SystemExit):
         router_bench.main(["--parts", "4"])
+
+
+def test_part_three_not_streamed_prints_the_router_intervals_figures(capsys):
+    assert router_bench.main(["--parts", "3", "--seconds", "0.5", "--no-vllm", "--non-streaming",
+                              "--stream-intervals", "1,64", "--streams", "4", "--stream-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    figures = dict(re.findall(r"^(\w+)=([-\d.]+)$", out, re.M))
+    assert set(figures) == {"non_streaming_path_us_per_token", "non_streaming_interval_64_path_cpu_ratio"}
+    assert float(figures["non_streaming_path_us_per_token"]) > 0
+    assert float(figures["non_streaming_interval_64_path_cpu_ratio"]) > 0
