@@ -187,6 +187,9 @@ class AsyncEngine:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         if params.n != 1:  # one request, one sample: n > 1 is fanned out by the router or LLM.generate
             raise InvalidRequestError(f"n must be 1 for a single engine request, got {params.n}")
+        if priority and self.config.scheduler.policy != "priority":  # vLLM's refusal, not a silent FCFS
+            raise InvalidRequestError(f"priority {priority} needs priority scheduling (--scheduling-policy "
+                                      f"priority); this engine schedules {self.config.scheduler.policy}")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")

@@ -42,7 +42,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         start = last = time.monotonic()
         num_generated = 1 if disagg else 0  # the prefill's first token counts as generated
         first = True
-        async for out in host.engine.generate(prompt, params, request_id=rid,
+        async for out in host.engine.generate(prompt, params, request_id=rid, priority=request.priority,
                                               admitted=lambda: context.send_initial_metadata(ADMITTED), **disagg):
             c = out.outputs[0]
             host.raise_if_aborted(c, rid)

@@ -27,8 +27,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         # The request runs with its real parameters and stops after its first token: the engine
         # decides whether that token ends it, and publishes the KV only when it does not.
         final = None
-        async for out in host.engine.generate(prompt, params, request_id=rid, prefill_only=True,
-                                              publish_kv=request.publish_kv):
+        async for out in host.engine.generate(prompt, params, request_id=rid, priority=request.priority,
+                                              prefill_only=True, publish_kv=request.publish_kv):
             final = out
         c = final.outputs[0]
         host.raise_if_aborted(c, rid)

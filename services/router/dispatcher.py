@@ -159,8 +159,8 @@ class Dispatcher:
             raise RouterError(504, "the request timed out", code="timeout")
         return left
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: pb.SamplingParams) -> AsyncIterator[TokenChunk]:
+    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
+                     priority: int = 0) -> AsyncIterator[TokenChunk]:
         """Yields token chunks until one has a finish_reason. A decode lost mid-stream hands the
         request to another one (prompt + the tokens so far), up to `migration_limit` times, and the
         chunks run on as if nothing happened. Closing it early (a stop string, a client gone)
@@ -174,7 +174,7 @@ class Dispatcher:
             while True:
                 try:
                     async for chunk in self._attempt(upstream_id, prompt_token_ids + generated, params,
-                                                     deadline, lost):
+                                                     priority, deadline, lost):
                         generated += chunk.token_ids
                         if chunk.finish_reason is not None:
                             outcome = "completed"  # the reader may close us at this yield
@@ -211,7 +211,7 @@ class Dispatcher:
                 self.metrics.migrations.labels(outcome).inc()
 
     async def _attempt(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
-                       deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
+                       priority: int, deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
         """One upstream request: prefill (when disaggregated) then a decode stream; raises
         StreamLost when the decode instance is lost after it began."""
         decode_route = RouteRequest(request_id, "decode", prompt_token_ids, sampling.cache_salt or None,
@@ -222,13 +222,14 @@ class Dispatcher:
             decode_route, local = decision.route, not decision.disaggregate
         if local:
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                   sampling=sampling)
+                                   sampling=sampling, priority=priority)
             async for chunk in self._decode(decode_route, req, deadline, lost):
                 yield chunk
             return
         pinned: Instance | None = None  # prefill instance holding KV that no decode has pulled yet
         try:
-            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, deadline, lost)
+            prefill, resp = await self._prefill(request_id, prompt_token_ids, sampling, priority, deadline,
+                                                lost)
             # The prefill engine ran the request with its real parameters: its finish reason is
             # the answer, and when it has one nothing was published and no decode follows.
             finish = resp.finish_reason or None
@@ -244,7 +245,7 @@ class Dispatcher:
                 return
             req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling, first_token_id=resp.first_token_id,
-                                   kv_handle=resp.kv_handle)
+                                   kv_handle=resp.kv_handle, priority=priority)
             # The first token waits for a decode to take the request: when every decode is full
             # the client gets a 429 before anything was streamed, not a broken stream.
             async for chunk in self._decode(decode_route, req, deadline, lost, first=first, prefill=prefill):
@@ -256,9 +257,9 @@ class Dispatcher:
                 self._abort_later(pinned, request_id)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
-                       deadline: float, lost: list[Instance]) -> tuple[Instance, pb.PrefillResponse]:
+                       priority: int, deadline: float, lost: list[Instance]) -> tuple[Instance, pb.PrefillResponse]:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                sampling=sampling, publish_kv=True)
+                                sampling=sampling, publish_kv=True, priority=priority)
         route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None,
                              max_new_tokens=1)
         tried: list[Instance] = []

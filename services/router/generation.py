@@ -62,7 +62,7 @@ class TextGenerator:
         m.requests_running.inc()
         try:
             chunks = self.dispatcher.stream(self.upstream_request_id(request_id), prompt.token_ids,
-                                            prompt.sampling)
+                                            prompt.sampling, prompt.priority)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     now = time.monotonic()

@@ -62,7 +62,7 @@ class GenerateService(pb_grpc.GenerateServicer):
             knobs["bad_words_token_ids"] += bad_words_token_ids(self.model, list(s.bad_words))
         max_tokens = knobs.pop("max_tokens")
         return prepare(self.model, ids, knobs, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-                       limits=self.limits, text=text)
+                       limits=self.limits, text=text, priority=request.priority)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         status = 500

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.convert import INT32
 from services.router.errors import RouterError, bad_request, unsupported
 from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 from services.router.served_model import ServedModel
@@ -17,7 +18,7 @@ COMMON_FIELDS = {
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
-    "bad_words", "stream_interval"} | STRUCTURED_FIELDS
+    "bad_words", "stream_interval", "priority"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -183,6 +184,15 @@ def _unwatched_interval(knobs: dict, stream: bool, limits: RequestLimits) -> Non
         knobs["stream_interval"] = max(knobs["stream_interval"] or 1, limits.non_streaming_interval)
 
 
+def _priority(b: Body) -> int:
+    """vLLM's request priority (lower is sooner): the engines take a value other than 0 only
+    under --scheduling-policy priority, and refuse it (400) otherwise."""
+    value = b.get("priority", "int", 0)
+    if not INT32[0] <= value <= INT32[1]:
+        raise bad_request(f"priority must be in [{INT32[0]}, {INT32[1]}], got {value}", "priority")
+    return value
+
+
 def _max_tokens(b: Body) -> int | None:
     value = b.get("max_completion_tokens", "int")
     return value if value is not None else b.get("max_tokens", "int")
@@ -243,9 +253,10 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     raw = completion_prompts(b.body["prompt"], model, b.get("add_special_tokens", "bool", True),
                              limits.max_prompts_per_request)
     _check_fan_out(len(raw), best_of, limits)
+    priority = _priority(b)
     prompts = [p for ids, text in raw for p in _per_sample(
-        lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text),
-        best_of, knobs)]
+        lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text,
+                          priority=priority), best_of, knobs)]
     return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored, n, best_of)
 
 
@@ -322,7 +333,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     _unwatched_interval(knobs, stream, limits)
     _check_fan_out(1, n, limits)
     max_tokens = _max_tokens(b)
+    priority = _priority(b)
     prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
-                                            limits=limits, param="messages"), n, knobs)
+                                            limits=limits, param="messages", priority=priority), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored,
                          n=n, best_of=n, tools=tools)

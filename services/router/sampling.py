@@ -39,6 +39,7 @@ class PreparedPrompt:
     params: SamplingParams  # what the router's detokenizer honours (stop strings, special tokens)
     sampling: pb.SamplingParams  # what the engines get
     text: str | None = None  # the prompt as text, when the client sent text (echo)
+    priority: int = 0  # the engines' scheduling priority (vLLM's request field; lower is sooner)
 
 
 def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None, param: str) -> int:
@@ -89,7 +90,7 @@ def bad_words_token_ids(model: ServedModel, words: list[str]) -> tuple[tuple[int
 
 def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens: int | None,
             default_max_tokens: int | None, limits: RequestLimits, text: str | None = None,
-            param: str = "prompt") -> PreparedPrompt:
+            param: str = "prompt", priority: int = 0) -> PreparedPrompt:
     """`knobs`: SamplingParams keyword arguments other than max_tokens, as the client sent them.
 
     max_tokens None takes `default_max_tokens` (capped by the room left) or, if that is None
@@ -110,7 +111,7 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
         params = SamplingParams(max_tokens=max_tokens, **knobs)
         validate_sampling(params, model.vocab_size)  # what the engines refuse, refused here first
         # Stop strings travel too, but engines drop them: they are the router's to honour.
-        return PreparedPrompt(token_ids, params, sampling_to_proto(params), text)
+        return PreparedPrompt(token_ids, params, sampling_to_proto(params), text, priority)
     except InvalidRequestError as e:  # its message starts with the parameter's name
         message = str(e)
         raise bad_request(message, message.split(" ", 1)[0]) from None

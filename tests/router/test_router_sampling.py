@@ -180,3 +180,21 @@ def test_the_engines_batch_what_nobody_watches_arrive(make_stack):
     every_step = make_stack(non_streaming_interval=1)
     assert every_step.post("/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200
     assert not engine_samplings(every_step)[0].HasField("stream_interval")
+
+
+def test_priority_reaches_both_engines_from_every_front(make_stack):
+    """vLLM's request `priority` (completions, chat, gRPC Generate) goes to the prefill and the
+    decode alike; not an int32 integer is 400 at the gateway."""
+    stack = make_stack()
+    assert stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "priority": -5})[0] == 200
+    assert stack.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                               "priority": 7})[0] == 200
+    assert stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})[0] == 200
+    with grpc.insecure_channel(stack.grpc_target) as ch:
+        list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(text="hi", priority=2, sampling=pb.SamplingParams(
+            max_tokens=3)), timeout=10))
+    assert [r.priority for r in stack.prefills[0].engine.requests] == [-5, 7, 0, 2]
+    assert [r.priority for r in stack.decodes[0].engine.requests] == [-5, 7, 0, 2]
+    for bad, words in (("high", "integer"), (1.5, "integer"), (2 ** 31, "[-2147483648, 2147483647]")):
+        status, _, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "priority": bad})
+        assert status == 400 and body["error"]["param"] == "priority" and words in body["error"]["message"], body
