@@ -11,7 +11,7 @@ from engine.core_client import Abort, AddRequest, InprocClient, MPClient
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput, merge_delta
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import (DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
-                            SamplingParams)
+                            SamplingParams, check_priority)
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -187,9 +187,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         if params.n != 1:  # one request, one sample: n > 1 is fanned out by the router or LLM.generate
             raise InvalidRequestError(f"n must be 1 for a single engine request, got {params.n}")
-        if priority and self.config.scheduler.policy != "priority":  # vLLM's refusal, not a silent FCFS
-            raise InvalidRequestError(f"priority {priority} needs priority scheduling (--scheduling-policy "
-                                      f"priority); this engine schedules {self.config.scheduler.policy}")
+        check_priority(priority, self.config.scheduler.policy)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use by a request in flight")

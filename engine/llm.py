@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, check_priority
 
 
 class LLM:
@@ -37,6 +37,11 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError("need one priority per prompt")
+            for p in priority:
+                check_priority(p, self.config.scheduler.policy)
         # Validate everything before anything is queued: a bad prompt fails the call cleanly.
         prepared = []
         for prompt, params in zip(prompts, sampling_params):

@@ -27,6 +27,13 @@ class EngineDeadError(RuntimeError):
     (maps to gRPC UNAVAILABLE)."""
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A priority other than 0 needs priority scheduling: refused (as vLLM does), never ignored."""
+    if priority and policy != "priority":
+        raise InvalidRequestError(f"priority {priority} needs priority scheduling (--scheduling-policy "
+                                  f"priority); this engine schedules {policy}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16

@@ -37,6 +37,12 @@ def test_bad_prompts_fail_cleanly_and_engine_keeps_serving(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
+    # A priority on an FCFS engine is refused, as vLLM does, not ignored; so is one per prompt missing.
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        llm.generate(["fine", "too"], SamplingParams(max_tokens=2), priority=[0, 1])
+    with pytest.raises(ValueError, match="one priority per prompt"):
+        llm.generate(["fine", "too"], SamplingParams(max_tokens=2), priority=[0])
+    assert not llm.engine.has_unfinished_requests()
     out = llm.generate(["still serving"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
     llm.engine.check_integrity(expect_all_free=True)
