@@ -10,13 +10,17 @@ from aiohttp import web
 
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
-from services.router.openai_protocol import parse_chat, parse_completion
+from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
 from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
 from services.router.sampling import RequestLimits
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
+
+
+# Paths the API key guards: the API, not the probes and /metrics.
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
 
 def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
@@ -41,6 +45,8 @@ class HttpGateway:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
@@ -52,7 +58,7 @@ class HttpGateway:
         return app
 
     def _authorized(self, request: web.Request) -> bool:
-        if self._api_key is None or not request.path.startswith("/v1/"):
+        if self._api_key is None or not request.path.startswith(PROTECTED):
             return True
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
@@ -91,13 +97,16 @@ class HttpGateway:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
     @staticmethod
-    def _parse(raw: bytes, parse, model, limits: RequestLimits):
-        """Decoding, templating and tokenizing (on a worker thread unless the body is small)."""
+    def _decode_json(raw: bytes):
         try:
-            body = _decode(raw)
+            return _decode(raw)
         except msgspec.DecodeError as e:
             raise bad_request(f"malformed JSON body: {e}") from None
-        return parse(body, model, limits)
+
+    @classmethod
+    def _parse(cls, raw: bytes, parse, model, limits: RequestLimits):
+        """Decoding, templating and tokenizing (on a worker thread unless the body is small)."""
+        return parse(cls._decode_json(raw), model, limits)
 
     def _request_id(self, request: web.Request, kind: str) -> str:
         given = request.headers.get("X-Request-Id", "")
@@ -123,6 +132,16 @@ class HttpGateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, "chatcmpl", chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        return self._json_response(await self.admission.run(
+            len(raw), lambda: tokenize(self._decode_json(raw), self.model, self.limits)))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        return self._json_response(await self.admission.run(
+            len(raw), lambda: detokenize(self._decode_json(raw), self.model)))
 
     def _card(self) -> dict:
         m = self.model

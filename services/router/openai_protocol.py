@@ -338,3 +338,47 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                                             limits=limits, param="messages", priority=priority), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored,
                          n=n, best_of=n, tools=tools)
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template", "chat_template_kwargs", "tools", "tool_choice",
+                   "parallel_tool_calls", "return_token_strs"}
+
+
+def tokenize(body, model: ServedModel, limits: RequestLimits) -> dict:
+    """vLLM's POST /tokenize: a completions `prompt` (special tokens added unless
+    add_special_tokens is false) or chat `messages` through the chat template, as a chat
+    completion would render them (tools included; add_special_tokens defaults to false there, the
+    template writing its own). No context limit: clients count a prompt before they send it."""
+    b = Body(body, TOKENIZE_FIELDS)
+    _check_model(model, b)
+    if "messages" in b.body:
+        tools = parse_tools(b.body)
+        add_generation = b.get("add_generation_prompt", "bool", True)
+        continue_final = b.get("continue_final_message", "bool", False)
+        if add_generation and continue_final:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+        text = model.chat_text(chat_messages(b.body["messages"]), add_generation, continue_final,
+                               b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits),
+                               tools=list(tools.tools) if tools is not None else None)
+        ids = model.encode(text, add_special_tokens=b.get("add_special_tokens", "bool", False))
+    elif "prompt" in b.body:
+        ids = model.encode(b.get("prompt", "str"), add_special_tokens=b.get("add_special_tokens", "bool", True))
+    else:
+        raise bad_request("prompt (a string) or messages is required", "prompt")
+    pieces = model.token_pieces(ids) if b.get("return_token_strs", "bool", False) else None
+    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": pieces}
+
+
+def detokenize(body, model: ServedModel) -> dict:
+    """vLLM's POST /detokenize: token ids -> their text, special tokens kept."""
+    b = Body(body, {"model", "tokens"})
+    _check_model(model, b)
+    ids = b.get("tokens", "list")
+    if ids is None:
+        raise bad_request("tokens is required", "tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("tokens must be an array of integers", "tokens")
+    model.check_token_ids(ids, "tokens")
+    return {"prompt": model.decode(ids)}

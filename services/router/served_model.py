@@ -120,6 +120,14 @@ class ServedModel:
                     chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """`chat_template`: a template the operator allowed requests to send (else the model's);
         `tools`: the request's tools, for templates that render them (Hermes, Qwen, Llama 3)."""
+        text = self.chat_text(messages, add_generation_prompt, continue_final_message, template_kwargs,
+                              chat_template, tools)
+        # The template writes the special tokens it wants (BOS included), as in vLLM.
+        return self.encode_prompt(text, "messages", add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                  template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The chat template's text for these messages (chat_prompt's arguments)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
@@ -135,8 +143,11 @@ class ServedModel:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         if not isinstance(text, str):
             raise bad_request("the chat template did not render text", "messages")
-        # The template writes the special tokens it wants (BOS included), as in vLLM.
-        return self.encode_prompt(text, "messages", add_special_tokens=False)
+        return text
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """The tokenizer's own strings for the ids (byte-level pieces such as "Ġhello")."""
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
