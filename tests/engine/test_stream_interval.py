@@ -101,7 +101,9 @@ def test_engine_streams_in_intervals_token_exact(tiny_llama):
             results = await asyncio.gather(*(stream(engine, p, params) for p in prompts))
             for outs, exp in zip(results, expected):
                 sizes = [len(o.delta_token_ids) for o in outs]
-                assert sizes[0] == 1 and all(n >= 5 for n in sizes[1:-1]) and sum(sizes) == 23
+                # The first update goes at once; a reader that fell behind gets it merged with the
+                # next (the generator sends a backlog as one), so only its lower bound holds.
+                assert all(n >= 5 for n in sizes[1:-1]) and sum(sizes) == 23 and len(sizes) <= 6, sizes
                 assert [t for o in outs for t in o.delta_token_ids] == exp.outputs[0].token_ids
                 assert "".join(o.delta_text for o in outs) == exp.outputs[0].text
             outs = await stream(engine, prompts[0], stopped)

@@ -93,7 +93,9 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
             assert "".join(c["text"] for c in chunks) == exp.text
             sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]]
             assert sum(sizes) == max_tokens
-            assert sizes[:2] == [1, 1] and all(n >= 6 for n in sizes[2:-1]), sizes
+            # The prefill's token, then the decode's first update (merged with the next when the
+            # decode's stream fell behind), then at least 6 a chunk.
+            assert sizes[0] == 1 and all(n >= 6 for n in sizes[2:-1]), sizes
         assert stack.router.metric(itl) - before == len(prompts) * (max_tokens - 1)
 
         # A request's own stream_interval (vLLM's field) raises the decode's for it alone, one below
@@ -118,6 +120,6 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
             assert "".join(c["text"] for c in chunks) == exp.text
             sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]]
             assert sum(sizes) == max_tokens
-            assert sizes[:2] == [1, 1] and all(n >= interval for n in sizes[2:-1]), sizes
+            assert sizes[0] == 1 and all(n >= interval for n in sizes[2:-1]), sizes
         assert "".join(c["text"] for c in stop) == stopped.text
         assert stop[-1]["finish_reason"] == "stop"
