@@ -34,6 +34,7 @@ class ParsedRequest:
     prompts: list[PreparedPrompt]
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every streamed chunk carries its choice's usage so far
     echo: bool = False
     echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) only
     logprobs: int | None = None  # top logprobs per token (chat: top_logprobs once logprobs is true)
@@ -166,13 +167,19 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
     return knobs
 
 
-def _stream_flags(b: Body) -> tuple[bool, bool]:
+def _stream_flags(b: Body) -> tuple[bool, bool, bool]:
+    """stream; include_usage (a last chunk with the usage); vLLM's continuous_usage_stats (with
+    include_usage: every chunk carries its choice's usage so far)."""
     stream = b.get("stream", "bool", False)
     options = b.get("stream_options", "dict", {})
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
-    return stream, stream and include_usage
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise bad_request(f"stream_options.{name} must be a boolean", "stream_options")
+        flags.append(value)
+    include_usage = stream and flags[0]
+    return stream, include_usage, include_usage and flags[1]
 
 
 def _unwatched_interval(knobs: dict, stream: bool, limits: RequestLimits) -> None:
@@ -244,7 +251,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     if echo_only:
         max_tokens = 1  # one token is computed (the engines need one) and dropped
     knobs = _knobs(b, model)
-    stream, include_usage = _stream_flags(b)
+    stream, include_usage, continuous_usage = _stream_flags(b)
     n, best_of = _samples(b, limits, stream, best_of_allowed=True)
     _unwatched_interval(knobs, stream, limits)
     # best_of ranks the samples by their logprobs: the engines send them even when not shown.
@@ -257,7 +264,8 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     prompts = [p for ids, text in raw for p in _per_sample(
         lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text,
                           priority=priority), best_of, knobs)]
-    return ParsedRequest(name, prompts, stream, include_usage, echo, echo_only, logprobs, b.ignored, n, best_of)
+    return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, echo, echo_only, logprobs,
+                         b.ignored, n, best_of)
 
 
 def _check_fan_out(num_prompts: int, best_of: int, limits: RequestLimits) -> None:
@@ -328,7 +336,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                             tools=list(tools.tools) if tools is not None else None)
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
-    stream, include_usage = _stream_flags(b)
+    stream, include_usage, continuous_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
     _unwatched_interval(knobs, stream, limits)
     _check_fan_out(1, n, limits)
@@ -336,7 +344,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     priority = _priority(b)
     prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
                                             limits=limits, param="messages", priority=priority), n, knobs)
-    return ParsedRequest(name, prompts, stream, include_usage, logprobs=logprobs, ignored_fields=b.ignored,
+    return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
+                         ignored_fields=b.ignored,
                          n=n, best_of=n, tools=tools)
 
 

@@ -175,9 +175,7 @@ class OpenAIServing:
         async def send(i: int, chunk: TextChunk) -> None:
             choice = choices[i]
             if chat and not choice.started:
-                delta = {"role": "assistant", "content": ""}
-                await response.write(b"data: " + _encode(make(request_id, created, req.model, choice.index,
-                                                               delta, None, None)) + b"\n\n")
+                await write(choice, {"role": "assistant", "content": ""}, None, None)
             text, lp = choice.add(chunk)
             finish_reason = chunk.finish_reason
             if choice.tool_stream is not None:  # tool calls: content only outside them, calls at the end
@@ -207,6 +205,8 @@ class OpenAIServing:
         async def write(choice: Choice, payload, lp, finish_reason) -> None:
             event = make(request_id, created, req.model, choice.index, payload, lp, finish_reason,
                          choice.stop_reason if finish_reason else None)
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: this choice's usage so far
+                event["usage"] = usage(len(choice.prompt.token_ids), choice.num_tokens, choice.num_cached_tokens)
             await response.write(b"data: " + _encode(event) + b"\n\n")
 
         await send(*first)

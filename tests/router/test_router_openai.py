@@ -232,3 +232,29 @@ def test_router_trusts_the_prefill_engine_on_eos(make_stack, tokenizer):
     assert body["usage"]["completion_tokens"] == 1 and not stack.decodes[0].engine.requests
     status, _, body = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 8, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(stack, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its
+    choice's prompt and completion tokens so far; the last chunk still has the request's usage."""
+    ids = tokenizer.encode("Hello world")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = stack.sse("/v1/completions", {"prompt": ids, "max_tokens": 5, "stream": True, "n": 2, "seed": 1,
+                                           "temperature": 1.0, "stream_options": options})
+    chunks = [e for e in events[:-2] if e["choices"]]
+    for index in (0, 1):
+        mine = [e for e in chunks if e["choices"][0]["index"] == index]
+        assert [e["usage"]["completion_tokens"] for e in mine] == [1, 2, 3, 4, 5]
+        assert all(e["usage"]["prompt_tokens"] == len(ids) and e["usage"]["total_tokens"] == len(ids)
+                   + e["usage"]["completion_tokens"] for e in mine)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 10
+    chat = stack.sse("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                              "stream": True, "stream_options": options})
+    assert [e["usage"]["completion_tokens"] for e in chat[:-2]] == [0, 1, 2, 3]  # the role chunk first
+    # Without include_usage, as in vLLM, nothing changes; a non-boolean is 400.
+    plain = stack.sse("/v1/completions", {"prompt": ids, "max_tokens": 2, "stream": True,
+                                          "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in e for e in plain[:-1])
+    status, _, body = stack.post("/v1/completions", {"prompt": ids, "stream": True,
+                                                     "stream_options": {"continuous_usage_stats": "yes"}})
+    assert status == 400 and "continuous_usage_stats" in body["error"]["message"]
