@@ -8,7 +8,10 @@ from engine import cli as engine_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.version import version
+
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     engine_cli.add_engine_commands(sub)
     try:

@@ -13,6 +13,7 @@ from services.router.generation import REQUEST_ID
 from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
 from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
 from services.router.sampling import RequestLimits
+from services.version import version
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -55,6 +56,7 @@ class HttpGateway:
         app.router.add_get("/livez", self.livez)
         app.router.add_get("/readyz", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/version", self.version)
         return app
 
     def _authorized(self, request: web.Request) -> bool:
@@ -161,6 +163,9 @@ class HttpGateway:
             raise RouterError(404, f"The model `{name}` does not exist.", param="model",
                               code="model_not_found")
         return self._json_response(self._card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        return self._json_response({"version": version()})
 
     async def livez(self, request: web.Request) -> web.Response:
         return self._json_response({"status": "ok"})

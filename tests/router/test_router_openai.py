@@ -258,3 +258,19 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(stack,
     status, _, body = stack.post("/v1/completions", {"prompt": ids, "stream": True,
                                                      "stream_options": {"continuous_usage_stats": "yes"}})
     assert status == 400 and "continuous_usage_stats" in body["error"]["message"]
+
+
+def test_version_is_the_distributions_everywhere(make_stack):
+    """GET /version (vLLM's; no API key, as the probes) and `pdserve --version` say pyproject's version."""
+    import subprocess
+    import sys
+    import tomllib
+
+    with open(f"{__file__.rsplit('/tests/', 1)[0]}/pyproject.toml", "rb") as f:
+        expected = tomllib.load(f)["project"]["version"]
+    stack = make_stack(api_key="sekret")
+    status, _, body = stack.request("GET", "/version")
+    assert status == 200 and body == {"version": expected}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "--version"], capture_output=True, text=True,
+                         check=True, cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.stdout.strip() == f"pdserve {expected}"
