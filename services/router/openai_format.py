@@ -13,15 +13,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class CompletionLogprobs:
     """The /v1/completions `logprobs` object, built up chunk by chunk (text_offset runs on)."""
 
-    def __init__(self, model: ServedModel, top_n: int, text_offset: int = 0) -> None:
+    def __init__(self, model: ServedModel, top_n: int, text_offset: int = 0, as_ids: bool = False) -> None:
         self.model = model
         self.top_n = top_n
         self.offset = text_offset
+        self.name = token_namer(model, as_ids)
 
     def _top(self, lp) -> dict:
-        top = {self.model.token_string(lp.token_id): lp.logprob}
+        top = {self.name(lp.token_id): lp.logprob}
         for t in lp.top[:self.top_n]:
-            top.setdefault(self.model.token_string(t.token_id), t.logprob)
+            top.setdefault(self.name(t.token_id), t.logprob)
         return top
 
     def build(self, token_ids: list[int], logprobs: list, prompt_first: bool = False) -> dict:
@@ -29,12 +30,11 @@ class CompletionLogprobs:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         lps = ([None] if prompt_first else []) + list(logprobs)
         for token_id, lp in zip(token_ids, lps):
-            s = self.model.token_string(token_id)
-            out["tokens"].append(s)
+            out["tokens"].append(self.name(token_id))
             out["token_logprobs"].append(lp.logprob if lp is not None else None)
             out["top_logprobs"].append(self._top(lp) if lp is not None else None)
             out["text_offset"].append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self.model.token_string(token_id))  # offsets into the text, named or not
         return out
 
     @staticmethod
@@ -44,15 +44,24 @@ class CompletionLogprobs:
         return {k: a[k] + b[k] for k in a}
 
 
-def chat_logprobs(model: ServedModel, token_ids: list[int], logprobs: list, top_n: int) -> dict:
+def token_namer(model: ServedModel, as_ids: bool):
+    """How logprobs name a token: its text, or with vLLM's return_tokens_as_token_ids
+    "token_id:<id>" (a token that is part of a UTF-8 character has no text of its own)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else model.token_string
+
+
+def chat_logprobs(model: ServedModel, token_ids: list[int], logprobs: list, top_n: int,
+                  as_ids: bool = False) -> dict:
     """Engines send the sampled token's logprob plus the other top ones; OpenAI's top_logprobs
-    are the n most likely, the sampled token among them when it is."""
+    are the n most likely, the sampled token among them when it is. `bytes` are those of the
+    name shown (vLLM's rule, also for token_id:<id> names)."""
+    name = token_namer(model, as_ids)
     content = []
     for token_id, lp in zip(token_ids, logprobs):
-        s = model.token_string(token_id)
+        s = name(token_id)
         ranked = sorted([(lp.logprob, token_id), *((t.logprob, t.token_id) for t in lp.top
                                                     if t.token_id != token_id)], reverse=True)[:top_n]
-        top = [{"token": (ts := model.token_string(t)), "logprob": v, "bytes": list(ts.encode())}
+        top = [{"token": (ts := name(t)), "logprob": v, "bytes": list(ts.encode())}
                for v, t in ranked]
         content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()), "top_logprobs": top})
     return {"content": content}

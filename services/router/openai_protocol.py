@@ -18,7 +18,7 @@ COMMON_FIELDS = {
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
-    "bad_words", "stream_interval", "priority"} | STRUCTURED_FIELDS
+    "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -42,6 +42,8 @@ class ParsedRequest:
     n: int = 1  # choices per prompt
     best_of: int = 1  # samples per prompt (>= n): the n of highest cumulative logprob are the choices
     tools: ToolPlan | None = None  # chat with tools (tool_choice other than "none")
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 class Body:
@@ -182,6 +184,11 @@ def _stream_flags(b: Body) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and flags[1]
 
 
+def _token_id_flags(b: Body) -> dict:
+    return {"return_token_ids": b.get("return_token_ids", "bool", False),
+            "tokens_as_ids": b.get("return_tokens_as_token_ids", "bool", False)}
+
+
 def _unwatched_interval(knobs: dict, stream: bool, limits: RequestLimits) -> None:
     """A request the client does not stream gets its tokens upstream at least
     --non-streaming-interval a message (vLLM answers it once, at the end): only the router reads
@@ -265,7 +272,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
         lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text,
                           priority=priority), best_of, knobs)]
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, echo, echo_only, logprobs,
-                         b.ignored, n, best_of)
+                         b.ignored, n, best_of, **_token_id_flags(b))
 
 
 def _check_fan_out(num_prompts: int, best_of: int, limits: RequestLimits) -> None:
@@ -345,7 +352,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
                                             limits=limits, param="messages", priority=priority), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
-                         ignored_fields=b.ignored,
+                         ignored_fields=b.ignored, **_token_id_flags(b),
                          n=n, best_of=n, tools=tools)
 
 

@@ -40,8 +40,13 @@ class Choice:
         self.logprobs: dict | None = None
         self.cumulative_logprob = 0.0  # of the generated tokens: what best_of ranks by
         self.started = False
-        self._completion_lp = (CompletionLogprobs(model, req.logprobs)
+        self._completion_lp = (CompletionLogprobs(model, req.logprobs, as_ids=req.tokens_as_ids)
                                if req.logprobs is not None and not chat else None)
+        # return_token_ids: every id this choice shows (completions' echo: the prompt's first), and
+        # those a stream has not sent yet (a chunk that writes nothing keeps them for the next).
+        self.token_ids: list[int] = []
+        self.unsent_ids: list[int] = []
+        self.sent_prompt_ids = False
         self.tool_stream = ToolCallStream(req.tools) if chat and req.tools is not None else None
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
@@ -61,14 +66,17 @@ class Choice:
             self.num_cached_tokens = chunk.num_cached_tokens
             if self.req.echo:
                 text, lp = self._prompt_echo(chunk)
+                self._show_ids(self.prompt.token_ids)
         if not self.req.echo_only:
+            self._show_ids(chunk.token_ids)
             self.num_tokens += len(chunk.token_ids)
             self.cumulative_logprob += sum(lp.logprob for lp in chunk.logprobs)
             text += chunk.text
             if self._completion_lp is not None:
                 lp = CompletionLogprobs.merge(lp, self._completion_lp.build(chunk.token_ids, chunk.logprobs))
             elif self.chat and self.req.logprobs is not None:
-                lp = chat_logprobs(self.model, chunk.token_ids, chunk.logprobs, self.req.logprobs)
+                lp = chat_logprobs(self.model, chunk.token_ids, chunk.logprobs, self.req.logprobs,
+                                   self.req.tokens_as_ids)
         if chunk.finish_reason is not None:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
         self.text += text
@@ -77,6 +85,15 @@ class Choice:
                 {"content": self.logprobs["content"] + lp["content"]} if self.chat
                 else CompletionLogprobs.merge(self.logprobs, lp))
         return text, lp
+
+    def _show_ids(self, ids: list[int]) -> None:
+        if self.req.return_token_ids:
+            self.token_ids += ids
+            self.unsent_ids += ids
+
+    def take_unsent_ids(self) -> list[int]:
+        ids, self.unsent_ids = self.unsent_ids, []
+        return ids
 
     def tool_finish_reason(self, calls: list) -> str | None:
         """OpenAI's "tool_calls" when the model's answer is calls (and it was not cut short)."""
@@ -90,10 +107,16 @@ class Choice:
                 content, calls = self.req.tools.tool_calls(self.text)
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = self.tool_finish_reason(calls)
-            return {"index": self.index, "message": message, "logprobs": self.logprobs,
-                    "finish_reason": finish_reason, "stop_reason": self.stop_reason}
-        return {"index": self.index, "text": self.text, "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+            out = {"index": self.index, "message": message, "logprobs": self.logprobs,
+                   "finish_reason": finish_reason, "stop_reason": self.stop_reason}
+        else:
+            out = {"index": self.index, "text": self.text, "logprobs": self.logprobs,
+                   "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+            if self.req.return_token_ids:  # vLLM: a completion choice has its prompt's ids
+                out["prompt_token_ids"] = self.prompt.token_ids
+        if self.req.return_token_ids:
+            out["token_ids"] = self.token_ids
+        return out
 
 
 class OpenAIServing:
@@ -146,6 +169,8 @@ class OpenAIServing:
                     "created": created, "model": req.model,
                     "choices": [c.as_choice() for c in self._best(choices, req)],
                     "usage": self._usage(choices, req)}
+            if chat and req.return_token_ids:  # vLLM: one prompt, its ids beside the choices
+                body["prompt_token_ids"] = req.prompts[0].token_ids
             return web.Response(body=_encode(body), content_type="application/json", headers=headers)
         async with contextlib.aclosing(chunks):
             # The first chunk comes before the headers: a request that cannot be served at all
@@ -171,6 +196,7 @@ class OpenAIServing:
     async def _stream(self, response: web.StreamResponse, first, chunks, choices: list[Choice],
                       req: ParsedRequest, request_id: str, created: int, chat: bool) -> None:
         make = chat_chunk if chat else completion_chunk
+        prompt_ids_sent = False  # chat with return_token_ids: the prompt's ids ride the first chunk
 
         async def send(i: int, chunk: TextChunk) -> None:
             choice = choices[i]
@@ -205,6 +231,15 @@ class OpenAIServing:
         async def write(choice: Choice, payload, lp, finish_reason) -> None:
             event = make(request_id, created, req.model, choice.index, payload, lp, finish_reason,
                          choice.stop_reason if finish_reason else None)
+            if req.return_token_ids:
+                nonlocal prompt_ids_sent
+                event["choices"][0]["token_ids"] = choice.take_unsent_ids()
+                if not chat and not choice.sent_prompt_ids:
+                    event["choices"][0]["prompt_token_ids"] = choice.prompt.token_ids
+                    choice.sent_prompt_ids = True
+                elif chat and not prompt_ids_sent:
+                    event["prompt_token_ids"] = choice.prompt.token_ids
+                prompt_ids_sent = True
             if req.continuous_usage:  # vLLM's continuous_usage_stats: this choice's usage so far
                 event["usage"] = usage(len(choice.prompt.token_ids), choice.num_tokens, choice.num_cached_tokens)
             await response.write(b"data: " + _encode(event) + b"\n\n")

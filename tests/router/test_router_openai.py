@@ -274,3 +274,42 @@ def test_version_is_the_distributions_everywhere(make_stack):
     out = subprocess.run([sys.executable, "-m", "services.cli", "--version"], capture_output=True, text=True,
                          check=True, cwd=__file__.rsplit("/tests/", 1)[0])
     assert out.stdout.strip() == f"pdserve {expected}"
+
+
+def test_return_token_ids_and_tokens_as_ids_as_vllm_sends_them(stack, tokenizer):
+    """vLLM's return_token_ids: a completion choice has its prompt's ids and its own (echo: the
+    prompt's first), a chat response the prompt's ids beside the choices; streamed, each chunk has
+    its new ids and the first the prompt's, none lost where a chunk holds its text back (tools).
+    return_tokens_as_token_ids names logprobs' tokens "token_id:<id>"."""
+    ids = tokenizer.encode("Hello world")
+    out, _ = toy_generate(ids, 6)
+    whole = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 6, "return_token_ids": True,
+                                           "logprobs": 1, "return_tokens_as_token_ids": True})[2]
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == out
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in out]
+    assert all(set(top) <= {f"token_id:{t}" for t in range(VOCAB)} for top in choice["logprobs"]["top_logprobs"])
+    assert choice["text"] == tokenizer.decode(out)  # the text itself is unchanged
+    echoed = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 6, "echo": True,
+                                            "return_token_ids": True})[2]["choices"][0]
+    assert echoed["token_ids"] == ids + out
+    events = stack.sse("/v1/completions", {"prompt": ids, "max_tokens": 6, "stream": True, "return_token_ids": True})
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == out
+    plain = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 2})[2]["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = stack.post("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "return_token_ids": True,
+                                               "logprobs": True, "return_tokens_as_token_ids": True})[2]
+    sent = list(stack.decodes[0].engine.requests[-1].prompt_token_ids)
+    chat_out, _ = toy_generate(sent, 5)
+    assert chat["prompt_token_ids"] == sent and chat["choices"][0]["token_ids"] == chat_out
+    assert [c["token"] for c in chat["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in chat_out]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({}, {"tools": tools}):  # tools: content is held until the call is known
+        events = stack.sse("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "stream": True,
+                                                    "return_token_ids": True, **extra})[:-1]
+        assert events[0]["prompt_token_ids"] == sent and all("prompt_token_ids" not in e for e in events[1:])
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == chat_out
