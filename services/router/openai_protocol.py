@@ -18,7 +18,8 @@ COMMON_FIELDS = {
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options", "n", "best_of",
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
-    "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids"} | STRUCTURED_FIELDS
+    "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
+    "truncate_prompt_tokens"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -207,6 +208,20 @@ def _priority(b: Body) -> int:
     return value
 
 
+def _truncation(b: Body, model: ServedModel) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: the model's context);
+    None: no truncation (a prompt too long for the context is a 400)."""
+    k = b.get("truncate_prompt_tokens", "int")
+    if k is None:
+        return None
+    if k == -1:
+        return model.max_model_len
+    if not 1 <= k <= model.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {model.max_model_len}], "
+                          f"got {k}", "truncate_prompt_tokens")
+    return k
+
+
 def _max_tokens(b: Body) -> int | None:
     value = b.get("max_completion_tokens", "int")
     return value if value is not None else b.get("max_tokens", "int")
@@ -216,13 +231,19 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_prompts: int) -> list[tuple]:
+def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_prompts: int,
+                       truncate: int | None = None) -> list[tuple]:
     """prompt: a string, a list of strings, a list of token ids or a list of token-id lists
-    -> [(token ids, the text or None)]."""
+    -> [(token ids, the text or None)]; with `truncate`, each prompt's last `truncate` tokens
+    (a text cut short is dropped: an echo shows the tokens kept)."""
+    if truncate is None:  # a text too long for the context under any tokenization is refused unread
+        encode = lambda text: model.encode_prompt(text, "prompt", add_special_tokens=add_special_tokens)  # noqa: E731
+    else:
+        encode = lambda text: model.encode(text, add_special_tokens=add_special_tokens)  # noqa: E731
     if isinstance(raw, str):
         raw = [raw]
     elif _is_token_ids(raw):
-        return [(raw, None)]
+        raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise bad_request("prompt must be a string, an array of strings, an array of token ids or an "
                           "array of token-id arrays (and not empty)", "prompt")
@@ -232,12 +253,14 @@ def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_pr
     out = []
     for item in raw:
         if isinstance(item, str):
-            out.append((model.encode_prompt(item, "prompt", add_special_tokens=add_special_tokens), item))
+            out.append((encode(item), item))
         elif _is_token_ids(item):
             out.append((item, None))
         else:
             raise bad_request("each prompt in the array must be a string or an array of token ids, "
                               "all of one kind", "prompt")
+    if truncate is not None:
+        out = [(ids[-truncate:], text if len(ids) <= truncate else None) for ids, text in out]
     return out
 
 
@@ -265,7 +288,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     knobs["logprobs"] = logprobs if best_of == n or logprobs is not None else 0
     knobs["prompt_logprobs"] = logprobs if echo else None
     raw = completion_prompts(b.body["prompt"], model, b.get("add_special_tokens", "bool", True),
-                             limits.max_prompts_per_request)
+                             limits.max_prompts_per_request, _truncation(b, model))
     _check_fan_out(len(raw), best_of, limits)
     priority = _priority(b)
     prompts = [p for ids, text in raw for p in _per_sample(
@@ -337,10 +360,14 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    ids = model.chat_prompt(messages, b.get("add_generation_prompt", "bool", True),
-                            b.get("continue_final_message", "bool", False),
-                            b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits),
-                            tools=list(tools.tools) if tools is not None else None)
+    template = (messages, b.get("add_generation_prompt", "bool", True), b.get("continue_final_message", "bool", False),
+                b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
+    tool_list = list(tools.tools) if tools is not None else None
+    truncate = _truncation(b, model)
+    if truncate is None:
+        ids = model.chat_prompt(*template, tools=tool_list)
+    else:  # the template's text whatever its length, then its last tokens
+        ids = model.encode(model.chat_text(*template, tools=tool_list), add_special_tokens=False)[-truncate:]
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
     stream, include_usage, continuous_usage = _stream_flags(b)

@@ -198,3 +198,30 @@ def test_priority_reaches_both_engines_from_every_front(make_stack):
     for bad, words in (("high", "integer"), (1.5, "integer"), (2 ** 31, "[-2147483648, 2147483647]")):
         status, _, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "priority": bad})
         assert status == 400 and body["error"]["param"] == "priority" and words in body["error"]["message"], body
+
+
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(make_stack, tokenizer):
+    """vLLM's truncate_prompt_tokens: the engines get the prompt's last k tokens (-1: the context),
+    a text too long for the context included; echo shows what was kept; out of range is 400."""
+    stack = make_stack(max_model_len=64)
+    long = "one two three four five six seven eight nine ten " * 12
+    ids = tokenizer.encode(long)
+    assert len(ids) > 64 and stack.post("/v1/completions", {"prompt": long, "max_tokens": 2})[0] == 400
+    status, _, body = stack.post("/v1/completions", {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                                     "echo": True})
+    assert status == 200, body
+    assert list(stack.decodes[0].engine.requests[-1].prompt_token_ids) == ids[-10:]
+    assert body["choices"][0]["text"].startswith(tokenizer.decode(ids[-10:]))
+    assert body["usage"]["prompt_tokens"] == 10
+    short = tokenizer.encode("hi there")
+    assert stack.post("/v1/completions", {"prompt": short, "max_tokens": 2, "truncate_prompt_tokens": -1})[0] == 200
+    assert list(stack.decodes[0].engine.requests[-1].prompt_token_ids) == short
+    messages = [{"role": "user", "content": long}]
+    assert stack.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                               "truncate_prompt_tokens": 7})[0] == 200
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert list(stack.decodes[0].engine.requests[-1].prompt_token_ids) == \
+        tokenizer.encode(rendered, add_special_tokens=False)[-7:]
+    for bad in (0, -2, 65, "x"):
+        status, _, body = stack.post("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": bad})
+        assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", body
