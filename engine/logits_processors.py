@@ -1,4 +1,5 @@
-"""Logits processors before sampling, vectorised over the batch: logit_bias, bad words, min_tokens, penalties."""
+"""Logits processors before sampling, vectorised over the batch: allowed token ids, logit_bias, bad
+words, min_tokens, penalties."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,8 +12,8 @@ from engine.device import on_device
 def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
                             output_ids_per_row: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Row i of `logits` [rows, vocab] (float32) with requests[i]'s processors applied, in vLLM's
-    order: logit_bias added, bad words banned, EOS and stop ids hidden before min_tokens, then
-    the repetition, frequency and presence penalties. Temperature and the top-k/top-p/min-p
+    order: every token but allowed_token_ids hidden, logit_bias added, bad words banned, EOS and
+    stop ids hidden before min_tokens, then the repetition, frequency and presence penalties. Temperature and the top-k/top-p/min-p
     filters are the sampler's, after this.
 
     `output_ids_per_row[i]`: the output tokens row i follows (None: each request's
@@ -28,12 +29,21 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
     params = [r.sampling_params for r in requests]
     num_outputs = ([len(o) - p.resumed_tokens for o, p in zip(output_ids_per_row, params)]
                    if output_ids_per_row is not None else [r.num_output_tokens for r in requests])
-    if not any(p.logit_bias or p.bad_words_token_ids or p.has_penalties or p.min_tokens > n
+    if not any(p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids or p.has_penalties or p.min_tokens > n
                for p, n in zip(params, num_outputs)):
         return logits
     outputs = output_ids_per_row if output_ids_per_row is not None else _LazyOutputs(requests)
     vocab = logits.shape[-1]
     logits = logits.clone()
+    allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if allow_rows:
+        keep = torch.zeros(len(allow_rows), vocab, dtype=torch.bool, device=logits.device)
+        cols = [t for i in allow_rows for t in params[i].allowed_token_ids]
+        index = on_device([[k for k, i in enumerate(allow_rows) for _ in params[i].allowed_token_ids], cols],
+                          logits.device)
+        keep[index[0], index[1]] = True
+        rows = on_device(allow_rows, logits.device)
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
     bias_rows, bias_cols, biases = [], [], []
     for i, p in enumerate(params):
         for token, bias in p.logit_bias:

@@ -171,6 +171,9 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"allowed_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
     words = params.bad_words_token_ids
     if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_TOKENS for w in words):
         raise InvalidRequestError(f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "

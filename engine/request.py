@@ -71,6 +71,9 @@ class SamplingParams:
     resumed_tokens: int = 0
     # Guided decoding: the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (every other logit is -inf);
+    # empty: no restriction. Stored sorted, without repeats.
+    allowed_token_ids: tuple[int, ...] = ()
     # Streamed (DELTA) updates after the first carry at least this many tokens, or finish the
     # request (vLLM's per-request field): clamped up to the engine's stream_interval. None: the engine's.
     stream_interval: int | None = None
@@ -103,6 +106,7 @@ class SamplingParams:
         self._check_penalties()
         self._freeze_logit_bias()
         self._freeze_bad_words()
+        self._freeze_allowed_token_ids()
         if isinstance(self.resumed_tokens, bool) or not isinstance(self.resumed_tokens, int) \
                 or self.resumed_tokens < 0:
             raise InvalidRequestError(f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
@@ -146,6 +150,17 @@ class SamplingParams:
                 raise InvalidRequestError("bad_words_token_ids must be non-empty sequences of token ids")
             words.append(word)
         object.__setattr__(self, "bad_words_token_ids", tuple(words))
+
+    def _freeze_allowed_token_ids(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            allowed = ()
+        elif isinstance(allowed, (str, bytes)) or not hasattr(allowed, "__iter__"):
+            raise InvalidRequestError("allowed_token_ids must be a list of token ids")
+        allowed = tuple(allowed)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in allowed):
+            raise InvalidRequestError("allowed_token_ids must be a list of token ids (integers)")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
 
     @property
     def has_penalties(self) -> bool:

@@ -33,6 +33,7 @@ def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
         logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids),
         resumed_tokens=p.resumed_tokens,
         stream_interval=p.stream_interval if p.HasField("stream_interval") else None,
+        allowed_token_ids=tuple(p.allowed_token_ids),
         structured_outputs=structured_from_proto(p.structured_outputs) if p.HasField("structured_outputs") else None)
 
 
@@ -75,6 +76,8 @@ def check_wire_ranges(s: SamplingParams) -> None:
     check("seed", s.seed, INT64)
     for t in s.stop_token_ids:
         check("stop_token_ids", t, INT32)
+    for t in s.allowed_token_ids:
+        check("allowed_token_ids", t, INT32)
     for t, _ in s.logit_bias:
         check("logit_bias", t, INT32)
     for t in (t for word in s.bad_words_token_ids for t in word):
@@ -115,6 +118,7 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     p.resumed_tokens = s.resumed_tokens
     if s.stream_interval is not None:
         p.stream_interval = s.stream_interval
+    p.allowed_token_ids.extend(s.allowed_token_ids)
     if s.structured_outputs is not None:
         p.structured_outputs.CopyFrom(structured_to_proto(s.structured_outputs))
     return p

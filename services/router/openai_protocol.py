@@ -19,7 +19,7 @@ COMMON_FIELDS = {
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
     "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens"} | STRUCTURED_FIELDS
+    "truncate_prompt_tokens", "allowed_token_ids"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -166,8 +166,19 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
                  repetition_penalty=b.get("repetition_penalty", "number", 1.0),
                  logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model),
                  stream_interval=b.get("stream_interval", "int"),
+                 allowed_token_ids=_allowed_token_ids(b),
                  structured_outputs=parse_structured_outputs(b.body, tool_schema))
     return knobs
+
+
+def _allowed_token_ids(b: Body) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: a non-empty array of token ids (outside the vocabulary: 400)."""
+    ids = b.get("allowed_token_ids", "list")
+    if ids is None:
+        return ()
+    if not _is_token_ids(ids):
+        raise bad_request("allowed_token_ids must be a non-empty array of token ids", "allowed_token_ids")
+    return tuple(ids)
 
 
 def _stream_flags(b: Body) -> tuple[bool, bool, bool]:

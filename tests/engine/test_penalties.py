@@ -21,7 +21,7 @@ VOCAB = 50
 def reference_processors(row: list[float], prompt: list[int], output: list[int], p: SamplingParams,
                          eos: int | None) -> list[float]:
     """One row, the slow obvious way, in vLLM's order."""
-    row = list(row)
+    row = [x if not p.allowed_token_ids or t in p.allowed_token_ids else -math.inf for t, x in enumerate(row)]
     for token, bias in p.logit_bias:
         row[token] += bias
     for word in p.bad_words_token_ids:
@@ -56,13 +56,19 @@ def random_params(rng: random.Random, kind: str) -> SamplingParams:
         return SamplingParams(max_tokens=64, presence_penalty=rng.uniform(-2, 2))
     if kind == "repetition":
         return SamplingParams(max_tokens=64, repetition_penalty=rng.choice([0.5, 1.3, 2.0]))
+    if kind == "allowed":
+        return SamplingParams(max_tokens=64, allowed_token_ids=rng.sample(range(VOCAB), 6))
+    if kind == "allowed+bias":
+        return SamplingParams(max_tokens=64, allowed_token_ids=[2, 3, 5, 8], logit_bias={3: 50.0, 4: 100.0},
+                              frequency_penalty=0.5)
     return SamplingParams(  # everything at once
         max_tokens=64, min_tokens=30, stop_token_ids=[1], frequency_penalty=0.7, presence_penalty=-0.4,
         repetition_penalty=1.7, logit_bias={2: 5.0, 3: -7.5, 4: 100.0},
         bad_words_token_ids=[[8], [3, 4], [4, 5, 6]])
 
 
-KINDS = ["none", "bias", "bad_words", "min_tokens", "frequency", "presence", "repetition", "all"]
+KINDS = ["none", "bias", "bad_words", "min_tokens", "frequency", "presence", "repetition", "allowed", "allowed+bias",
+         "all"]
 
 
 def random_batch(seed: int):
@@ -161,6 +167,8 @@ def test_nothing_asked_is_no_work():
     (dict(bad_words_token_ids=[[]]), "bad_words_token_ids must be non-empty"),
     (dict(bad_words_token_ids=["ab"]), "bad_words_token_ids must be sequences"),
     (dict(n=0), "n must be an integer >= 1"),
+    (dict(allowed_token_ids="ab"), "allowed_token_ids must be a list of token ids"),
+    (dict(allowed_token_ids=[1, 2.5]), "allowed_token_ids must be a list of token ids .integers."),
 ])
 def test_bad_params_are_refused_by_name(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -172,7 +180,10 @@ def test_ids_are_checked_against_the_vocabulary():
         validate_sampling(SamplingParams(logit_bias={50: 1.0}), VOCAB)
     with pytest.raises(InvalidRequestError, match="bad_words token ids \\[-1\\]"):
         validate_sampling(SamplingParams(bad_words_token_ids=[[1, -1]]), VOCAB)
-    validate_sampling(SamplingParams(logit_bias={49: 1.0}, bad_words_token_ids=[[0, 49]]), VOCAB)
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids \\[50\\]"):
+        validate_sampling(SamplingParams(allowed_token_ids=[3, 50]), VOCAB)
+    validate_sampling(SamplingParams(logit_bias={49: 1.0}, bad_words_token_ids=[[0, 49]], allowed_token_ids=[0, 49]),
+                      VOCAB)
 
 
 def test_logit_bias_is_stored_immutably():
@@ -196,10 +207,10 @@ def test_rows_reading_the_output_are_not_launched_ahead():
 
     rows = [running("plain"), running("bias", logit_bias={5: 1.0}), running("one-word", bad_words_token_ids=[[5]]),
             running("freq", frequency_penalty=0.5), running("rep", repetition_penalty=1.2),
-            running("words", bad_words_token_ids=[[5, 6]])]
+            running("words", bad_words_token_ids=[[5, 6]]), running("allowed", allowed_token_ids=[5, 9])]
     so = SchedulerOutput(scheduled=rows, num_scheduled_tokens=[1] * len(rows), new_block_ids=[[] for _ in rows])
     following = next_decode_step(LaunchedStep(so, requests=rows), max_model_len=512, block_size=16)
-    assert [r.request_id for r in following.scheduled] == ["plain", "bias", "one-word"]
+    assert [r.request_id for r in following.scheduled] == ["plain", "bias", "one-word", "allowed"]
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -224,6 +235,14 @@ def test_bad_words_never_appear(llm):
     out = greedy(llm, [5, 6, 7, 8], bad_words_token_ids=[pair, [plain[0]]])
     assert plain[0] not in out
     assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+
+
+def test_sampling_keeps_to_the_allowed_tokens(llm):
+    allowed = [17, 40, 99, 123, 250]
+    params = SamplingParams(temperature=1.5, seed=8, max_tokens=40, ignore_eos=True, allowed_token_ids=allowed)
+    out = llm.generate([[9, 10, 11]], params)[0].outputs[0].token_ids
+    assert set(out) <= set(allowed) and len(set(out)) > 1  # sampled, not stuck on one
+    assert greedy(llm, [5, 6, 7], allowed_token_ids=[321]) == [321] * 24
 
 
 def test_sampled_rows_respect_the_processors(llm):
@@ -258,6 +277,7 @@ PENALTIES = {
     "repetition": dict(repetition_penalty=1.8),
     "all": dict(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.3,
                 logit_bias={17: 2.0, 40: -3.0}, bad_words_token_ids=[[7, 8], [60]]),
+    "allowed": dict(allowed_token_ids=[7, 8, 9, 17, 40, 60, 99, 123], frequency_penalty=0.8),
 }
 
 
@@ -300,7 +320,7 @@ def test_the_engine_core_process_gets_every_field(tiny_llama, llm):
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
                             repetition_penalty=1.4, logit_bias={77: 3.0}, bad_words_token_ids=[[5, 6], [9]],
-                            resumed_tokens=2)
+                            resumed_tokens=2, allowed_token_ids=list(range(0, 400, 3)))
 
     async def main():
         engine = await AsyncEngine.create(tiny_llama, multiprocess=True, num_blocks=256)

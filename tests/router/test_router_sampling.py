@@ -37,11 +37,11 @@ def engine_samplings(stack) -> list[pb.SamplingParams]:
 def test_the_new_fields_survive_the_wire():
     s = SamplingParams(max_tokens=5, presence_penalty=-1.5, frequency_penalty=0.25, repetition_penalty=1.25,
                        logit_bias={7: -100.0, 3: 0.5}, bad_words_token_ids=[[1, 2], [9]], seed=4,
-                       resumed_tokens=3)
+                       resumed_tokens=3, allowed_token_ids=[9, 4, 4])
     assert sampling_from_proto(sampling_to_proto(s)) == s
     plain = sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=5)))
     assert plain.repetition_penalty == 1.0 and plain.logit_bias == () and plain.bad_words_token_ids == ()
-    assert plain.resumed_tokens == 0
+    assert plain.resumed_tokens == 0 and plain.allowed_token_ids == ()
 
 
 def test_bad_words_are_tokenized_as_vllm_does(tiny_model_path, tokenizer):
@@ -225,3 +225,10 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(make_stack, tokenize
     for bad in (0, -2, 65, "x"):
         status, _, body = stack.post("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": bad})
         assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", body
+
+
+def test_allowed_token_ids_reach_the_engines(stack):
+    assert stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "allowed_token_ids": [9, 4, 4]})[0] == 200
+    assert stack.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                               "allowed_token_ids": [3]})[0] == 200
+    assert [list(s.allowed_token_ids) for s in engine_samplings(stack)] == [[4, 9], [3]]
