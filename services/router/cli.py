@@ -111,6 +111,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "(each message costs the router and the engine's service CPU; vLLM sends such output once, at the "
           "end). A decode lost mid-request then loses up to this many - 1 tokens the new one recomputes; "
           "1: a message every step", default=64, type=int)
+    _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
+          "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 (it always thinks first) or "
+          "qwen3 (it thinks when it or its template opens <think>)", choices=["deepseek_r1", "qwen3"])
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -146,6 +149,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
+        reasoning_parser=args.reasoning_parser,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,
                                            args.engine_ssl_keyfile, args.engine_ssl_server_name))

@@ -79,6 +79,7 @@ class RouterConfig:
     # Requests the client does not stream and with no text stop strings: the engines send their
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
     def __post_init__(self) -> None:
@@ -96,6 +97,9 @@ class RouterConfig:
             raise ValueError("--max-local-prefill-length and --max-prefill-queue-tokens must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.reasoning_parser is not None:
+            from services.router.reasoning import reasoning_parser
+            reasoning_parser(self.reasoning_parser)  # an unknown name is a start-up error
         if self.migration_limit < 0:
             raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",

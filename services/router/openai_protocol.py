@@ -23,7 +23,8 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+    "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "include_reasoning"}
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                       "Refused request with untrusted chat template.")  # vLLM's words
 
@@ -45,6 +46,10 @@ class ParsedRequest:
     tools: ToolPlan | None = None  # chat with tools (tool_choice other than "none")
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    # Chat under --reasoning-parser: whether the output starts inside the reasoning block (None:
+    # no parser), and vLLM's include_reasoning (false: the reasoning is dropped from the answer).
+    reasoning_starts: bool | None = None
+    include_reasoning: bool = True
 
 
 class Body:
@@ -375,10 +380,13 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                 b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
     tool_list = list(tools.tools) if tools is not None else None
     truncate = _truncation(b, model)
+    prompt_text = model.chat_text(*template, tools=tool_list)
+    # The template writes the special tokens it wants (BOS included), as in vLLM.
     if truncate is None:
-        ids = model.chat_prompt(*template, tools=tool_list)
+        ids = model.encode_prompt(prompt_text, "messages", add_special_tokens=False)
     else:  # the template's text whatever its length, then its last tokens
-        ids = model.encode(model.chat_text(*template, tools=tool_list), add_special_tokens=False)[-truncate:]
+        ids = model.encode(prompt_text, add_special_tokens=False)[-truncate:]
+    parser = model.reasoning_parser
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
     stream, include_usage, continuous_usage = _stream_flags(b)
@@ -391,7 +399,9 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                                             limits=limits, param="messages", priority=priority), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
                          ignored_fields=b.ignored, **_token_id_flags(b),
-                         n=n, best_of=n, tools=tools)
+                         n=n, best_of=n, tools=tools,
+                         reasoning_starts=parser.starts_in_reasoning(prompt_text) if parser is not None else None,
+                         include_reasoning=b.get("include_reasoning", "bool", True))
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",

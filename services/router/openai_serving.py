@@ -13,6 +13,7 @@ from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import (CompletionLogprobs, chat_chunk, chat_logprobs, completion_chunk,
                                            usage, usage_chunk)
 from services.router.openai_protocol import ParsedRequest
+from services.router.reasoning import ReasoningSplitter
 from services.router.sampling import PreparedPrompt
 from services.router.served_model import ServedModel
 from services.router.streams import merge
@@ -24,6 +25,11 @@ CLIENT_CLOSED = 499  # nginx's code for a client that went away: what the metric
 # The status a streamed response ended with (its HTTP status is already 200), for logs and metrics.
 STREAM_STATUS = web.RequestKey("pdserve_stream_status", int)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def reasoning_delta(reasoning: str | None) -> dict:
+    """vLLM's `reasoning`, and `reasoning_content` as DeepSeek's API (and older vLLM) name it."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 class Choice:
@@ -48,6 +54,10 @@ class Choice:
         self.unsent_ids: list[int] = []
         self.sent_prompt_ids = False
         self.tool_stream = ToolCallStream(req.tools) if chat and req.tools is not None else None
+        # --reasoning-parser: the <think> text goes to `reasoning`, `text` keeps the content.
+        self.splitter = ReasoningSplitter(req.reasoning_starts) if chat and req.reasoning_starts is not None else None
+        self.reasoning = ""
+        self.new_reasoning = ""  # the reasoning the last chunk added
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
         p = self.prompt
@@ -71,7 +81,7 @@ class Choice:
             self._show_ids(chunk.token_ids)
             self.num_tokens += len(chunk.token_ids)
             self.cumulative_logprob += sum(lp.logprob for lp in chunk.logprobs)
-            text += chunk.text
+            text += self._split_reasoning(chunk.text, chunk.finish_reason is not None)
             if self._completion_lp is not None:
                 lp = CompletionLogprobs.merge(lp, self._completion_lp.build(chunk.token_ids, chunk.logprobs))
             elif self.chat and self.req.logprobs is not None:
@@ -85,6 +95,18 @@ class Choice:
                 {"content": self.logprobs["content"] + lp["content"]} if self.chat
                 else CompletionLogprobs.merge(self.logprobs, lp))
         return text, lp
+
+    def _split_reasoning(self, text: str, finished: bool) -> str:
+        """The content of `text`; its reasoning goes to new_reasoning (and self.reasoning)."""
+        if self.splitter is None:
+            return text
+        reasoning, content = self.splitter.feed(text)
+        if finished:
+            more_reasoning, more_content = self.splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        self.reasoning += reasoning
+        self.new_reasoning = reasoning
+        return content
 
     def _show_ids(self, ids: list[int]) -> None:
         if self.req.return_token_ids:
@@ -107,6 +129,10 @@ class Choice:
                 content, calls = self.req.tools.tool_calls(self.text)
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = self.tool_finish_reason(calls)
+            if self.splitter is not None:  # vLLM: null where there is none
+                message["content"] = message["content"] or None
+                if self.req.include_reasoning:
+                    message.update(reasoning_delta(self.reasoning or None))
             out = {"index": self.index, "message": message, "logprobs": self.logprobs,
                    "finish_reason": finish_reason, "stop_reason": self.stop_reason}
         else:
@@ -204,6 +230,10 @@ class OpenAIServing:
                 await write(choice, {"role": "assistant", "content": ""}, None, None)
             text, lp = choice.add(chunk)
             finish_reason = chunk.finish_reason
+            reasoning = choice.new_reasoning if req.include_reasoning else ""
+            if reasoning and choice.tool_stream is not None:  # thinking first; tool calls parse the content
+                await write(choice, reasoning_delta(reasoning), lp, None)
+                reasoning, lp = "", None
             if choice.tool_stream is not None:  # tool calls: content only outside them, calls at the end
                 text = choice.tool_stream.feed(text)
                 if finish_reason is not None:
@@ -221,10 +251,12 @@ class OpenAIServing:
             # first token (and every token after) by chunks, not by text. Tool calls hold their
             # text back by design and stream it when the call is known.
             new_tokens = bool(chunk.token_ids) and not req.echo_only and choice.tool_stream is None
-            if not text and lp is None and finish_reason is None and not new_tokens:
+            if not text and not reasoning and lp is None and finish_reason is None and not new_tokens:
                 return
             payload = {"content": text} if chat else text
-            if chat and not text and finish_reason is not None:
+            if reasoning:  # vLLM's delta: the reasoning, and the content when the piece has both
+                payload = {**reasoning_delta(reasoning), **({"content": text} if text else {})}
+            elif chat and not text and finish_reason is not None:
                 payload = {}
             await write(choice, payload, lp, finish_reason)
 

@@ -10,6 +10,7 @@ from engine.processor import load_light_tokenizer
 
 from services.router.errors import bad_request
 from services.router.prompt_limits import PromptCharBound
+from services.router.reasoning import ReasoningParser
 
 
 # Texts on which the direct (Rust) tokenizer must agree with the transformers wrapper.
@@ -59,12 +60,16 @@ def _named_parameters(fn) -> set[str]:
 class ServedModel:
     """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
 
-    def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None) -> None:
+    def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.path = path
         self.name = name
         self.created = int(time.time())
         # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
+        self.reasoning_parser = reasoning_parser  # chat output's <think> text -> `reasoning`
+        if reasoning_parser is not None:
+            reasoning_parser.check_tokenizer(self.tokenizer)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
         # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
         # tokenized on a worker thread leaves the event loop free.

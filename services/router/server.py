@@ -23,6 +23,7 @@ from services.router.metrics import RouterMetrics
 from services.router.kv_index import KvIndex
 from services.router.pd_policy import PdPolicy
 from services.router.policy import KvAware, make_policy
+from services.router.reasoning import reasoning_parser
 from services.router.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.model = ServedModel(resolve_model_path(config.model), config.served_model_name,
-                                 config.max_model_len, tokenizer)
+                                 config.max_model_len, tokenizer, reasoning_parser(config.reasoning_parser))
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
         self.metrics.registry.register(self.kv_index)
         self.policy = make_policy(config.policy, self.kv_index, overlap_weight=config.kv_overlap_score_weight,

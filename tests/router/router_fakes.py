@@ -99,8 +99,9 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
     def __init__(self, role: str, registry: KVRegistry | None = None, *, name: str = "",
                  prefill_delay: float = 0.0, token_delay: float = 0.0, fail: grpc.StatusCode | None = None,
                  fail_times: int = 0, max_model_len: int = 2048, eos_token_id: int = EOS,
-                 pairing: pb.PairingDescriptor | None = TINY_PAIRING) -> None:
+                 pairing: pb.PairingDescriptor | None = TINY_PAIRING, script: list[int] | None = None) -> None:
         self.role = role
+        self.script = script  # set: every request generates these tokens (stop at their end), not the toy model's
         self.pairing = pairing  # what GetLoad reports; None: none (an engine older than the router)
         self.load_unavailable = False  # GetLoad fails (UNAVAILABLE) while set
         self.load_requests = 0  # GetLoad calls answered or refused
@@ -146,7 +147,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
                 await asyncio.sleep(self.prefill_delay)
         s = request.sampling
         prompt = list(request.prompt_token_ids)
-        first = next_token(prompt)
+        first = next_token(prompt) if self.script is None else self.script[0]
         resp = pb.PrefillResponse(first_token_id=first, engine_id=self.name)
         if s.HasField("logprobs"):
             resp.first_logprob.CopyFrom(toy_logprob(first, s.logprobs))
@@ -174,7 +175,12 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
             tokens, budget = prompt, s.max_tokens
             prompt_logprobs = ([toy_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
                                if s.HasField("prompt_logprobs") else [])
-        out, finish = toy_generate(tokens, budget, tuple(s.stop_token_ids))
+        if self.script is None:
+            out, finish = toy_generate(tokens, budget, tuple(s.stop_token_ids))
+        else:
+            done = len(tokens) - len(prompt)
+            out = self.script[done:done + budget]
+            finish = "length" if done + budget <= len(self.script) else "stop"
         with self._in_flight(rid):
             for i, tok in enumerate(out):
                 if self.token_delay:

@@ -1,0 +1,106 @@
+"""Reasoning output (vLLM's --reasoning-parser): a thinking model's `<think>...</think>` text goes to
+the chat message's `reasoning` field, the rest to `content`.
+
+Parsers: `deepseek_r1` (DeepSeek-R1 and its distills: the model thinks first, whether or not its
+template opened the `<think>`) and `qwen3` (Qwen3: it thinks only when it opens `<think>` itself,
+or its template did; with `enable_thinking: false` the template closes the block before the answer).
+Where the output starts is read from the prompt's text: after an unclosed `<think>` it starts in
+reasoning, after a `</think>` in content, and with neither as the parser says. The markers are
+matched on the text, so a tokenizer that splits them into several tokens works too; a streamed
+piece that may be the start of a marker is held back until the next piece (or the end) says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    thinks_unprompted: bool  # with no marker in the prompt, the output starts in reasoning
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """The markers must survive detokenization (skip_special_tokens drops special tokens)."""
+        special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        hidden = [m for m in (START, END) if m in special]
+        if hidden:
+            raise ValueError(f"--reasoning-parser {self.name}: the tokenizer marks {hidden} as special tokens, "
+                             "which detokenization drops; the reasoning cannot be found in the text")
+
+    def starts_in_reasoning(self, prompt_text: str) -> bool:
+        opened, closed = prompt_text.rfind(START), prompt_text.rfind(END)
+        if opened < 0 and closed < 0:
+            return self.thinks_unprompted
+        return opened > closed
+
+    def splitter(self, prompt_text: str) -> "ReasoningSplitter":
+        return ReasoningSplitter(self.starts_in_reasoning(prompt_text))
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    if name is None:
+        return None
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown --reasoning-parser {name!r}; choose {', '.join(PARSERS)}") from None
+
+
+class ReasoningSplitter:
+    """Splits one output's text, piece by piece, into (reasoning, content). Before any reasoning
+    (a qwen3 output not yet thinking) a `<think>` opens it; in reasoning, `</think>` closes it,
+    for good (vLLM's rule: what follows is content, markers and all); an output that starts in
+    reasoning and opens with `<think>` anyway has that marker dropped."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self.state = "reasoning" if in_reasoning else "before"
+        self._fresh = in_reasoning  # nothing seen yet of an output that starts in reasoning
+        self._held = ""  # the tail of what came, which may begin a marker
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text = self._held + text
+        self._held = ""
+        reasoning, content = [], []
+        while text:
+            if self._fresh:
+                if START.startswith(text):  # too short to tell: wait for more
+                    self._held = text
+                    break
+                self._fresh = False
+                if text.startswith(START):
+                    text = text[len(START):]
+                    continue
+            if self.state == "content":
+                content.append(text)
+                break
+            marker = END if self.state == "reasoning" else START
+            out = reasoning if self.state == "reasoning" else content
+            at = text.find(marker)
+            if at >= 0:
+                out.append(text[:at])
+                text = text[at + len(marker):]
+                self.state = "content" if self.state == "reasoning" else "reasoning"
+                continue
+            keep = _partial_suffix(text, marker)
+            out.append(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held: the output ended, so it is plain text where it stands."""
+        held, self._held = self._held, ""
+        return (held, "") if self.state == "reasoning" else ("", held)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
