@@ -28,7 +28,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                     "colocated instances) and streams the result back over HTTP (OpenAI API) and gRPC.")
     _flag(p, "--model", "checkpoint directory whose tokenizer, chat template and config the router uses, "
           "or 'tiny' (the built-in tiny model)", default="tiny")
-    _flag(p, "--served-model-name", "the model name clients send and /v1/models lists (default: --model)")
+    _flag(p, "--served-model-name", "the model name(s) clients send and /v1/models lists (default: --model); "
+          "several (space- or comma-separated) are all served, answers carrying the first (vLLM's rule)",
+          nargs="+")
     _flag(p, "--host", "address the HTTP and gRPC fronts listen on", default="0.0.0.0")
     _flag(p, "--port", "HTTP port (0: any free port)", default=8000, type=int)
     _flag(p, "--grpc-port", "gRPC Generate port (0: any free port; -1: no gRPC front)", default=50050,
@@ -128,9 +130,16 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def served_names(args) -> tuple[str, ...]:
+    """--served-model-name's names (a list from the flag, a string from its environment variable)."""
+    given = args.served_model_name or [args.model]
+    names = [n for item in ([given] if isinstance(given, str) else given) for n in item.replace(",", " ").split()]
+    return tuple(dict.fromkeys(names)) or (args.model,)
+
+
 def config_from_args(args) -> RouterConfig:
     return RouterConfig(
-        model=args.model, served_model_name=args.served_model_name or args.model,
+        model=args.model, served_model_name=served_names(args)[0], served_model_aliases=served_names(args)[1:],
         prefill=parse_addresses(args.prefill), decode=parse_addresses(args.decode), host=args.host,
         port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=args.api_key or None,
         kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,

@@ -80,6 +80,7 @@ class RouterConfig:
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
+    served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
     def __post_init__(self) -> None:

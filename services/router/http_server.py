@@ -145,9 +145,9 @@ class HttpGateway:
         return self._json_response(await self.admission.run(
             len(raw), lambda: detokenize(self._decode_json(raw), self.model)))
 
-    def _card(self) -> dict:
+    def _card(self, name: str) -> dict:
         m = self.model
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "pdserve",
+        return {"id": name, "object": "model", "created": m.created, "owned_by": "pdserve",
                 "root": m.path, "parent": None, "max_model_len": m.max_model_len, "permission": []}
 
     @staticmethod
@@ -155,14 +155,14 @@ class HttpGateway:
         return web.Response(body=_encode(obj), content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
-        return self._json_response({"object": "list", "data": [self._card()]})
+        return self._json_response({"object": "list", "data": [self._card(n) for n in self.model.names]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.model.name:
+        if name not in self.model.names:
             raise RouterError(404, f"The model `{name}` does not exist.", param="model",
                               code="model_not_found")
-        return self._json_response(self._card())
+        return self._json_response(self._card(name))
 
     async def version(self, request: web.Request) -> web.Response:
         return self._json_response({"version": version()})

@@ -77,10 +77,11 @@ class Body:
 
 
 def _check_model(model: ServedModel, b: Body) -> str:
+    """The name answers carry: the first served name, whichever of them the client sent (vLLM's rule)."""
     name = b.get("model", "str", model.name)
-    if name != model.name:
+    if name not in model.names:
         raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-    return name
+    return model.name
 
 
 def _unsupported_features(b: Body) -> None:

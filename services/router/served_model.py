@@ -61,9 +61,10 @@ class ServedModel:
     """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
 
     def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None,
-                 reasoning_parser: ReasoningParser | None = None) -> None:
+                 reasoning_parser: ReasoningParser | None = None, aliases: tuple[str, ...] = ()) -> None:
         self.path = path
         self.name = name
+        self.names = (name, *(a for a in aliases if a != name))  # every name clients may send
         self.created = int(time.time())
         # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)

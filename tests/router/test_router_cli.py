@@ -38,6 +38,13 @@ def test_flags_and_env_vars(monkeypatch):
     assert config_from_args(parse(["--decode", "h:1"])).api_key == "router-key"
 
 
+def test_several_served_model_names(monkeypatch):
+    c = config_from_args(parse(["--decode", "h:1", "--served-model-name", "llama", "meta/llama-8b"]))
+    assert (c.served_model_name, c.served_model_aliases) == ("llama", ("meta/llama-8b",))
+    c = config_from_args(parse(["--decode", "h:1"], monkeypatch, {"PDSERVE_ROUTER_SERVED_MODEL_NAME": "a, b a"}))
+    assert (c.served_model_name, c.served_model_aliases) == ("a", ("b",))
+
+
 def test_help_documents_every_env_var(capsys):
     p = argparse.ArgumentParser()
     add_router_parser(p.add_subparsers(dest="command"))

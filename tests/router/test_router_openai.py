@@ -313,3 +313,16 @@ def test_return_token_ids_and_tokens_as_ids_as_vllm_sends_them(stack, tokenizer)
                                                     "return_token_ids": True, **extra})[:-1]
         assert events[0]["prompt_token_ids"] == sent and all("prompt_token_ids" not in e for e in events[1:])
         assert [t for e in events for t in e["choices"][0]["token_ids"]] == chat_out
+
+
+def test_every_served_name_is_served_and_answers_carry_the_first(make_stack):
+    """--served-model-name with several names (vLLM's): each is accepted and listed; the answer's
+    `model` is the first name."""
+    stack = make_stack(served_model_aliases=("meta/tiny-1b", "t"))
+    status, _, body = stack.post("/v1/completions", {"model": "t", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == "tiny"
+    assert stack.post("/v1/chat/completions", {"model": "meta/tiny-1b", "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi"}]})[2]["model"] == "tiny"
+    assert [m["id"] for m in stack.request("GET", "/v1/models")[2]["data"]] == ["tiny", "meta/tiny-1b", "t"]
+    assert stack.request("GET", "/v1/models/t")[2]["id"] == "t"
+    assert stack.post("/v1/completions", {"model": "other", "prompt": "hi"})[0] == 404
