@@ -21,7 +21,7 @@ _decode = msgspec.json.Decoder().decode
 
 
 # Paths the API key guards: the API, not the probes and /metrics.
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/invocations")
 
 
 def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
@@ -57,6 +57,11 @@ class HttpGateway:
         app.router.add_get("/readyz", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/version", self.version)
+        # SageMaker's container contract (as vLLM serves it): /ping is the health check, and
+        # /invocations takes a chat or completions body.
+        app.router.add_get("/ping", self.health)
+        app.router.add_post("/ping", self.health)
+        app.router.add_post("/invocations", self.invocations)
         return app
 
     def _authorized(self, request: web.Request) -> bool:
@@ -134,6 +139,15 @@ class HttpGateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, "chatcmpl", chat=True)
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """A chat body (`messages`) goes to chat completions, a completions body (`prompt`) to completions."""
+        body = self._decode_json(await request.read())  # aiohttp keeps the body for the handler's read
+        if isinstance(body, dict) and "messages" in body:
+            return await self.chat_completions(request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await self.completions(request)
+        raise bad_request("/invocations takes a chat completions body (messages) or a completions body (prompt)")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         raw = await request.read()

@@ -326,3 +326,21 @@ def test_every_served_name_is_served_and_answers_carry_the_first(make_stack):
     assert [m["id"] for m in stack.request("GET", "/v1/models")[2]["data"]] == ["tiny", "meta/tiny-1b", "t"]
     assert stack.request("GET", "/v1/models/t")[2]["id"] == "t"
     assert stack.post("/v1/completions", {"model": "other", "prompt": "hi"})[0] == 404
+
+
+def test_sagemakers_ping_and_invocations(stack):
+    """SageMaker's container contract, as vLLM serves it: /ping is the health check, /invocations
+    answers a chat or a completions body, streamed or not."""
+    status, _, body = stack.request("GET", "/ping")
+    assert (status, body) == (200, {"status": "ok"})
+    assert stack.request("POST", "/ping")[0] == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    got, want = stack.post("/invocations", chat)[2], stack.post("/v1/chat/completions", chat)[2]
+    assert got["object"] == "chat.completion" and got["choices"] == want["choices"]
+    completion = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    got, want = stack.post("/invocations", completion)[2], stack.post("/v1/completions", completion)[2]
+    assert got["object"] == "text_completion" and got["choices"] == want["choices"]
+    events = stack.sse("/invocations", {**completion, "stream": True})
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == want["choices"][0]["text"]
+    status, _, body = stack.post("/invocations", {"input": "hi"})
+    assert status == 400 and "messages" in body["error"]["message"]
