@@ -85,9 +85,10 @@ class TokenizerCodec:
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+                            tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
         """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) renders it;
-        `chat_template`: a template (or the name of one of the model's) instead of the default."""
+        `chat_template`: a template (or the name of one of the model's) instead of the default;
+        `documents`: for templates that render retrieved documents (RAG)."""
         if tokenize:
             raise ValueError("TokenizerCodec renders text only: encode it with add_special_tokens=False")
         template = self.chat_template.get(chat_template or "default", chat_template)
@@ -106,7 +107,7 @@ class TokenizerCodec:
                 raise ValueError("continue_final_message needs a final message with text content the "
                                  "template renders")
             chat[-1]["content"] = final + _CONTINUE_TAG
-        text = _compile(template).render(messages=chat, tools=tools, documents=None,
+        text = _compile(template).render(messages=chat, tools=tools, documents=documents,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special_tokens_map, **kwargs})
         if continue_final_message:  # cut the text after the final message's content

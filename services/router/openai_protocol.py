@@ -20,11 +20,11 @@ COMMON_FIELDS = {
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
     "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
     "truncate_prompt_tokens", "allowed_token_ids"} | STRUCTURED_FIELDS
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens", "truncation_side"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "include_reasoning"}
+    "include_reasoning", "add_special_tokens", "truncation_side", "reasoning_effort", "documents"}
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                       "Refused request with untrusted chat template.")  # vLLM's words
 
@@ -225,18 +225,22 @@ def _priority(b: Body) -> int:
     return value
 
 
-def _truncation(b: Body, model: ServedModel) -> int | None:
-    """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: the model's context);
-    None: no truncation (a prompt too long for the context is a 400)."""
+def _truncation(b: Body, model: ServedModel):
+    """vLLM's truncate_prompt_tokens and truncation_side: ids -> the prompt's last k tokens (or
+    with truncation_side "right" its first k; -1: the model's context); None: no truncation (a
+    prompt too long for the context is a 400)."""
     k = b.get("truncate_prompt_tokens", "int")
+    side = b.get("truncation_side", "str", "left")
+    if side not in ("left", "right"):
+        raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
     if k is None:
         return None
     if k == -1:
-        return model.max_model_len
+        k = model.max_model_len
     if not 1 <= k <= model.max_model_len:
         raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {model.max_model_len}], "
                           f"got {k}", "truncate_prompt_tokens")
-    return k
+    return (lambda ids: ids[-k:]) if side == "left" else (lambda ids: ids[:k])
 
 
 def _max_tokens(b: Body) -> int | None:
@@ -249,10 +253,10 @@ def _is_token_ids(x) -> bool:
 
 
 def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_prompts: int,
-                       truncate: int | None = None) -> list[tuple]:
+                       truncate=None) -> list[tuple]:
     """prompt: a string, a list of strings, a list of token ids or a list of token-id lists
-    -> [(token ids, the text or None)]; with `truncate`, each prompt's last `truncate` tokens
-    (a text cut short is dropped: an echo shows the tokens kept)."""
+    -> [(token ids, the text or None)]; `truncate` (from _truncation) cuts each prompt's ids (a
+    text cut short is dropped: an echo shows the tokens kept)."""
     if truncate is None:  # a text too long for the context under any tokenization is refused unread
         encode = lambda text: model.encode_prompt(text, "prompt", add_special_tokens=add_special_tokens)  # noqa: E731
     else:
@@ -277,7 +281,7 @@ def completion_prompts(raw, model: ServedModel, add_special_tokens: bool, max_pr
             raise bad_request("each prompt in the array must be a string or an array of token ids, "
                               "all of one kind", "prompt")
     if truncate is not None:
-        out = [(ids[-truncate:], text if len(ids) <= truncate else None) for ids, text in out]
+        out = [(kept, text if len(kept) == len(ids) else None) for ids, text in out for kept in [truncate(ids)]]
     return out
 
 
@@ -364,6 +368,32 @@ def _chat_template(b: Body, limits: RequestLimits) -> str | None:
     return template
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _template_kwargs(b: Body) -> dict:
+    """chat_template_kwargs, with vLLM's reasoning_effort for templates that read it (and, unless
+    the client set enable_thinking, thinking on for any effort but "none")."""
+    kwargs = dict(b.get("chat_template_kwargs", "dict", {}))
+    effort = b.get("reasoning_effort", "str")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                              "reasoning_effort")
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
+def _documents(b: Body) -> list[dict] | None:
+    """vLLM's documents (RAG): objects of strings, for templates that render them."""
+    docs = b.get("documents", "list")
+    if docs is not None and not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                                    for d in docs):
+        raise bad_request("documents must be an array of objects of strings (e.g. title, text)", "documents")
+    return docs
+
+
 def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest:
     b = Body(body, CHAT_FIELDS)
     name = _check_model(model, b)
@@ -378,15 +408,17 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     template = (messages, b.get("add_generation_prompt", "bool", True), b.get("continue_final_message", "bool", False),
-                b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits))
+                _template_kwargs(b), _chat_template(b, limits))
     tool_list = list(tools.tools) if tools is not None else None
     truncate = _truncation(b, model)
-    prompt_text = model.chat_text(*template, tools=tool_list)
-    # The template writes the special tokens it wants (BOS included), as in vLLM.
+    prompt_text = model.chat_text(*template, tools=tool_list, documents=_documents(b))
+    # The template writes the special tokens it wants (BOS included), as in vLLM; add_special_tokens
+    # adds the tokenizer's on top.
+    add_special = b.get("add_special_tokens", "bool", False)
     if truncate is None:
-        ids = model.encode_prompt(prompt_text, "messages", add_special_tokens=False)
-    else:  # the template's text whatever its length, then its last tokens
-        ids = model.encode(prompt_text, add_special_tokens=False)[-truncate:]
+        ids = model.encode_prompt(prompt_text, "messages", add_special_tokens=add_special)
+    else:  # the template's text whatever its length, then the tokens kept
+        ids = truncate(model.encode(prompt_text, add_special_tokens=add_special))
     parser = model.reasoning_parser
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
@@ -407,7 +439,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "continue_final_message", "chat_template", "chat_template_kwargs", "tools", "tool_choice",
-                   "parallel_tool_calls", "return_token_strs"}
+                   "parallel_tool_calls", "return_token_strs", "reasoning_effort", "documents"}
 
 
 def tokenize(body, model: ServedModel, limits: RequestLimits) -> dict:
@@ -425,8 +457,8 @@ def tokenize(body, model: ServedModel, limits: RequestLimits) -> dict:
             raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                               "continue_final_message")
         text = model.chat_text(chat_messages(b.body["messages"]), add_generation, continue_final,
-                               b.get("chat_template_kwargs", "dict", {}), _chat_template(b, limits),
-                               tools=list(tools.tools) if tools is not None else None)
+                               _template_kwargs(b), _chat_template(b, limits),
+                               tools=list(tools.tools) if tools is not None else None, documents=_documents(b))
         ids = model.encode(text, add_special_tokens=b.get("add_special_tokens", "bool", False))
     elif "prompt" in b.body:
         ids = model.encode(b.get("prompt", "str"), add_special_tokens=b.get("add_special_tokens", "bool", True))

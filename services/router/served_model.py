@@ -132,8 +132,10 @@ class ServedModel:
         return self.encode_prompt(text, "messages", add_special_tokens=False)
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                  template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
-        """The chat template's text for these messages (chat_prompt's arguments)."""
+                  template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None,
+                  documents: list[dict] | None = None) -> str:
+        """The chat template's text for these messages (chat_prompt's arguments; `documents` for
+        templates that render retrieved documents)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
@@ -141,6 +143,8 @@ class ServedModel:
             kwargs["chat_template"] = chat_template
         if tools is not None:
             kwargs["tools"] = tools
+        if documents is not None:
+            kwargs["documents"] = documents
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,

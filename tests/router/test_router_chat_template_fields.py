@@ -1,0 +1,74 @@
+"""vLLM's chat request fields that reach the template or the tokenizer: reasoning_effort (and the
+enable_thinking it implies), documents, add_special_tokens; and truncation_side."""
+from __future__ import annotations
+
+import pytest
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+            "{% if documents %}{% for d in documents %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}{% endif %}"
+            "effort={{ reasoning_effort | default('unset') }} thinking={{ enable_thinking | default('unset') }}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture
+def stack(make_stack):
+    return make_stack(prefill=1, decode=1, trust_request_chat_template=True)
+
+
+def sent(stack) -> list[int]:
+    return list(stack.decodes[0].engine.requests[-1].prompt_token_ids)
+
+
+def test_reasoning_effort_and_documents_reach_the_template(stack, tokenizer):
+    docs = [{"title": "a", "text": "first"}, {"title": "b", "text": "second"}]
+    body = {"messages": MESSAGES, "chat_template": TEMPLATE, "max_tokens": 2}
+    cases = [({}, "effort=unset thinking=unset"),
+             ({"reasoning_effort": "low"}, "effort=low thinking=True"),
+             ({"reasoning_effort": "none"}, "effort=none thinking=False"),
+             ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+              "effort=high thinking=False"),  # the client's own enable_thinking stands
+             ({"documents": docs}, "[doc a: first][doc b: second]effort=unset thinking=unset")]
+    for extra, rendered in cases:
+        want = tokenizer.encode(f"<user>Hello there{rendered}<assistant>", add_special_tokens=False)
+        status, _, got = stack.post("/v1/chat/completions", {**body, **extra})
+        assert status == 200, got
+        assert sent(stack) == want, extra
+        assert stack.post("/tokenize", {**body, **extra})[2]["tokens"] == want, extra
+    for bad, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"), ({"documents": [{"t": 1}]}, "documents")):
+        status, _, got = stack.post("/v1/chat/completions", {**body, **bad})
+        assert status == 400 and got["error"]["param"] == param, got
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_on_top(tiny_model_path, tokenizer):
+    """Chat's add_special_tokens (default false: the template writes its own) encodes the rendered
+    text with the tokenizer's special tokens too: here a tokenizer that puts BOS first."""
+    import copy
+
+    from tokenizers import processors
+
+    from services.router.openai_protocol import parse_chat
+    from services.router.sampling import RequestLimits
+    from services.router.served_model import ServedModel
+
+    bos = copy.deepcopy(tokenizer)
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos.convert_tokens_to_ids("<s>"))])
+    model = ServedModel(tiny_model_path, "m", tokenizer=bos)
+    limits = RequestLimits(trust_request_chat_template=True)
+    body = {"messages": MESSAGES, "chat_template": TEMPLATE, "max_tokens": 2}
+    text = "<user>Hello thereeffort=unset thinking=unset<assistant>"
+    plain = parse_chat(body, model, limits).prompts[0].token_ids
+    added = parse_chat({**body, "add_special_tokens": True}, model, limits).prompts[0].token_ids
+    assert plain == bos.encode(text, add_special_tokens=False)
+    assert added == bos.encode(text, add_special_tokens=True) == [bos.convert_tokens_to_ids("<s>"), *plain]
+
+
+def test_truncation_side_right_keeps_the_first_tokens(stack, tokenizer):
+    ids = tokenizer.encode("one two three four five six seven eight")
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5])):
+        assert stack.post("/v1/completions", {"prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 5,
+                                              "truncation_side": side})[0] == 200
+        assert sent(stack) == kept
+    status, _, body = stack.post("/v1/completions", {"prompt": ids, "truncation_side": "middle"})
+    assert status == 400 and body["error"]["param"] == "truncation_side"
