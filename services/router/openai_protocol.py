@@ -24,7 +24,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "ad
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "include_reasoning", "add_special_tokens", "truncation_side", "reasoning_effort", "documents"}
+    "include_reasoning", "add_special_tokens", "truncation_side", "reasoning_effort", "documents", "echo"}
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                       "Refused request with untrusted chat template.")  # vLLM's words
 
@@ -50,6 +50,7 @@ class ParsedRequest:
     # no parser), and vLLM's include_reasoning (false: the reasoning is dropped from the answer).
     reasoning_starts: bool | None = None
     include_reasoning: bool = True
+    chat_echo: str = ""  # chat's echo: the last message's content, put before each answer's content
 
 
 class Body:
@@ -407,8 +408,13 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    template = (messages, b.get("add_generation_prompt", "bool", True), b.get("continue_final_message", "bool", False),
+    add_generation = b.get("add_generation_prompt", "bool", True)
+    template = (messages, add_generation, b.get("continue_final_message", "bool", False),
                 _template_kwargs(b), _chat_template(b, limits))
+    # vLLM's echo: the last message's content comes back first when it has the answer's role (the
+    # assistant's, or with no generation prompt, the last message's own).
+    echo_role = "assistant" if add_generation else messages[-1]["role"]
+    chat_echo = messages[-1]["content"] if b.get("echo", "bool", False) and messages[-1]["role"] == echo_role else ""
     tool_list = list(tools.tools) if tools is not None else None
     truncate = _truncation(b, model)
     prompt_text = model.chat_text(*template, tools=tool_list, documents=_documents(b))
@@ -434,7 +440,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                          ignored_fields=b.ignored, **_token_id_flags(b),
                          n=n, best_of=n, tools=tools,
                          reasoning_starts=parser.starts_in_reasoning(prompt_text) if parser is not None else None,
-                         include_reasoning=b.get("include_reasoning", "bool", True))
+                         include_reasoning=b.get("include_reasoning", "bool", True), chat_echo=chat_echo)
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",

@@ -129,6 +129,8 @@ class Choice:
                 content, calls = self.req.tools.tool_calls(self.text)
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = self.tool_finish_reason(calls)
+            if self.req.chat_echo:  # after the tool calls were read from the answer, as vLLM
+                message["content"] = self.req.chat_echo + (message["content"] or "")
             if self.splitter is not None:  # vLLM: null where there is none
                 message["content"] = message["content"] or None
                 if self.req.include_reasoning:
@@ -228,6 +230,8 @@ class OpenAIServing:
             choice = choices[i]
             if chat and not choice.started:
                 await write(choice, {"role": "assistant", "content": ""}, None, None)
+                if req.chat_echo:
+                    await write(choice, {"content": req.chat_echo}, None, None)
             text, lp = choice.add(chunk)
             finish_reason = chunk.finish_reason
             reasoning = choice.new_reasoning if req.include_reasoning else ""

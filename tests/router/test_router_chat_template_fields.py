@@ -72,3 +72,20 @@ def test_truncation_side_right_keeps_the_first_tokens(stack, tokenizer):
         assert sent(stack) == kept
     status, _, body = stack.post("/v1/completions", {"prompt": ids, "truncation_side": "middle"})
     assert status == 400 and body["error"]["param"] == "truncation_side"
+
+
+def test_chat_echo_puts_the_last_message_first(stack):
+    """vLLM's chat echo: with a partial assistant message (continue_final_message), the answer's
+    content starts with it, whole and streamed; a last message of another role is not echoed."""
+    partial = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 4,
+            "temperature": 0}
+    plain = stack.post("/v1/chat/completions", body)[2]["choices"][0]["message"]["content"]
+    echoed = stack.post("/v1/chat/completions", {**body, "echo": True})[2]["choices"][0]["message"]["content"]
+    assert echoed == "The answer is" + plain
+    events = stack.sse("/v1/chat/completions", {**body, "echo": True, "stream": True})[:-1]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[1] == {"content": "The answer is"} and "".join(d.get("content") or "" for d in deltas) == echoed
+    asked = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    assert stack.post("/v1/chat/completions", {**asked, "echo": True})[2]["choices"][0]["message"]["content"] == \
+        stack.post("/v1/chat/completions", asked)[2]["choices"][0]["message"]["content"]
