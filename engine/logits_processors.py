@@ -13,8 +13,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
                             output_ids_per_row: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Row i of `logits` [rows, vocab] (float32) with requests[i]'s processors applied, in vLLM's
     order: every token but allowed_token_ids hidden, logit_bias added, bad words banned, EOS and
-    stop ids hidden before min_tokens, then the repetition, frequency and presence penalties. Temperature and the top-k/top-p/min-p
-    filters are the sampler's, after this.
+    stop ids hidden before min_tokens, then the repetition, frequency and presence penalties.
+    Temperature and the top-k/top-p/min-p filters are the sampler's, after this.
 
     `output_ids_per_row[i]`: the output tokens row i follows (None: each request's
     output_history, its own output after any resumed prompt tail); explicit rows start with the
