@@ -65,7 +65,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.capacity import Ladder, interleave, rotated, rung_size, search  # noqa: E402
-from bench.metrics import parse_slos  # noqa: E402
 from bench.pd_bench import BUILD, ensure_model, start_pdserve, start_vllm  # noqa: E402
 from bench.procs import exit_on_signals  # noqa: E402
 from bench.serve import run_benchmark  # noqa: E402

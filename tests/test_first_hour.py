@@ -104,10 +104,10 @@ def test_tokenizer_codec_matches_transformers(which, tiny_llama, rich_checkpoint
                                           continue_final_message=continue_final, **kwargs)
                 == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final, **kwargs))
-        assert light.chat_prompt(*args) == heavy.chat_prompt(*args)
+        assert light.encode(light.chat_text(*args), False) == heavy.encode(heavy.chat_text(*args), False)
     for served in (light, heavy) if which == "rich" else ():  # the template's own error, as a 400
         with pytest.raises(RouterError, match="unknown role tool") as e:
-            served.chat_prompt([{"role": "tool", "content": "x"}], True, False, {})
+            served.chat_text([{"role": "tool", "content": "x"}], True, False, {})
         assert e.value.status == 400
 
 
@@ -124,7 +124,7 @@ def test_router_loads_and_tokenizes_without_torch(tiny_llama):
         from services.router.served_model import ServedModel
 
         model = ServedModel({tiny_llama!r}, "tiny")
-        ids = model.chat_prompt([{{"role": "user", "content": "Hello"}}], True, False, {{}})
+        ids = model.encode(model.chat_text([{{"role": "user", "content": "Hello"}}], True, False, {{}}), False)
         detok = IncrementalDetokenizer(model.codec, SamplingParams())
         assert model.decode(model.encode("The old king")) == "The old king" and ids
         print(sorted(m for m in ("torch", "transformers") if m in sys.modules))

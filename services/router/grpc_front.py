@@ -37,8 +37,8 @@ class GenerateService(pb_grpc.GenerateServicer):
             raise RouterError(401, "missing or incorrect API key (metadata authorization: Bearer <key>)")
 
     def _prepare(self, request: pb.GenerateRequest) -> PreparedPrompt:
-        if request.model and request.model not in self.model.names:
-            raise RouterError(404, f"The model `{request.model}` does not exist.", param="model")
+        if request.model:
+            self.model.require_name(request.model)
         if request.request_id and not REQUEST_ID.match(request.request_id):
             raise bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]", "request_id")
         kind = request.WhichOneof("prompt")

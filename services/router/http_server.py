@@ -149,15 +149,16 @@ class HttpGateway:
             return await self.completions(request)
         raise bad_request("/invocations takes a chat completions body (messages) or a completions body (prompt)")
 
-    async def tokenize(self, request: web.Request) -> web.Response:
+    async def _answer(self, request: web.Request, fn) -> web.Response:
+        """fn(body) as JSON, decoded and run on a worker thread unless the body is small."""
         raw = await request.read()
-        return self._json_response(await self.admission.run(
-            len(raw), lambda: tokenize(self._decode_json(raw), self.model, self.limits)))
+        return self._json_response(await self.admission.run(len(raw), lambda: fn(self._decode_json(raw))))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._answer(request, lambda body: tokenize(body, self.model, self.limits))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        return self._json_response(await self.admission.run(
-            len(raw), lambda: detokenize(self._decode_json(raw), self.model)))
+        return await self._answer(request, lambda body: detokenize(body, self.model))
 
     def _card(self, name: str) -> dict:
         m = self.model
@@ -173,9 +174,7 @@ class HttpGateway:
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name not in self.model.names:
-            raise RouterError(404, f"The model `{name}` does not exist.", param="model",
-                              code="model_not_found")
+        self.model.require_name(name)
         return self._json_response(self._card(name))
 
     async def version(self, request: web.Request) -> web.Response:

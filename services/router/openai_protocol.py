@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.convert import INT32
-from services.router.errors import RouterError, bad_request, unsupported
+from services.router.errors import bad_request, unsupported
 from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 from services.router.served_model import ServedModel
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS, parse_structured_outputs
@@ -79,9 +79,7 @@ class Body:
 
 def _check_model(model: ServedModel, b: Body) -> str:
     """The name answers carry: the first served name, whichever of them the client sent (vLLM's rule)."""
-    name = b.get("model", "str", model.name)
-    if name not in model.names:
-        raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    model.require_name(b.get("model", "str", model.name))
     return model.name
 
 
@@ -395,12 +393,35 @@ def _documents(b: Body) -> list[dict] | None:
     return docs
 
 
+@dataclass
+class RenderedChat:
+    messages: list[dict]
+    add_generation_prompt: bool
+    tools: ToolPlan | None
+    text: str  # the chat template's output for them
+
+
+def _render_chat(b: Body, model: ServedModel, limits: RequestLimits) -> RenderedChat:
+    """The chat template's text for a chat body, as chat completions and /tokenize both render
+    it: tools, template kwargs (reasoning_effort), a trusted request template, documents."""
+    tools = parse_tools(b.body)
+    messages = chat_messages(b.body.get("messages"))
+    add_generation = b.get("add_generation_prompt", "bool", True)
+    continue_final = b.get("continue_final_message", "bool", False)
+    if add_generation and continue_final:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
+    text = model.chat_text(messages, add_generation, continue_final, _template_kwargs(b), _chat_template(b, limits),
+                           tools=list(tools.tools) if tools is not None else None, documents=_documents(b))
+    return RenderedChat(messages, add_generation, tools, text)
+
+
 def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest:
     b = Body(body, CHAT_FIELDS)
     name = _check_model(model, b)
     _unsupported_features(b)
-    tools = parse_tools(b.body)
-    messages = chat_messages(b.body.get("messages"))
+    chat = _render_chat(b, model, limits)
+    tools, messages = chat.tools, chat.messages
     want_logprobs = b.get("logprobs", "bool", False)
     top = b.get("top_logprobs", "int")
     if top is not None and not want_logprobs:
@@ -408,16 +429,12 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    add_generation = b.get("add_generation_prompt", "bool", True)
-    template = (messages, add_generation, b.get("continue_final_message", "bool", False),
-                _template_kwargs(b), _chat_template(b, limits))
     # vLLM's echo: the last message's content comes back first when it has the answer's role (the
     # assistant's, or with no generation prompt, the last message's own).
-    echo_role = "assistant" if add_generation else messages[-1]["role"]
+    echo_role = "assistant" if chat.add_generation_prompt else messages[-1]["role"]
     chat_echo = messages[-1]["content"] if b.get("echo", "bool", False) and messages[-1]["role"] == echo_role else ""
-    tool_list = list(tools.tools) if tools is not None else None
     truncate = _truncation(b, model)
-    prompt_text = model.chat_text(*template, tools=tool_list, documents=_documents(b))
+    prompt_text = chat.text
     # The template writes the special tokens it wants (BOS included), as in vLLM; add_special_tokens
     # adds the tokenizer's on top.
     add_special = b.get("add_special_tokens", "bool", False)
@@ -456,15 +473,7 @@ def tokenize(body, model: ServedModel, limits: RequestLimits) -> dict:
     b = Body(body, TOKENIZE_FIELDS)
     _check_model(model, b)
     if "messages" in b.body:
-        tools = parse_tools(b.body)
-        add_generation = b.get("add_generation_prompt", "bool", True)
-        continue_final = b.get("continue_final_message", "bool", False)
-        if add_generation and continue_final:
-            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              "continue_final_message")
-        text = model.chat_text(chat_messages(b.body["messages"]), add_generation, continue_final,
-                               _template_kwargs(b), _chat_template(b, limits),
-                               tools=list(tools.tools) if tools is not None else None, documents=_documents(b))
+        text = _render_chat(b, model, limits).text
         ids = model.encode(text, add_special_tokens=b.get("add_special_tokens", "bool", False))
     elif "prompt" in b.body:
         ids = model.encode(b.get("prompt", "str"), add_special_tokens=b.get("add_special_tokens", "bool", True))

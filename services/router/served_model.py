@@ -8,7 +8,7 @@ import time
 
 from engine.processor import load_light_tokenizer
 
-from services.router.errors import bad_request
+from services.router.errors import RouterError, bad_request
 from services.router.prompt_limits import PromptCharBound
 from services.router.reasoning import ReasoningParser
 
@@ -121,21 +121,13 @@ class ServedModel:
             s = self._token_strings[token_id] = self.codec.decode([token_id])
         return s
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
-                    continue_final_message: bool, template_kwargs: dict,
-                    chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
-        """`chat_template`: a template the operator allowed requests to send (else the model's);
-        `tools`: the request's tools, for templates that render them (Hermes, Qwen, Llama 3)."""
-        text = self.chat_text(messages, add_generation_prompt, continue_final_message, template_kwargs,
-                              chat_template, tools)
-        # The template writes the special tokens it wants (BOS included), as in vLLM.
-        return self.encode_prompt(text, "messages", add_special_tokens=False)
-
     def chat_text(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                   template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None,
                   documents: list[dict] | None = None) -> str:
-        """The chat template's text for these messages (chat_prompt's arguments; `documents` for
-        templates that render retrieved documents)."""
+        """The chat template's text for these messages: `chat_template`, a template the operator
+        allowed requests to send (else the model's); `tools`, the request's tools, for templates
+        that render them (Hermes, Qwen, Llama 3); `documents`, for templates that render
+        retrieved documents. The template writes the special tokens it wants (BOS included)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
@@ -154,6 +146,11 @@ class ServedModel:
         if not isinstance(text, str):
             raise bad_request("the chat template did not render text", "messages")
         return text
+
+    def require_name(self, name: str) -> None:
+        """404 (OpenAI's model_not_found) unless clients may send `name` (one of --served-model-name's)."""
+        if name not in self.names:
+            raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own strings for the ids (byte-level pieces such as "Ġhello")."""

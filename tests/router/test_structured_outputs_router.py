@@ -154,5 +154,5 @@ def test_tools_reach_the_chat_template(tiny_llama):
 
     model = ServedModel(tiny_llama, "tiny")
     template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
-    ids = model.chat_prompt([{"role": "user", "content": "hi"}], False, False, {}, template, tools=[F, G])
-    assert model.decode(ids) == "[f][g]hi"
+    text = model.chat_text([{"role": "user", "content": "hi"}], False, False, {}, template, tools=[F, G])
+    assert model.decode(model.encode(text, add_special_tokens=False)) == "[f][g]hi"
