@@ -12,6 +12,7 @@ from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
 from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
+from services.router.responses import ResponsesServing, parse_responses, stored_response_not_found
 from services.router.sampling import RequestLimits
 from services.version import version
 
@@ -37,6 +38,7 @@ class HttpGateway:
         self.model = router.model
         self.metrics = router.metrics
         self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
+        self.responses_serving = ResponsesServing(router.generator, router.model)
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
         self.max_body_bytes = router.config.max_payload_size
@@ -46,6 +48,9 @@ class HttpGateway:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
@@ -119,7 +124,7 @@ class HttpGateway:
         given = request.headers.get("X-Request-Id", "")
         return given if REQUEST_ID.match(given) else self.router.generator.new_request_id(kind)
 
-    async def _serve(self, request: web.Request, parse, prefix: str, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, parse, prefix: str, chat: bool, respond=None) -> web.StreamResponse:
         with self.admission.admit():
             raw = await request.read()
             parsed = await self.admission.run(len(raw), self._parse, raw, parse, self.model, self.limits)
@@ -132,6 +137,8 @@ class HttpGateway:
                 logger.warning("request %s: ignored unknown fields: %.500s", request_id,
                                ", ".join(map(repr, parsed.ignored_fields)))
                 headers["X-Ignored-Fields-Count"] = str(len(parsed.ignored_fields))
+            if respond is not None:
+                return await respond(request, parsed, request_id, headers)
             return await self.serving.respond(request, parsed, request_id, chat, headers)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -139,6 +146,12 @@ class HttpGateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, "chatcmpl", chat=True)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_responses, "resp", chat=True, respond=self.responses_serving.respond)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        raise stored_response_not_found(request.match_info["response_id"], "response_id")
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """A chat body (`messages`) goes to chat completions, a completions body (`prompt`) to completions."""

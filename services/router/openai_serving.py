@@ -13,7 +13,7 @@ from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import (CompletionLogprobs, chat_chunk, chat_logprobs, completion_chunk,
                                            usage, usage_chunk)
 from services.router.openai_protocol import ParsedRequest
-from services.router.reasoning import ReasoningSplitter
+from services.router.reasoning import ReasoningSplitter, count_reasoning_tokens
 from services.router.sampling import PreparedPrompt
 from services.router.served_model import ServedModel
 from services.router.streams import merge
@@ -58,6 +58,7 @@ class Choice:
         self.splitter = ReasoningSplitter(req.reasoning_starts) if chat and req.reasoning_starts is not None else None
         self.reasoning = ""
         self.new_reasoning = ""  # the reasoning the last chunk added
+        self.generated_ids: list[int] | None = [] if self.splitter is not None else None  # reasoning_tokens
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
         p = self.prompt
@@ -80,6 +81,8 @@ class Choice:
         if not self.req.echo_only:
             self._show_ids(chunk.token_ids)
             self.num_tokens += len(chunk.token_ids)
+            if self.generated_ids is not None:
+                self.generated_ids += chunk.token_ids
             self.cumulative_logprob += sum(lp.logprob for lp in chunk.logprobs)
             text += self._split_reasoning(chunk.text, chunk.finish_reason is not None)
             if self._completion_lp is not None:
@@ -107,6 +110,14 @@ class Choice:
         self.reasoning += reasoning
         self.new_reasoning = reasoning
         return content
+
+    def reasoning_tokens(self) -> int:
+        """The generated tokens inside the reasoning block (under --reasoning-parser)."""
+        if self.generated_ids is None:
+            return 0
+        skip = self.prompt.params.skip_special_tokens
+        return count_reasoning_tokens(lambda ids: self.model.decode(ids, skip_special_tokens=skip),
+                                      self.generated_ids, self.req.reasoning_starts)
 
     def _show_ids(self, ids: list[int]) -> None:
         if self.req.return_token_ids:
@@ -181,8 +192,11 @@ class OpenAIServing:
         """A prompt counts once however many samples it has (its first sample's cache hits);
         every generated token counts, a best_of sample not chosen too."""
         firsts = choices[::req.best_of]
-        return usage(sum(len(c.prompt.token_ids) for c in firsts), sum(c.num_tokens for c in choices),
-                     sum(c.num_cached_tokens for c in firsts))
+        out = usage(sum(len(c.prompt.token_ids) for c in firsts), sum(c.num_tokens for c in choices),
+                    sum(c.num_cached_tokens for c in firsts))
+        if req.reasoning_starts is not None:  # vLLM's, under a reasoning parser
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens() for c in choices)}
+        return out
 
     async def respond(self, request: web.Request, req: ParsedRequest, request_id: str,
                       chat: bool, headers: dict) -> web.StreamResponse:

@@ -39,6 +39,39 @@ class ReasoningParser:
         return ReasoningSplitter(self.starts_in_reasoning(prompt_text))
 
 
+def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool) -> int:
+    """The generated tokens inside the reasoning block, the markers' tokens left out (vLLM's
+    `reasoning_tokens`): those after the token that completes the opening `<think>` (or from the
+    start, for an output that starts in reasoning) and before the one that completes `</think>`.
+    `decode(ids)` -> text. Found by bisection on the text of a prefix of the ids (where a marker is
+    one token, as in DeepSeek-R1's and Qwen3's vocabularies, this is exactly vLLM's count; a
+    marker cut into several tokens counts all but its last)."""
+    n = len(token_ids)
+
+    def first(pred) -> int:
+        """The smallest k with pred(text of the first k tokens); n + 1 if none."""
+        lo, hi = 0, n + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mid <= n and pred(decode(token_ids[:mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    if in_reasoning:
+        # A redundant opening marker is dropped, as the splitter drops it.
+        opened = first(lambda t: not START.startswith(t) or t == START)
+        opened = opened if opened <= n and decode(token_ids[:opened]) == START else 0
+        closed = first(lambda t: END in (t[len(START):] if t.startswith(START) else t))
+    else:
+        opened = first(lambda t: START in t)
+        if opened > n:
+            return 0
+        closed = first(lambda t: END in t[t.find(START) + len(START):] if START in t else False)
+    return max(0, min(closed - 1, n) - opened)
+
+
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}
 
 

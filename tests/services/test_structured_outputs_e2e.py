@@ -152,3 +152,26 @@ def test_generate_over_grpc_with_structured_outputs(tcp_stack):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="x", sampling=bad)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_responses_api_constrains_and_calls_as_chat_does(client):
+    # text.format is the chat completion's response_format: a document that validates, the same
+    # greedy tokens as the chat completion of the same messages.
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    out = client.responses.create(model=SERVED_MODEL, input="Describe a person as JSON", temperature=0,
+                                  max_output_tokens=300, text={"format": fmt}, extra_body=COMPACT)
+    assert out.status == "completed", out.output_text
+    jsonschema.validate(json.loads(out.output_text), PERSON)
+    chat = client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, temperature=0, max_tokens=300, extra_body=COMPACT,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert chat.choices[0].message.content == out.output_text
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+    # A named function: one function_call item whose arguments validate against its parameters.
+    tool = {"type": "function", **WEATHER["function"]}
+    out = client.responses.create(model=SERVED_MODEL, input="Weather in Paris?", tools=[tool], temperature=0,
+                                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=100,
+                                  extra_body=COMPACT)
+    (call,) = out.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])

@@ -1,0 +1,479 @@
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it for chat models): the request
+becomes a chat completion (instructions + input items -> messages through the chat template,
+function tools, text.format -> a structured output, reasoning.effort -> the template's), and the
+answer comes back as output items: the reasoning (under --reasoning-parser), the message, the
+function calls; whole, or streamed as the API's typed events.
+
+Responses are not stored (vLLM's default): `store` is accepted and has no effect,
+`previous_response_id` and `background` need a store and are refused, and a conversation goes
+back whole in `input`, as stateless clients send it."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+
+from services.router.errors import RouterError, bad_request, unsupported
+from services.router.generation import TextChunk, TextGenerator
+from services.router.openai_format import chat_logprobs
+from services.router.openai_protocol import Body, parse_chat
+from services.router.openai_serving import CLIENT_CLOSED, SSE_HEADERS, STREAM_STATUS, Choice
+from services.router.sampling import RequestLimits
+from services.router.served_model import ServedModel
+from services.router.tool_calls import ToolCallStream
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+
+# Sampling and vLLM fields that mean the same as in a chat completion, passed on as they are.
+_CHAT_SAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
+              "include_stop_str_in_output", "priority", "cache_salt", "chat_template_kwargs", "include_reasoning",
+              "structured_outputs", "bad_words", "allowed_token_ids", "stream")
+# Accepted and echoed (or without effect here), not generation's business.
+_ECHOED = ("metadata", "user", "service_tier", "store", "prompt_cache_key", "safety_identifier", "max_tool_calls",
+           "truncation", "top_logprobs", "include", "parallel_tool_calls", "tool_choice", "tools", "text",
+           "reasoning", "instructions", "max_output_tokens", "background", "previous_response_id", "prompt")
+FIELDS = {"model", "input", *_CHAT_SAME, *_ECHOED}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_INCLUDES = {LOGPROBS_INCLUDE, "reasoning.encrypted_content"}
+# Chat completion parameters whose Responses names differ, for the errors a chat parse raises.
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+           "reasoning_effort": "reasoning.effort", "top_logprobs": "top_logprobs"}
+
+
+def stored_response_not_found(response_id: str, param: str) -> RouterError:
+    return RouterError(404, f"Response with id '{response_id:.100}' not found: this server does not store "
+                       "responses; send the conversation in input", param=param, code="response_not_found")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _text_parts(content, where: str) -> list[dict]:
+    """An input message's content: a string, or parts of text (input_text, output_text, text,
+    refusal); images, files and audio are not served here."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of content parts", "input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = "refusal" if kind == "refusal" else "text"
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            raise unsupported(f"{where}.content[{j}] of type {kind!r} (only text parts are)", "input")
+        if not isinstance(part.get(key), str):
+            raise bad_request(f"{where}.content[{j}] needs a string {key}", "input")
+        parts.append({"type": "text", "text": part[key]})
+    return parts
+
+
+def _joined(parts: list[dict]) -> str:
+    return "\n".join(p["text"] for p in parts)
+
+
+def input_messages(instructions: str | None, raw) -> tuple[list[dict], bool]:
+    """(chat messages, whether to continue the last one): `instructions` as the system message,
+    then the input, a string (one user message) or items: messages (typed or not), function
+    calls (into the assistant message before them, as vLLM merges them), their outputs (tool
+    messages) and reasoning items (the assistant message's reasoning, for templates that render
+    it). A last assistant message in progress or incomplete is continued, as vLLM does."""
+    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(raw, str):
+        return messages + [{"role": "user", "content": raw}], False
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("input must be a string or a non-empty array of input items", "input")
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", "input")
+        kind = item.get("type", "message")
+        prev = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{where}.role must be user, assistant, system or developer, got {role!r:.40}",
+                                  "input")
+            text = _joined(_text_parts(item.get("content"), where))
+            if role == "assistant" and prev is not None and not prev.get("content"):
+                prev["content"] = text  # after its reasoning
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise bad_request(f"{where}: a function_call needs a string {key}", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if prev is not None:
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str):
+                raise bad_request(f"{where}: a function_call_output needs a string call_id", "input")
+            text = output if isinstance(output, str) else _joined(_text_parts(output, where))
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        elif kind == "reasoning":
+            if item.get("encrypted_content"):
+                raise unsupported(f"{where}: encrypted reasoning content", "input")
+            texts = item.get("content") or item.get("summary") or []
+            if not isinstance(texts, list) or not all(isinstance(t, dict) and isinstance(t.get("text"), str)
+                                                      for t in texts):
+                raise bad_request(f"{where}: reasoning content must be an array of {{\"text\": ...}} parts",
+                                  "input")
+            reasoning = "\n".join(t["text"] for t in texts)
+            if prev is not None and not prev.get("content") and not prev.get("tool_calls"):
+                prev["reasoning_content"] = prev["reasoning"] = reasoning
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning,
+                                 "reasoning_content": reasoning})
+        else:
+            raise unsupported(f"{where}: input items of type {kind!r}", "input")
+    last = raw[-1]
+    continue_final = (last.get("type", "message") in ("message", "reasoning") and last.get("role", "assistant") ==
+                      "assistant" and last.get("status") in ("in_progress", "incomplete"))
+    return messages, continue_final
+
+
+def _tools(raw, choice) -> tuple[list | None, object]:
+    """Responses' function tools ({type, name, parameters, ...}) and tool_choice -> chat's."""
+    if raw is None:
+        return None, choice
+    if not isinstance(raw, list):
+        raise bad_request("tools must be an array", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise unsupported(f"tools[{i}] of type {kind!r} (only function tools are)", "tools")
+        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                            "strict") if k in tool}})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                              "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _response_format(text) -> dict | None:
+    """text.format -> chat's response_format."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request('text.format must be {"type": "text"}, {"type": "json_object"} or '
+                          '{"type": "json_schema", "name": ..., "schema": {...}}', "text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                   if k in fmt}}
+
+
+@dataclass
+class ResponsesRequest:
+    parsed: object  # the chat completion's ParsedRequest
+    echo: dict  # the request's fields a response object repeats
+    include_logprobs: bool = False
+    ignored_fields: list[str] = field(default_factory=list)
+
+    @property
+    def stream(self) -> bool:
+        return self.parsed.stream
+
+
+def parse_responses(body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
+    b = Body(body, FIELDS)
+    if b.get("previous_response_id", "str") is not None:
+        raise stored_response_not_found(b.get("previous_response_id", "str"), "previous_response_id")
+    if b.get("background", "bool", False):
+        raise unsupported("background (it needs a response store)", "background")
+    if b.get("prompt", "dict") is not None:
+        raise unsupported("prompt templates", "prompt")
+    metadata = b.get("metadata", "dict")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise bad_request("metadata must be an object of strings", "metadata")
+    include = b.get("include", "list", [])
+    unknown = [x for x in include if x not in _INCLUDES]
+    if unknown:
+        raise bad_request(f"include: unknown value {unknown[0]!r:.60}; this server knows "
+                          f"{', '.join(sorted(_INCLUDES))}", "include")
+    truncation = b.get("truncation", "str", "disabled")
+    if truncation not in ("disabled", "auto"):
+        raise bad_request(f"truncation must be 'auto' or 'disabled', got {truncation!r:.40}", "truncation")
+    top_logprobs = b.get("top_logprobs", "int")
+    include_logprobs = LOGPROBS_INCLUDE in include or (top_logprobs or 0) > 0
+    if "input" not in b.body:
+        raise bad_request("input is required", "input")
+    messages, continue_final = input_messages(b.get("instructions", "str"), b.body["input"])
+    tools, tool_choice = _tools(b.get("tools", "list"), b.body.get("tool_choice"))
+    reasoning = b.get("reasoning", "dict")
+    chat = {k: b.body[k] for k in _CHAT_SAME if k in b.body}
+    chat.update(model=b.body.get("model"), messages=messages, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final)
+    for key, value in (("tools", tools), ("tool_choice", tool_choice), ("response_format", _response_format(
+            b.get("text", "dict"))), ("max_tokens", b.get("max_output_tokens", "int")),
+                       ("parallel_tool_calls", b.get("parallel_tool_calls", "bool")),
+                       ("reasoning_effort", (reasoning or {}).get("effort"))):
+        if value is not None:
+            chat[key] = value
+    if include_logprobs:
+        chat.update(logprobs=True, top_logprobs=top_logprobs or 0)
+    parsed = _parse_chat(chat, model, limits, truncation == "auto")
+    echo = {"instructions": b.get("instructions", "str"), "metadata": metadata, "user": b.get("user", "str"),
+            "tools": b.get("tools", "list", []), "tool_choice": b.body.get("tool_choice", "auto" if tools else "none"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", "bool", True),
+            "temperature": b.get("temperature", "number", 1.0), "top_p": b.get("top_p", "number", 1.0),
+            "max_output_tokens": b.get("max_output_tokens", "int"), "max_tool_calls": b.get("max_tool_calls", "int"),
+            "previous_response_id": None, "reasoning": reasoning, "service_tier": b.get("service_tier", "str", "auto"),
+            "store": False, "text": b.get("text", "dict", {"format": {"type": "text"}}), "truncation": truncation,
+            "top_logprobs": top_logprobs, "background": False}
+    return ResponsesRequest(parsed, echo, include_logprobs, b.ignored)
+
+
+def _parse_chat(chat: dict, model: ServedModel, limits: RequestLimits, truncate: bool):
+    """The chat completion for these messages. truncation "auto" (OpenAI's rule): while the
+    conversation does not fit the context, its oldest items go (the system messages stay, and the
+    last message always), found by bisection on how many."""
+    def parse(messages: list[dict]):
+        try:
+            return parse_chat({**chat, "messages": messages}, model, limits)
+        except RouterError as e:  # the chat parameter's name -> the Responses one
+            e.param = _PARAMS.get(e.param, e.param)
+            raise
+
+    messages = chat["messages"]
+    if not truncate:
+        return parse(messages)
+    system = [m for m in messages if m["role"] in ("system", "developer")]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+
+    def attempt(dropped: int):
+        kept = rest[dropped:]
+        while len(kept) > 1 and kept[0]["role"] == "tool":  # a tool's output without its call
+            kept = kept[1:]
+        try:
+            return parse(system + kept)
+        except RouterError as e:
+            if e.code != "context_length_exceeded" or dropped == len(rest) - 1:
+                raise
+            return None
+
+    lo, hi = 0, len(rest) - 1
+    best = attempt(hi)  # the last message alone: fits, or the request cannot be served
+    while lo < hi:
+        mid = (lo + hi) // 2
+        got = attempt(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+class ResponseOutput:
+    """Output items as the answer comes: reasoning, message text, function calls. Each step
+    returns the stream events it makes (a whole response takes the items and drops them)."""
+
+    def __init__(self, model: ServedModel, logprobs: int | None, as_ids: bool) -> None:
+        self.model, self.top_logprobs, self.as_ids = model, logprobs, as_ids
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the reasoning or message item being written
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, part = len(self.items) - 1, item["content"][0]
+        item["status"] = "completed"
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "reasoning":
+            done = {"type": "response.reasoning_text.done", **ids, "text": part["text"]}
+        else:
+            done = {"type": "response.output_text.done", **ids, "text": part["text"], "logprobs": part["logprobs"]}
+        return [done, {"type": "response.content_part.done", **ids, "part": part},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
+
+    def _ensure(self, kind: str) -> list[dict]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        events = self._close()
+        if kind == "reasoning":
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [part], "status": "in_progress"}
+        else:
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress",
+                    "content": [part]}
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        events.append({"type": "response.output_item.added", "output_index": index,
+                       "item": {**item, "content": []}})
+        events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                       "content_index": 0, "part": dict(part)})
+        return events
+
+    def reasoning(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = self._ensure("reasoning")
+        self.open["content"][0]["text"] += text
+        events.append({"type": "response.reasoning_text.delta", "item_id": self.open["id"],
+                       "output_index": len(self.items) - 1, "content_index": 0, "delta": text})
+        return events
+
+    def content(self, text: str, token_ids: list[int], logprobs: list) -> list[dict]:
+        """Text of the message; the logprobs of the tokens that made it (when asked for)."""
+        lps = []
+        if self.top_logprobs is not None and token_ids:
+            lps = chat_logprobs(self.model, token_ids, logprobs, self.top_logprobs, self.as_ids)["content"]
+        if not text and not lps:
+            return []
+        events = self._ensure("message")
+        part = self.open["content"][0]
+        part["text"] += text
+        part["logprobs"] += lps
+        events.append({"type": "response.output_text.delta", "item_id": self.open["id"],
+                       "output_index": len(self.items) - 1, "content_index": 0, "delta": text, "logprobs": lps})
+        return events
+
+    def calls(self, calls: list[dict]) -> list[dict]:
+        events = self._close()
+        for call in calls:
+            fn = call["function"]
+            item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
+                    "arguments": fn["arguments"], "status": "completed"}
+            self.items.append(item)
+            index = len(self.items) - 1
+            ids = {"item_id": item["id"], "output_index": index}
+            events += [{"type": "response.output_item.added", "output_index": index,
+                        "item": {**item, "arguments": "", "status": "in_progress"}},
+                       {"type": "response.function_call_arguments.delta", **ids, "delta": fn["arguments"]},
+                       {"type": "response.function_call_arguments.done", **ids, "arguments": fn["arguments"]},
+                       {"type": "response.output_item.done", "output_index": index, "item": item}]
+        return events
+
+    def finish(self) -> list[dict]:
+        """Closes the open item; an answer of nothing at all is one empty message."""
+        if not self.items:
+            events = self._ensure("message")
+            return events + self._close()
+        return self._close()
+
+
+class ResponsesServing:
+    def __init__(self, generator: TextGenerator, model: ServedModel) -> None:
+        self.generator = generator
+        self.model = model
+
+    def _response(self, rr: ResponsesRequest, response_id: str, created: int, status: str, output: list,
+                  usage: dict | None, error: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": response_id, "object": "response", "created_at": created, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+                "incomplete_details": incomplete, "model": rr.parsed.model, "output": output, "usage": usage,
+                **rr.echo}
+
+    def _usage(self, choice: Choice, rr: ResponsesRequest) -> dict:
+        prompt = len(choice.prompt.token_ids)
+        reasoning = choice.reasoning_tokens()
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+                "output_tokens": choice.num_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": prompt + choice.num_tokens}
+
+    async def respond(self, request: web.Request, rr: ResponsesRequest, request_id: str,
+                      headers: dict) -> web.StreamResponse:
+        req = rr.parsed
+        prompt = req.prompts[0]
+        choice = Choice(0, prompt, req, self.model, chat=True)
+        tool_stream = ToolCallStream(req.tools) if req.tools is not None else None
+        out = ResponseOutput(self.model, req.logprobs, req.tokens_as_ids)
+        created = int(time.time())
+        chunks = self.generator.stream(request_id, prompt)
+
+        pending: list[tuple[list, list]] = []  # tokens whose text is not shown yet, for their logprobs
+
+        def step(chunk: TextChunk) -> list[dict]:
+            text, _ = choice.add(chunk)
+            events = out.reasoning(choice.new_reasoning if req.include_reasoning else "")
+            if tool_stream is None:
+                # A token's logprob goes with the message text it makes; the reasoning's are dropped.
+                pending.append((chunk.token_ids, chunk.logprobs))
+                finished = chunk.finish_reason is not None
+                in_content = choice.splitter is None or choice.splitter.state == "content"
+                if text or finished and in_content:
+                    ids = [t for p in pending for t in p[0]]
+                    events += out.content(text, ids, [lp for p in pending for lp in p[1]])
+                    pending.clear()
+                elif choice.new_reasoning:
+                    pending.clear()
+                if finished:
+                    events += out.finish()
+                return events
+            events += out.content(tool_stream.feed(text), [], [])
+            if chunk.finish_reason is not None:
+                rest, calls = tool_stream.finish()
+                events += out.content(rest, [], []) + out.calls(calls) + out.finish()
+            return events
+
+        def final() -> dict:
+            status = "incomplete" if choice.finish_reason == "length" else "completed"
+            return self._response(rr, request_id, created, status, out.items, self._usage(choice, rr))
+
+        if not req.stream:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    step(chunk)
+            return web.Response(body=_encode(final()), content_type="application/json", headers=headers)
+
+        async with contextlib.aclosing(chunks):
+            first = await anext(chunks)  # before the headers: a request that cannot be served gets its status
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            await response.prepare(request)
+            seq = 0
+
+            async def send(events: list[dict]) -> None:
+                nonlocal seq
+                for event in events:
+                    event["sequence_number"] = seq
+                    seq += 1
+                    await response.write(b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n")
+
+            try:
+                started = self._response(rr, request_id, created, "in_progress", [], None)
+                await send([{"type": "response.created", "response": started},
+                            {"type": "response.in_progress", "response": started}])
+                await send(step(first))
+                async for chunk in chunks:
+                    await send(step(chunk))
+                done = final()
+                await send([{"type": "response.completed" if done["status"] == "completed" else "response.incomplete",
+                             "response": done}])
+            except RouterError as e:  # after the headers: an error event, then the response failed
+                logger.warning("request %s failed mid-stream: %s", request_id, e.message)
+                request[STREAM_STATUS] = e.status
+                if out.open is not None:
+                    out.open["status"] = "incomplete"
+                failed = self._response(rr, request_id, created, "failed", out.items, None,
+                                        {"code": e.code or e.type, "message": e.message})
+                await send([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
+                            {"type": "response.failed", "response": failed}])
+            except ConnectionResetError:  # the client went away; closing `chunks` aborts upstream
+                request[STREAM_STATUS] = CLIENT_CLOSED
+                self.generator.metrics.client_aborts.inc()
+                logger.info("request %s: client disconnected mid-stream; aborted", request_id)
+                return response
+        await response.write_eof()
+        return response
