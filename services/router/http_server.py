@@ -10,6 +10,8 @@ from aiohttp import web
 
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
+from services.router.messages_api import MessagesServing, count_tokens, parse_messages
+from services.router.messages_api import error_body as anthropic_error_body
 from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
 from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
 from services.router.responses import ResponsesServing, parse_responses, stored_response_not_found
@@ -23,13 +25,15 @@ _decode = msgspec.json.Decoder().decode
 
 # Paths the API key guards: the API, not the probes and /metrics.
 PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/invocations")
+ANTHROPIC = "/v1/messages"  # Anthropic's Messages API: its errors in Anthropic's shape
 
 
-def error_response(e: RouterError, headers: dict | None = None) -> web.Response:
+def error_response(e: RouterError, headers: dict | None = None, anthropic: bool = False) -> web.Response:
+    """OpenAI's error body, or Anthropic's on its Messages API."""
     if e.retry_after_s is not None:
         headers = {**(headers or {}), "Retry-After": str(e.retry_after_s)}
-    return web.Response(status=e.status, body=_encode(e.body()), content_type="application/json",
-                        headers=headers)
+    body = anthropic_error_body(e) if anthropic else e.body()
+    return web.Response(status=e.status, body=_encode(body), content_type="application/json", headers=headers)
 
 
 class HttpGateway:
@@ -39,6 +43,7 @@ class HttpGateway:
         self.metrics = router.metrics
         self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
         self.responses_serving = ResponsesServing(router.generator, router.model)
+        self.messages_serving = MessagesServing(router.generator, router.model)
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
         self.max_body_bytes = router.config.max_payload_size
@@ -49,6 +54,8 @@ class HttpGateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         app.router.add_post("/tokenize", self.tokenize)
@@ -70,11 +77,14 @@ class HttpGateway:
         return app
 
     def _authorized(self, request: web.Request) -> bool:
+        """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
         if self._api_key is None or not request.path.startswith(PROTECTED):
             return True
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key):
+            return True
+        return hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), self._api_key)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -90,13 +100,14 @@ class HttpGateway:
         except RouterError as e:
             status = e.status
             self.admission.shed(e)
-            return error_response(e)
+            return error_response(e, anthropic=request.path.startswith(ANTHROPIC))
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             status = e.status
             return error_response(RouterError(e.status, e.text if e.status != 413 else
                                               f"request body over {self.max_body_bytes} bytes "
                                               "(--max-payload-size)"),
-                                  headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None)
+                                  headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None,
+                                  anthropic=request.path.startswith(ANTHROPIC))
         except asyncio.CancelledError:  # aiohttp cancels the handler when its client disconnects
             status = CLIENT_CLOSED
             self.metrics.client_aborts.inc()
@@ -104,7 +115,8 @@ class HttpGateway:
             raise
         except Exception:
             logger.exception("unexpected error serving %s %s", request.method, request.path)
-            return error_response(RouterError(500, "internal server error", type="server_error"))
+            return error_response(RouterError(500, "internal server error", type="server_error"),
+                                  anthropic=request.path.startswith(ANTHROPIC))
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
@@ -149,6 +161,12 @@ class HttpGateway:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_responses, "resp", chat=True, respond=self.responses_serving.respond)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_messages, "msg", chat=True, respond=self.messages_serving.respond)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        return await self._answer(request, lambda body: count_tokens(body, self.model, self.limits))
 
     async def stored_response(self, request: web.Request) -> web.Response:
         raise stored_response_not_found(request.match_info["response_id"], "response_id")

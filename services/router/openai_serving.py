@@ -27,6 +27,37 @@ STREAM_STATUS = web.RequestKey("pdserve_stream_status", int)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+async def stream_events(request: web.Request, request_id: str, headers: dict, chunks, metrics, run,
+                        on_error) -> web.StreamResponse:
+    """A streamed answer: the first chunk comes before the headers (a request that cannot be
+    served at all, every prefill failed or a timeout, still gets its HTTP status); then
+    `run(first, response)` writes the events, `on_error(e, response)` the last ones when a
+    RouterError comes after the headers; a client gone mid-stream aborts the request upstream
+    (closing `chunks` does)."""
+    async with contextlib.aclosing(chunks):
+        first = await anext(chunks)
+        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await response.prepare(request)
+        try:
+            await run(first, response)
+        except RouterError as e:
+            logger.warning("request %s failed mid-stream: %s", request_id, e.message)
+            request[STREAM_STATUS] = e.status
+            await on_error(e, response)
+        except ConnectionResetError:
+            request[STREAM_STATUS] = CLIENT_CLOSED
+            metrics.client_aborts.inc()
+            logger.info("request %s: client disconnected mid-stream; aborted", request_id)
+            return response
+    await response.write_eof()
+    return response
+
+
+def sse_event(event: dict) -> bytes:
+    """An SSE event with its `event:` name (the Responses and Messages APIs' framing)."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"
+
+
 def reasoning_delta(reasoning: str | None) -> dict:
     """vLLM's `reasoning`, and `reasoning_content` as DeepSeek's API (and older vLLM) name it."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -214,26 +245,14 @@ class OpenAIServing:
             if chat and req.return_token_ids:  # vLLM: one prompt, its ids beside the choices
                 body["prompt_token_ids"] = req.prompts[0].token_ids
             return web.Response(body=_encode(body), content_type="application/json", headers=headers)
-        async with contextlib.aclosing(chunks):
-            # The first chunk comes before the headers: a request that cannot be served at all
-            # (every prefill failed, a timeout) still gets its HTTP status.
-            first = await anext(chunks)
-            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-            await response.prepare(request)
-            try:
-                await self._stream(response, first, chunks, choices, req, request_id, created, chat)
-            except RouterError as e:  # after the headers: the error is the last event
-                logger.warning("request %s failed mid-stream: %s", request_id, e.message)
-                request[STREAM_STATUS] = e.status
-                await response.write(b"data: " + _encode(e.body()) + b"\n\n")
-            except ConnectionResetError:  # the client went away; closing `chunks` aborts upstream
-                request[STREAM_STATUS] = CLIENT_CLOSED
-                self.generator.metrics.client_aborts.inc()
-                logger.info("request %s: client disconnected mid-stream; aborted", request_id)
-                return response
+        async def run(first, response: web.StreamResponse) -> None:
+            await self._stream(response, first, chunks, choices, req, request_id, created, chat)
             await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+
+        async def on_error(e: RouterError, response: web.StreamResponse) -> None:  # the error is the last event
+            await response.write(b"data: " + _encode(e.body()) + b"\n\ndata: [DONE]\n\n")
+
+        return await stream_events(request, request_id, headers, chunks, self.generator.metrics, run, on_error)
 
     async def _stream(self, response: web.StreamResponse, first, chunks, choices: list[Choice],
                       req: ParsedRequest, request_id: str, created: int, chat: bool) -> None:

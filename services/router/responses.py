@@ -10,7 +10,6 @@ back whole in `input`, as stateless clients send it."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -18,16 +17,15 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
+from services.router.answer_parts import AnswerParts
 from services.router.errors import RouterError, bad_request, unsupported
 from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import chat_logprobs
 from services.router.openai_protocol import Body, parse_chat
-from services.router.openai_serving import CLIENT_CLOSED, SSE_HEADERS, STREAM_STATUS, Choice
+from services.router.openai_serving import Choice, sse_event, stream_events
 from services.router.sampling import RequestLimits
 from services.router.served_model import ServedModel
-from services.router.tool_calls import ToolCallStream
 
-logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 
 # Sampling and vLLM fields that mean the same as in a chat completion, passed on as they are.
@@ -398,34 +396,16 @@ class ResponsesServing:
         req = rr.parsed
         prompt = req.prompts[0]
         choice = Choice(0, prompt, req, self.model, chat=True)
-        tool_stream = ToolCallStream(req.tools) if req.tools is not None else None
+        answer = AnswerParts(choice)
         out = ResponseOutput(self.model, req.logprobs, req.tokens_as_ids)
         created = int(time.time())
         chunks = self.generator.stream(request_id, prompt)
 
-        pending: list[tuple[list, list]] = []  # tokens whose text is not shown yet, for their logprobs
-
         def step(chunk: TextChunk) -> list[dict]:
-            text, _ = choice.add(chunk)
-            events = out.reasoning(choice.new_reasoning if req.include_reasoning else "")
-            if tool_stream is None:
-                # A token's logprob goes with the message text it makes; the reasoning's are dropped.
-                pending.append((chunk.token_ids, chunk.logprobs))
-                finished = chunk.finish_reason is not None
-                in_content = choice.splitter is None or choice.splitter.state == "content"
-                if text or finished and in_content:
-                    ids = [t for p in pending for t in p[0]]
-                    events += out.content(text, ids, [lp for p in pending for lp in p[1]])
-                    pending.clear()
-                elif choice.new_reasoning:
-                    pending.clear()
-                if finished:
-                    events += out.finish()
-                return events
-            events += out.content(tool_stream.feed(text), [], [])
-            if chunk.finish_reason is not None:
-                rest, calls = tool_stream.finish()
-                events += out.content(rest, [], []) + out.calls(calls) + out.finish()
+            parts = answer.feed(chunk)
+            events = out.reasoning(parts.reasoning) + out.content(parts.content, parts.token_ids, parts.logprobs)
+            if parts.calls is not None:
+                events += out.calls(parts.calls) + out.finish()
             return events
 
         def final() -> dict:
@@ -438,42 +418,32 @@ class ResponsesServing:
                     step(chunk)
             return web.Response(body=_encode(final()), content_type="application/json", headers=headers)
 
-        async with contextlib.aclosing(chunks):
-            first = await anext(chunks)  # before the headers: a request that cannot be served gets its status
-            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-            await response.prepare(request)
-            seq = 0
+        seq = 0
 
-            async def send(events: list[dict]) -> None:
-                nonlocal seq
-                for event in events:
-                    event["sequence_number"] = seq
-                    seq += 1
-                    await response.write(b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n")
+        async def send(response: web.StreamResponse, events: list[dict]) -> None:
+            nonlocal seq
+            for event in events:
+                event["sequence_number"] = seq
+                seq += 1
+                await response.write(sse_event(event))
 
-            try:
-                started = self._response(rr, request_id, created, "in_progress", [], None)
-                await send([{"type": "response.created", "response": started},
-                            {"type": "response.in_progress", "response": started}])
-                await send(step(first))
-                async for chunk in chunks:
-                    await send(step(chunk))
-                done = final()
-                await send([{"type": "response.completed" if done["status"] == "completed" else "response.incomplete",
-                             "response": done}])
-            except RouterError as e:  # after the headers: an error event, then the response failed
-                logger.warning("request %s failed mid-stream: %s", request_id, e.message)
-                request[STREAM_STATUS] = e.status
-                if out.open is not None:
-                    out.open["status"] = "incomplete"
-                failed = self._response(rr, request_id, created, "failed", out.items, None,
-                                        {"code": e.code or e.type, "message": e.message})
-                await send([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
-                            {"type": "response.failed", "response": failed}])
-            except ConnectionResetError:  # the client went away; closing `chunks` aborts upstream
-                request[STREAM_STATUS] = CLIENT_CLOSED
-                self.generator.metrics.client_aborts.inc()
-                logger.info("request %s: client disconnected mid-stream; aborted", request_id)
-                return response
-        await response.write_eof()
-        return response
+        async def run(first: TextChunk, response: web.StreamResponse) -> None:
+            started = self._response(rr, request_id, created, "in_progress", [], None)
+            await send(response, [{"type": "response.created", "response": started},
+                                  {"type": "response.in_progress", "response": started}])
+            await send(response, step(first))
+            async for chunk in chunks:
+                await send(response, step(chunk))
+            done = final()
+            await send(response, [{"type": "response.completed" if done["status"] == "completed"
+                                   else "response.incomplete", "response": done}])
+
+        async def on_error(e: RouterError, response: web.StreamResponse) -> None:  # an error event, then failed
+            if out.open is not None:
+                out.open["status"] = "incomplete"
+            failed = self._response(rr, request_id, created, "failed", out.items, None,
+                                    {"code": e.code or e.type, "message": e.message})
+            await send(response, [{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
+                                  {"type": "response.failed", "response": failed}])
+
+        return await stream_events(request, request_id, headers, chunks, self.generator.metrics, run, on_error)

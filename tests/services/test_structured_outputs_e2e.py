@@ -175,3 +175,19 @@ def test_the_responses_api_constrains_and_calls_as_chat_does(client):
     (call,) = out.output
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+def test_the_messages_api_calls_a_tool_as_chat_does(tcp_stack):
+    # Anthropic's Messages API: tool_choice {"type": "tool"} is chat's named function; the
+    # tool_use block's input validates against the tool's input_schema.
+    import anthropic
+
+    weather = WEATHER["function"]
+    tool = {"name": weather["name"], "description": weather["description"], "input_schema": weather["parameters"]}
+    with anthropic.Anthropic(base_url=tcp_stack.url, api_key="unused", max_retries=0, timeout=120) as client:
+        out = client.messages.create(model=SERVED_MODEL, max_tokens=100, tools=[tool], extra_body=COMPACT,
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     messages=[{"role": "user", "content": "Weather in Paris?"}])
+    (use,) = out.content
+    assert use.type == "tool_use" and use.name == "get_weather" and out.stop_reason == "tool_use"
+    jsonschema.validate(use.input, weather["parameters"])
