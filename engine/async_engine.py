@@ -84,9 +84,11 @@ class AsyncEngine:
         self.config = config
         self.multiprocess = multiprocess
         self.tokenizer = load_tokenizer(config.model.path)
-        # Services stream token ids and leave text to the router: no detokenizing there.
+        # Services stream token ids and leave text to the router: no detokenizing there, but for
+        # the requests with text stop strings, which stop where one matches (as in vLLM's front
+        # end): not generating on past it until the router, a stream interval later, aborts them.
         self.output_processor = OutputProcessor(self.tokenizer if detokenize else None, OutputKind.DELTA,
-                                                config.stream_interval)
+                                                config.stream_interval, stop_tokenizer=self.tokenizer)
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -204,7 +206,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         self._inflight.add(rid, token_ids, keys)
-        self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+        self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params,
+                                  find_stop=not prefill_only)
         self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
                                     prefill_only, publish_kv, remote_kv, first_token_id))
         return rid, q

@@ -96,7 +96,11 @@ class IncrementalDetokenizer:
         for tok in new_token_ids:
             self.token_ids.append(tok)
             self._append(tok)
-            if self.params.stop and self._check_stop():
+            if not self.params.stop:
+                continue
+            if len(self.token_ids) <= self.params.min_tokens:  # vLLM's rule: not before min_tokens
+                self._checked = len(self.text)
+            elif self._check_stop():
                 break
         if self.stopped_on is not None:
             finished = True

@@ -73,6 +73,7 @@ def _entry(token_id: int, lp) -> dict[int, float]:
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer) -> None:
+        """`tokenizer` None: no text (and no stop strings looked for)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -95,17 +96,27 @@ class OutputProcessor:
     message, which a GPU's decode batch of hundreds makes the serving path's cost. A request's
     SamplingParams.stream_interval raises its own interval above this one (never below)."""
 
-    def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer, kind: OutputKind = OutputKind.CUMULATIVE, stream_interval: int = 1,
+                 stop_tokenizer=None) -> None:
+        """`tokenizer` None: token ids only, no text; `stop_tokenizer` then still detokenizes
+        the requests that have text stop strings, to stop them where they match (the services:
+        the router makes the text, and finds the same stop string)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
+        self.stop_tokenizer = tokenizer if tokenizer is not None else stop_tokenizer
         self.kind = kind
         self.stream_interval = stream_interval if kind is OutputKind.DELTA else 1
         self.states: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams) -> None:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+            params: SamplingParams, find_stop: bool = True) -> None:
+        """find_stop False: the request's stop strings are left to whoever reads its tokens (a
+        prefill's one token: its KV is published before the front end could see a match)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None and params.stop and find_stop:
+            tokenizer = self.stop_tokenizer
+        state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer)
         if self.kind is OutputKind.DELTA:
             state.interval = max(self.stream_interval, params.stream_interval or 1)
         self.states[request_id] = state

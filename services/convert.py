@@ -15,14 +15,15 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def sampling_kwargs(p: pb.SamplingParams, *, for_engine: bool = True) -> dict:
+def sampling_kwargs(p: pb.SamplingParams) -> dict:
     """SamplingParams keyword arguments, with proto3's zeros read as "unset" where zero is not a
     usable value: max_tokens 0 is None (the caller's default), top_p 0 is 1.0; temperature 0 is
-    greedy. Text stop strings are the router's (for_engine=False) to honour: engines drop them."""
+    greedy. Text stop strings: the router cuts the text at them; a decode or colocated engine
+    stops generating where it finds one too (a prefill's one token is the router's to judge)."""
     return dict(
         max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or 1.0,
         top_k=p.top_k, min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
-        stop=() if for_engine else tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
@@ -55,9 +56,9 @@ def structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
     return so
 
 
-def sampling_from_proto(p: pb.SamplingParams, *, for_engine: bool = True) -> SamplingParams:
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
     """Validated SamplingParams; max_tokens must be set (the router always sets it)."""
-    kwargs = sampling_kwargs(p, for_engine=for_engine)
+    kwargs = sampling_kwargs(p)
     if kwargs["max_tokens"] is None:
         raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
     return SamplingParams(**kwargs)

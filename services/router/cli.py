@@ -109,7 +109,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--max-n", "n and best_of of one request (each sample is an engine request; prompts x best_of "
           "counts against --max-prompts-per-request too); beyond it 400", default=16, type=int)
     _flag(p, "--non-streaming-interval", "tokens per upstream message for a request the client does not "
-          "stream and that has no text stop strings: the engine holds its tokens back to this many a message "
+          "stream: the engine holds its tokens back to this many a message "
           "(each message costs the router and the engine's service CPU; vLLM sends such output once, at the "
           "end). A decode lost mid-request then loses up to this many - 1 tokens the new one recomputes; "
           "1: a message every step", default=64, type=int)

@@ -53,7 +53,7 @@ class GenerateService(pb_grpc.GenerateServicer):
             raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
                               "with echo and logprobs", "prompt_logprobs")
         try:
-            knobs = sampling_kwargs(s, for_engine=False)  # the router honours the stop strings
+            knobs = sampling_kwargs(s)
         except InvalidRequestError as e:  # a malformed structured_outputs
             raise bad_request(str(e), "structured_outputs") from None
         if knobs["structured_outputs"] is not None:

@@ -209,9 +209,9 @@ def _token_id_flags(b: Body) -> dict:
 def _unwatched_interval(knobs: dict, stream: bool, limits: RequestLimits) -> None:
     """A request the client does not stream gets its tokens upstream at least
     --non-streaming-interval a message (vLLM answers it once, at the end): only the router reads
-    them, and each message costs the router and the engine's service CPU. Not with text stop
-    strings: the router finds those, and the engine would generate on past them meanwhile."""
-    if not stream and not knobs["stop"] and limits.non_streaming_interval > 1:
+    them, and each message costs the router and the engine's service CPU. A text stop string
+    stops the decode where it matches (the engine looks for it too), not an interval later."""
+    if not stream and limits.non_streaming_interval > 1:
         knobs["stream_interval"] = max(knobs["stream_interval"] or 1, limits.non_streaming_interval)
 
 

@@ -110,7 +110,7 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
     try:
         params = SamplingParams(max_tokens=max_tokens, **knobs)
         validate_sampling(params, model.vocab_size)  # what the engines refuse, refused here first
-        # Stop strings travel too, but engines drop them: they are the router's to honour.
+        # Stop strings travel too: the text is cut at them here, and a decode stops at them.
         return PreparedPrompt(token_ids, params, sampling_to_proto(params), text, priority)
     except InvalidRequestError as e:  # its message starts with the parameter's name
         message = str(e)

@@ -161,9 +161,10 @@ def test_grpc_generate_takes_the_new_params(stack, tokenizer):
 
 
 def test_the_engines_batch_what_nobody_watches_arrive(make_stack):
-    """A request the client does not stream and with no text stop strings asks the engines for
-    --non-streaming-interval tokens a message (vLLM answers it once, at the end); a streamed one,
-    one with stop strings (the router finds them) and the gRPC front keep what the client asked."""
+    """A request the client does not stream asks the engines for --non-streaming-interval tokens
+    a message (vLLM answers it once, at the end), one with text stop strings too (the decode stops
+    where one matches: its engine looks for them); a streamed one and the gRPC front keep what
+    the client asked."""
     stack = make_stack()
     asked = {"whole": {}, "own": {"stream_interval": 80}, "streamed": {"stream": True},
              "streamed 3": {"stream": True, "stream_interval": 3}, "stop": {"stop": ["zz"]}}
@@ -175,7 +176,7 @@ def test_the_engines_batch_what_nobody_watches_arrive(make_stack):
         list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(
             max_tokens=3, stream_interval=5)), timeout=10))
     got = [s.stream_interval if s.HasField("stream_interval") else None for s in engine_samplings(stack)]
-    assert got == [64, 80, None, 3, None, 64, 5]
+    assert got == [64, 80, None, 3, 64, 64, 5]
 
     every_step = make_stack(non_streaming_interval=1)
     assert every_step.post("/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 200

@@ -25,10 +25,10 @@ def test_parse_addresses():
 
 
 def test_proto_zeros_mean_unset_where_zero_is_not_usable():
-    kw = sampling_kwargs(pb.SamplingParams(stop=["x"]), for_engine=False)
+    kw = sampling_kwargs(pb.SamplingParams(stop=["x"]))
     assert (kw["max_tokens"], kw["temperature"], kw["top_p"]) == (None, 0.0, 1.0)
     assert kw["seed"] is None and kw["logprobs"] is None
-    assert kw["stop"] == ("x",) and sampling_kwargs(pb.SamplingParams(stop=["x"]))["stop"] == ()
+    assert kw["stop"] == ("x",)  # engines get them too: a decode stops where one matches
     assert sampling_kwargs(pb.SamplingParams(top_p=0.5, seed=0))["top_p"] == 0.5
     with pytest.raises(InvalidRequestError, match="max_tokens"):  # engines get it set, always
         sampling_from_proto(pb.SamplingParams())
@@ -36,12 +36,12 @@ def test_proto_zeros_mean_unset_where_zero_is_not_usable():
         sampling_from_proto(pb.SamplingParams(max_tokens=2, top_p=-0.5))
     p = pb.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=["a"], stop_token_ids=[9],
                           logprobs=2, skip_special_tokens=True)
-    assert sampling_to_proto(sampling_from_proto(p, for_engine=False)) == p
+    assert sampling_to_proto(sampling_from_proto(p)) == p
     # stream_interval: unset stays unset (the engine's own interval), a value travels as sent.
     assert sampling_from_proto(p).stream_interval is None
     p.stream_interval = 7
     assert sampling_from_proto(p).stream_interval == 7
-    assert sampling_to_proto(sampling_from_proto(p, for_engine=False)) == p
+    assert sampling_to_proto(sampling_from_proto(p)) == p
     with pytest.raises(InvalidRequestError, match="stream_interval"):
         sampling_from_proto(pb.SamplingParams(max_tokens=2, stream_interval=0))
 

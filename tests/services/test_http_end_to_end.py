@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from engine import LLM, SamplingParams
+from service_procs import metric
 from stack import SERVED_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -115,6 +116,11 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
                     stream_choices(session, stack.url, {**base, "prompt": prompts[0], "stream_interval": 9,
                                                         "stop": [stop_at]}))
 
+        def decoded(name: str, labels: dict | None = None) -> float:
+            return sum(metric(d.metrics_port, name, labels) for d in stack.decodes)
+
+        tokens = decoded("pdserve:generation_tokens_total")
+        stops = decoded("pdserve:request_success_total", {"finished_reason": "stop"})
         nine, two, stop = asyncio.run(own())
         for chunks, exp, interval in ((nine, expected[1], 9), (two, expected[2], 6)):
             assert "".join(c["text"] for c in chunks) == exp.text
@@ -123,3 +129,7 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
             assert sizes[0] == 1 and all(n >= interval for n in sizes[2:-1]), sizes
         assert "".join(c["text"] for c in stop) == stopped.text
         assert stop[-1]["finish_reason"] == "stop"
+        # The decode stopped that request itself, at the token that completed the stop string (its
+        # engine finds it too), instead of generating on until the router aborted it.
+        assert decoded("pdserve:request_success_total", {"finished_reason": "stop"}) == stops + 1
+        assert decoded("pdserve:generation_tokens_total") - tokens == 2 * max_tokens + len(stopped.token_ids)
