@@ -116,6 +116,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
           "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 (it always thinks first) or "
           "qwen3 (it thinks when it or its template opens <think>)", choices=["deepseek_r1", "qwen3"])
+    _flag(p, "--tool-call-parser", "how an answer to tools with tool_choice auto is read into tool calls "
+          "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
+          "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3) or pythonic (an answer that is a "
+          "Python list of calls: Llama 3.2, Llama 4)", choices=["hermes", "llama3_json", "pythonic"], default="hermes")
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -158,7 +162,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,
                                            args.engine_ssl_keyfile, args.engine_ssl_server_name))

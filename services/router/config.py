@@ -80,6 +80,7 @@ class RouterConfig:
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
+    tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
@@ -101,6 +102,8 @@ class RouterConfig:
         if self.reasoning_parser is not None:
             from services.router.reasoning import reasoning_parser
             reasoning_parser(self.reasoning_parser)  # an unknown name is a start-up error
+        from services.router.tool_calls import check_tool_call_parser
+        check_tool_call_parser(self.tool_call_parser)
         if self.migration_limit < 0:
             raise ValueError("--migration-limit must be >= 0")
         for name in ("request_timeout_s", "prefill_timeout_s", "health_check_interval_s",

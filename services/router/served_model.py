@@ -61,7 +61,8 @@ class ServedModel:
     """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
 
     def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None,
-                 reasoning_parser: ReasoningParser | None = None, aliases: tuple[str, ...] = ()) -> None:
+                 reasoning_parser: ReasoningParser | None = None, aliases: tuple[str, ...] = (),
+                 tool_call_parser: str = "hermes") -> None:
         self.path = path
         self.name = name
         self.names = (name, *(a for a in aliases if a != name))  # every name clients may send
@@ -69,6 +70,7 @@ class ServedModel:
         # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
         self.reasoning_parser = reasoning_parser  # chat output's <think> text -> `reasoning`
+        self.tool_call_parser = tool_call_parser  # how an answer to tools (tool_choice auto) is read
         if reasoning_parser is not None:
             reasoning_parser.check_tokenizer(self.tokenizer)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path

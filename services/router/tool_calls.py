@@ -4,11 +4,17 @@ generated text -> OpenAI tool_calls.
 tool_choice "required" or a named function: the output is generated under a JSON schema (the
 function's parameters, or an array of {"name", "arguments"} calls), so it always parses.
 "auto": the tools go to the chat template (apply_chat_template(tools=...)) and the output is read
-with the Hermes / Qwen convention: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-block is a call, the text outside them is the message's content.
+by the router's --tool-call-parser (vLLM's names):
+- `hermes` (the default; Hermes, Qwen): each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  block is a call, the text outside them is the message's content;
+- `llama3_json` (Llama 3.1-3.3): an output that is JSON objects `{"name": ..., "parameters": {...}}`
+  (or "arguments"), one or several joined by `;`, is calls; any other output is content;
+- `pythonic` (Llama 3.2, Llama 4): an output that is a Python list of calls with keyword
+  arguments of literals, `[get_weather(city="Paris"), now()]`, is calls; any other is content.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -21,11 +27,24 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TO
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+# What a whole-output parser's calls may begin with (after whitespace and the model's special
+# tag, which detokenization usually drops): until an output shows it does or does not, it is held.
+_OPENERS = {"llama3_json": ("<|python_tag|>", "{"), "pythonic": ("<|python_start|>", "[")}
+
+
+def check_tool_call_parser(name: str) -> str:
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown --tool-call-parser {name!r}; choose {', '.join(TOOL_CALL_PARSERS)}")
+    return name
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     tools: tuple  # the request's tools, for the chat template
     name: str | None = None  # mode "named": the function
+    parser: str = "hermes"  # mode "auto": how the output is read (--tool-call-parser)
 
     @property
     def constrained(self) -> bool:
@@ -60,11 +79,12 @@ class ToolPlan:
             except ValueError:
                 return text, []
             return None, [make_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-        return parse_hermes(text)
+        return PARSE[self.parser](text)
 
 
-def parse_tools(body: dict) -> ToolPlan | None:
-    """None when the request has no tools or tool_choice is "none" (the output is plain content)."""
+def parse_tools(body: dict, parser: str = "hermes") -> ToolPlan | None:
+    """None when the request has no tools or tool_choice is "none" (the output is plain content).
+    `parser`: how an "auto" answer is read (--tool-call-parser)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -93,7 +113,7 @@ def parse_tools(body: dict) -> ToolPlan | None:
     if choice in ("auto", "required"):
         if not tools:
             raise bad_request(f"tool_choice {choice!r} needs at least one tool", "tool_choice")
-        return ToolPlan(choice, tuple(tools))
+        return ToolPlan(choice, tuple(tools), parser=parser)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -135,19 +155,102 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
+def _strip_tag(text: str, tag: str) -> str:
+    text = text.strip()
+    return text[len(tag):].strip() if text.startswith(tag) else text
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
+    """Llama 3's JSON tool calls: the whole output (past `<|python_tag|>`) is one or more
+    `{"name": ..., "parameters" | "arguments": ...}` objects joined by `;`; else it is content."""
+    s = _strip_tag(text, "<|python_tag|>")
+    if not s.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(s):
+        try:
+            obj, at = decoder.raw_decode(s, at)
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
+                not ("parameters" in obj or "arguments" in obj):
+            return text, []
+        calls.append(make_call(obj["name"], _arguments(obj["parameters"] if "parameters" in obj else obj["arguments"])))
+        rest = s[at:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return text, []
+        at = len(s) - len(rest)
+    return None, calls
+
+
+def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
+    """Pythonic tool calls (Llama 3.2, Llama 4): the whole output (past `<|python_start|>`, up to
+    `<|python_end|>`) is a Python list of calls with keyword arguments of literals; else content."""
+    s = _strip_tag(text, "<|python_start|>")
+    s = s[:-len("<|python_end|>")].strip() if s.endswith("<|python_end|>") else s
+    if not s.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(s, mode="eval").body
+        if not isinstance(tree, ast.List):
+            return text, []
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
+                    any(kw.arg is None for kw in call.keywords):
+                return text, []
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+            calls.append(make_call(call.func.id, json.dumps(args, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []  # not Python, not literals, or not JSON (bytes, sets)
+    return None, calls
+
+
+PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "pythonic": parse_pythonic}
+
+
 class ToolCallStream:
-    """Streaming: the text a choice may show as content now (auto: what comes before the first
-    `<tool_call>`, holding back a tail that may be the tag's start; constrained: none), and the
-    calls once the output is complete."""
+    """Streaming: the text a choice may show as content now, and the calls once the output is
+    complete. Constrained: no content. auto under `hermes`: what comes before the first
+    `<tool_call>`, holding back a tail that may be the tag's start. auto under `llama3_json` or
+    `pythonic`: the output is held until its first characters show whether it opens calls (then
+    all of it is read at the end) or is content (then it streams)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.shown = 0  # characters of text already streamed as content
         self.first_call = -1  # where the first <tool_call> starts, once seen
+        self.openers = _OPENERS.get(plan.parser) if not plan.constrained else None
+        self.whole: bool | None = None  # llama3_json / pythonic: the output opens calls (None: not known yet)
+
+    def _decide(self) -> str:
+        """llama3_json / pythonic: the content to show now, once the output's start tells."""
+        if self.whole is None:
+            tag, opener = self.openers
+            s = self.text.lstrip()
+            if s.startswith(tag):
+                s = s[len(tag):].lstrip()
+                if not s:
+                    return ""  # the tag, and nothing after it yet
+            elif tag.startswith(s):
+                return ""  # whitespace, or maybe the tag's start
+            self.whole = s.startswith(opener)
+        if self.whole:
+            return ""
+        out, self.shown = self.text[self.shown:], len(self.text)
+        return out
 
     def feed(self, delta: str) -> str:
         self.text += delta
+        if self.openers is not None:
+            return self._decide()
         if self.plan.constrained or self.first_call >= 0:
             return ""
         limit = self.first_call = self.text.find(TOOL_CALL_OPEN)
@@ -163,9 +266,13 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not streamed yet, tool calls)."""
-        if self.plan.constrained:
+        if self.plan.constrained or self.openers is not None and self.whole is not False:
             content, calls = self.plan.tool_calls(self.text)
-            return (content or ""), calls
+            rest = (content or "")[self.shown:] if not calls else ""
+            return rest, calls
+        if self.openers is not None:  # content all along
+            rest, self.shown = self.text[self.shown:], len(self.text)
+            return rest, []
         if self.first_call < 0:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []

@@ -8,7 +8,7 @@ import pytest
 
 from services.router.errors import RouterError
 from services.router.structured_outputs import parse_structured_outputs
-from services.router.tool_calls import ToolCallStream, ToolPlan, parse_hermes, parse_tools
+from services.router.tool_calls import PARSE, ToolCallStream, ToolPlan, parse_hermes, parse_tools
 
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                    "properties": {"x": {"type": "integer"}}}}}
@@ -156,3 +156,78 @@ def test_tools_reach_the_chat_template(tiny_llama):
     template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
     text = model.chat_text([{"role": "user", "content": "hi"}], False, False, {}, template, tools=[F, G])
     assert model.decode(model.encode(text, add_special_tokens=False)) == "[f][g]hi"
+
+
+LLAMA = '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {}}'
+PYTHONIC = '[f(x=1, y="a b", z=[True, None]), g()]'
+
+
+@pytest.mark.parametrize("parser, text, calls", [
+    ("llama3_json", LLAMA, [("f", {"x": 1}), ("g", {})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 2}}', [("f", {"x": 2})]),
+    ("llama3_json", '  {"name": "f", "arguments": "{\\"x\\": 3}"}\n', [("f", {"x": 3})]),
+    ("pythonic", PYTHONIC, [("f", {"x": 1, "y": "a b", "z": [True, None]}), ("g", {})]),
+    ("pythonic", '<|python_start|>[f(x=4)]<|python_end|>', [("f", {"x": 4})]),
+])
+def test_llama3_json_and_pythonic_outputs_are_calls(parser, text, calls):
+    content, got = PARSE[parser](text)
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", "The answer is 4."),
+    ("llama3_json", 'Sure: {"name": "f", "parameters": {}}'),  # prose first: content, whole
+    ("llama3_json", '{"name": "f", "parameters": {}} and then some'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1'),  # cut off by max_tokens
+    ("llama3_json", '{"city": "Paris"}'),  # JSON, but not a call
+    ("pythonic", "[1, 2, 3]"),
+    ("pythonic", "[f(1)]"),  # a positional argument names nothing
+    ("pythonic", "[f(x=open('/etc/passwd'))]"),  # not a literal: never evaluated
+    ("pythonic", "[f(x=1), "),
+    ("pythonic", "I would call [f(x=1)]"),
+])
+def test_other_outputs_stay_content(parser, text):
+    assert PARSE[parser](text) == (text, [])
+
+
+@pytest.mark.parametrize("parser, text, want_content, want_calls", [
+    ("llama3_json", LLAMA, "", ["f", "g"]),
+    ("llama3_json", "  <|python_tag|> " + LLAMA, "", ["f", "g"]),
+    ("llama3_json", "It is sunny, {not a call}.", "It is sunny, {not a call}.", []),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1', '{"name": "f", "parameters": {"x": 1', []),
+    ("pythonic", PYTHONIC, "", ["f", "g"]),
+    ("pythonic", "[not, a, call]", "[not, a, call]", []),
+    ("pythonic", "No tools needed.", "No tools needed.", []),
+])
+def test_streamed_llama3_json_and_pythonic_match_the_whole(parser, text, want_content, want_calls):
+    """Cut anywhere, a stream shows the content (as it comes when the output is not calls) and
+    the calls at the end, as the whole output parses."""
+    plan = ToolPlan("auto", (F, G), parser=parser)
+    whole_content, whole_calls = plan.tool_calls(text)
+    assert (whole_content or "", [c["function"]["name"] for c in whole_calls]) == (want_content, want_calls)
+    for step in (1, 2, 5, len(text)):
+        stream, shown = ToolCallStream(plan), []
+        shown = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        rest, calls = stream.finish()
+        assert "".join(shown) + rest == want_content and [c["function"]["name"] for c in calls] == want_calls
+        if step < len(text) and want_content and not text.lstrip().startswith(("{", "[")):
+            assert "".join(shown[:-1])  # prose streams as it comes, not at the end
+
+
+def test_the_tool_call_parser_is_a_router_flag(make_stack, tokenizer):
+    from services.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="unknown --tool-call-parser 'mistral'"):
+        RouterConfig(model="tiny", served_model_name="tiny", decode=("127.0.0.1:1",), tool_call_parser="mistral")
+    script = tokenizer.encode('{"name": "f", "parameters": {"x": 7}}', add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, tool_call_parser="llama3_json", prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [F], "max_tokens": 100}
+    message = stack.post("/v1/chat/completions", body)[2]["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "f"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 7}
+    events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
+    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
