@@ -456,8 +456,18 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
                          ignored_fields=b.ignored, **_token_id_flags(b),
                          n=n, best_of=n, tools=tools,
-                         reasoning_starts=parser.starts_in_reasoning(prompt_text) if parser is not None else None,
+                         reasoning_starts=_reasoning_starts(parser, prompt_text, knobs),
                          include_reasoning=b.get("include_reasoning", "bool", True), chat_echo=chat_echo)
+
+
+def _reasoning_starts(parser, prompt_text: str, knobs: dict) -> bool | None:
+    """Where the output starts, for the reasoning parser (None: no parser, or none to apply). A
+    structured output (response_format, a constrained tool call) is generated under its grammar
+    from the first token: the output is the constrained content, with no reasoning block to find
+    (an R1 template's output would otherwise count as reasoning, all of it)."""
+    if parser is None or knobs["structured_outputs"] is not None:
+        return None
+    return parser.starts_in_reasoning(prompt_text)
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",

@@ -116,3 +116,19 @@ def test_completions_and_routers_without_a_parser_keep_the_text(thinking_stack, 
     plain = make_stack(prefill=1, decode=1, prefill_kwargs=[{"script": script}], decode_kwargs=[{"script": script}])
     message = plain.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": n + 5})[2]["choices"][0]["message"]
     assert message["content"] == THINKING and "reasoning" not in message
+
+
+def test_a_structured_output_is_content_not_reasoning(make_stack, tokenizer):
+    """The grammar constrains the output from its first token (no thinking under it): under an R1
+    parser, whose outputs start in reasoning, the document is the content all the same."""
+    doc = '{"answer": 4}'
+    script = tokenizer.encode(doc, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, reasoning_parser="deepseek_r1", prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    body = {"messages": MESSAGES, "max_tokens": 50, "response_format": {"type": "json_object"}}
+    message = stack.post("/v1/chat/completions", body)[2]["choices"][0]["message"]
+    assert message["content"] == doc and "reasoning" not in message
+    events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == doc
+    free = stack.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 50})[2]["choices"][0]["message"]
+    assert free["reasoning"] == doc and free["content"] is None  # unconstrained, R1 thinks first
