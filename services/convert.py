@@ -44,11 +44,13 @@ def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
         raise InvalidRequestError("structured_outputs needs one of json, json_object, regex, choice, grammar")
     value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
     return StructuredOutputsParams(**{kind: value}, backend=so.backend or "auto",
-                                   disable_any_whitespace=so.disable_any_whitespace)
+                                   disable_any_whitespace=so.disable_any_whitespace,
+                                   reasoning_end=tuple(so.reasoning_end_token_ids))
 
 
 def structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
-    so = pb.StructuredOutputs(backend=s.backend, disable_any_whitespace=s.disable_any_whitespace)
+    so = pb.StructuredOutputs(backend=s.backend, disable_any_whitespace=s.disable_any_whitespace,
+                              reasoning_end_token_ids=list(s.reasoning_end))
     if s.kind == "choice":
         so.choice.choices.extend(s.choice)
     else:

@@ -55,6 +55,52 @@ class Matcher(abc.ABC):
         return accepted
 
 
+class AfterReasoningMatcher(Matcher):
+    """A grammar that starts once the output has shown the reasoning's end marker (vLLM's
+    structured outputs under a reasoning parser): until then every token is allowed and only
+    watched for the marker's token ids; the grammar then takes the tokens after it. Rollback
+    (speculative decoding) undoes either phase, the marker's completion too."""
+
+    def __init__(self, inner: Matcher, end: tuple[int, ...]) -> None:
+        self.inner = inner
+        self.end = tuple(end)
+        self.tokens: list[int] = []  # every token accepted, both phases
+        self.started_at: int | None = None  # index in tokens of the grammar's first token
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.started_at is None:
+            self.tokens.append(token_id)
+            if len(self.tokens) >= len(self.end) and tuple(self.tokens[-len(self.end):]) == self.end:
+                self.started_at = len(self.tokens)
+            return True
+        if not self.inner.accept_token(token_id):
+            return False
+        self.tokens.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.tokens.pop()
+            if self.started_at is not None:
+                if len(self.tokens) >= self.started_at:
+                    self.inner.rollback(1)
+                else:  # the marker's last token went: the grammar has not started
+                    self.started_at = None
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        if self.started_at is None:
+            bitmask[row].fill_(-1)  # every token
+        else:
+            self.inner.fill_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.started_at is not None and self.inner.is_terminated()
+
+
 class GrammarBackend(abc.ABC):
     name: str
 

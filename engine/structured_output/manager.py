@@ -13,7 +13,7 @@ import logging
 import threading
 
 from engine.request import Request, RequestStatus
-from engine.structured_output.backends import GrammarBackend, GrammarError, Matcher, make_backend
+from engine.structured_output.backends import AfterReasoningMatcher, GrammarBackend, GrammarError, Matcher, make_backend
 from engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class StructuredOutputManager:
             try:
                 backend, compiled = so.compiled.result()
                 so.matcher = self._backend(backend).matcher(compiled)
+                if so.params.reasoning_end:
+                    so.matcher = AfterReasoningMatcher(so.matcher, so.params.reasoning_end)
             except GrammarError as e:
                 failed.append((request, str(e)))
                 continue

@@ -9,6 +9,7 @@ BACKENDS = ("auto", "xgrammar", "llguidance")
 # A choice list or a grammar this large is a denial of service, not a constraint.
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 1024
+MAX_REASONING_END = 16  # token ids of a reasoning end marker
 
 
 def _invalid(message: str) -> Exception:
@@ -30,8 +31,17 @@ class StructuredOutputsParams:
     # JSON kinds: only single spaces between tokens (vLLM's disable_any_whitespace); any
     # whitespace otherwise, which a random-weight model can use to never finish.
     disable_any_whitespace: bool = False
+    # The token ids of the reasoning's end marker (`</think>`): the grammar applies to the output
+    # after them, the reasoning before them is free (vLLM's, under a reasoning parser). Empty:
+    # from the first token. Not part of the compiled grammar.
+    reasoning_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        end = self.reasoning_end
+        if isinstance(end, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                    for t in end) or len(end) > MAX_REASONING_END:
+            raise _invalid(f"structured_outputs.reasoning_end must be at most {MAX_REASONING_END} token ids")
+        object.__setattr__(self, "reasoning_end", tuple(end))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise _invalid("structured_outputs.choice must be a list of strings")

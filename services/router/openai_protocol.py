@@ -1,6 +1,7 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) -> prompts ready to dispatch."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from services.convert import INT32
@@ -445,6 +446,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     parser = model.reasoning_parser
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
+    reasoning_starts = _reasoning_starts(parser, prompt_text, knobs, model)
     stream, include_usage, continuous_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
     _unwatched_interval(knobs, stream, limits)
@@ -456,18 +458,26 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
                          ignored_fields=b.ignored, **_token_id_flags(b),
                          n=n, best_of=n, tools=tools,
-                         reasoning_starts=_reasoning_starts(parser, prompt_text, knobs),
+                         reasoning_starts=reasoning_starts,
                          include_reasoning=b.get("include_reasoning", "bool", True), chat_echo=chat_echo)
 
 
-def _reasoning_starts(parser, prompt_text: str, knobs: dict) -> bool | None:
-    """Where the output starts, for the reasoning parser (None: no parser, or none to apply). A
-    structured output (response_format, a constrained tool call) is generated under its grammar
-    from the first token: the output is the constrained content, with no reasoning block to find
-    (an R1 template's output would otherwise count as reasoning, all of it)."""
-    if parser is None or knobs["structured_outputs"] is not None:
+def _reasoning_starts(parser, prompt_text: str, knobs: dict, model: ServedModel) -> bool | None:
+    """Where the output starts, for the reasoning parser (None: no parser, or no reasoning to
+    find). A structured output (response_format, a constrained tool call) on an output that
+    starts in reasoning applies after it, as vLLM's does: the engine gets the end marker's token
+    ids and starts the grammar once they are out. On an output that does not start in reasoning
+    the grammar holds from the first token, and the answer is all content."""
+    if parser is None:
         return None
-    return parser.starts_in_reasoning(prompt_text)
+    starts = parser.starts_in_reasoning(prompt_text)
+    so = knobs["structured_outputs"]
+    if so is None:
+        return starts
+    if not starts:
+        return None
+    knobs["structured_outputs"] = dataclasses.replace(so, reasoning_end=tuple(model.reasoning_end_ids))
+    return True
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",

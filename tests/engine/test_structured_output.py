@@ -308,3 +308,67 @@ def test_proposal_bitmask_matches_stepwise_fills(tiny_llama):
     grammar.fill_bitmask(step, 0)
     assert torch.equal(step[0], rows[0])  # back at the start
     manager.shutdown()
+
+
+def test_the_grammar_starts_after_the_reasoning_end_marker(tiny_llama):
+    """Under a reasoning parser (vLLM's rule) the grammar applies after the reasoning's end marker:
+    an output whose earlier tokens show the marker continues a document from the first token
+    after it; one that has not shown it yet is free (the marker never comes from this random
+    model, so the constraint never starts)."""
+    from engine.processor import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    marker = tok.encode(" END", add_special_tokens=False)
+    core = EngineCore(EngineConfig.create(tiny_llama, num_blocks=64))
+    thought = tok.encode("hmm", add_special_tokens=False)
+    closed = Request("closed", [5, 6, *thought, *marker], guided(
+        regex="z{6}", reasoning_end=tuple(marker), resumed_tokens=len(thought) + len(marker), max_tokens=12,
+        temperature=0.0))
+    still = Request("still", [5, 6, *thought], guided(regex="z{6}", reasoning_end=tuple(marker),
+                                                       resumed_tokens=len(thought), max_tokens=12, temperature=0.0))
+    for r in (closed, still):
+        core.add_request(r)
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    tokens = {rid: [t for o in outs if o.request_id == rid for t in o.new_token_ids] for rid in ("closed", "still")}
+    final = {o.request_id: o for o in outs if o.finished}
+    assert tok.decode(tokens["closed"], skip_special_tokens=True) == "z" * 6 and final["closed"].finish_reason == "stop"
+    free = tok.decode(tokens["still"], skip_special_tokens=True)
+    assert len(tokens["still"]) == 12 and final["still"].finish_reason == "length" and free != "z" * 12
+    core.shutdown()
+
+
+def test_the_after_reasoning_matcher_walks_and_rolls_back_both_phases(tiny_llama):
+    from engine.structured_output.backends import AfterReasoningMatcher
+    from engine.processor import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    core = EngineCore(EngineConfig.create(tiny_llama, num_blocks=16))
+    grammars = core.structured_output
+    request = Request("r", [5], guided(regex="ab", reasoning_end=(7, 8)))
+    grammars.add(request)
+    while grammars.num_waiting:
+        grammars.wait(1.0)
+        grammars.take_settled()
+    m = request.structured_output.matcher
+    assert isinstance(m, AfterReasoningMatcher) and not m.started
+    a, b = (tok.convert_tokens_to_ids(c) for c in ("a", "b"))
+    words = bitmask_words(core.vocab_size)
+    mask = torch.zeros((1, words), dtype=torch.int32)
+    m.fill_bitmask(mask, 0)
+    assert bool((mask == -1).all())  # reasoning: every token
+    assert all(m.accept_token(t) for t in (3, 7, 9, 7)) and not m.started  # 7 then 9: not the marker
+    assert m.accept_token(8) and m.started and not m.is_terminated()
+    m.fill_bitmask(mask, 0)
+    assert not bool((mask == -1).all())  # the grammar's own mask
+    assert not m.accept_token(b) and m.accept_token(a)  # "ab": a first
+    assert m.validate_tokens([b, a]) == 1 and m.tokens[-1] == a  # read-only
+    m.rollback(2)  # "a" and the marker's last token: back in the reasoning
+    assert not m.started and m.tokens == [3, 7, 9, 7]
+    assert m.validate_tokens([8, a, b]) == 3 and not m.started  # over the marker and through the grammar
+    assert m.accept_token(8) and m.accept_token(a) and m.accept_token(b)
+    core.shutdown()
+    for bad in (("x",), "ab", (-1,), tuple(range(17))):
+        with pytest.raises(InvalidRequestError, match="reasoning_end"):
+            Guided(regex="a", reasoning_end=bad)

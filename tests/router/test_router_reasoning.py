@@ -118,17 +118,27 @@ def test_completions_and_routers_without_a_parser_keep_the_text(thinking_stack, 
     assert message["content"] == THINKING and "reasoning" not in message
 
 
-def test_a_structured_output_is_content_not_reasoning(make_stack, tokenizer):
-    """The grammar constrains the output from its first token (no thinking under it): under an R1
-    parser, whose outputs start in reasoning, the document is the content all the same."""
+def test_a_structured_output_applies_after_the_reasoning(make_stack, tokenizer):
+    """vLLM's rule: on an output that starts in reasoning, the grammar starts after the end
+    marker (the engine gets its token ids); the reasoning is free, the document is the content.
+    Where the output starts in content, the grammar holds from the first token."""
     doc = '{"answer": 4}'
-    script = tokenizer.encode(doc, add_special_tokens=False)
+    script = tokenizer.encode(f"{START}Two and two.{END}{doc}", add_special_tokens=False)
     stack = make_stack(prefill=1, decode=1, reasoning_parser="deepseek_r1", prefill_kwargs=[{"script": script}],
                        decode_kwargs=[{"script": script}])
     body = {"messages": MESSAGES, "max_tokens": 50, "response_format": {"type": "json_object"}}
     message = stack.post("/v1/chat/completions", body)[2]["choices"][0]["message"]
-    assert message["content"] == doc and "reasoning" not in message
+    assert (message["reasoning"], message["content"]) == ("Two and two.", doc)
+    end = tokenizer.encode(END, add_special_tokens=False)
+    for engine in (stack.prefills[0].engine, stack.decodes[0].engine):
+        so = engine.requests[-1].sampling.structured_outputs
+        assert so.json_object and list(so.reasoning_end_token_ids) == end
     events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == doc
-    free = stack.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 50})[2]["choices"][0]["message"]
-    assert free["reasoning"] == doc and free["content"] is None  # unconstrained, R1 thinks first
+    # The template closed the reasoning (Qwen3 with thinking off): the grammar from the first token.
+    plain = make_stack(prefill=1, decode=1, reasoning_parser="qwen3", prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    closed = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": f"{START}\n\n{END}\n\n"}]
+    plain.post("/v1/chat/completions", {"messages": closed, "max_tokens": 50, "add_generation_prompt": False,
+                                        "continue_final_message": True, "response_format": {"type": "json_object"}})
+    assert not plain.decodes[0].engine.requests[-1].sampling.structured_outputs.reasoning_end_token_ids
