@@ -116,6 +116,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
           "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 (it always thinks first) or "
           "qwen3 (it thinks when it or its template opens <think>)", choices=["deepseek_r1", "qwen3"])
+    _flag(p, "--responses-store-size", "keep the last N /v1/responses answers sent with store (the default) "
+          "in this router's memory, to continue with previous_response_id and read back with GET "
+          "/v1/responses/{id}; 0 (the default, as vLLM's): none kept, previous_response_id is a 404",
+          default=0, type=int)
     _flag(p, "--tool-call-parser", "how an answer to tools with tool_choice auto is read into tool calls "
           "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
           "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3) or pythonic (an answer that is a "
@@ -162,6 +166,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
+        responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,

@@ -79,6 +79,7 @@ class RouterConfig:
     # Requests the client does not stream and with no text stop strings: the engines send their
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64
+    responses_store_size: int = 0  # /v1/responses kept for previous_response_id and GET; 0: none
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)
@@ -112,6 +113,8 @@ class RouterConfig:
                      "non_streaming_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.responses_store_size < 0:
+            raise ValueError("--responses-store-size must be >= 0")
 
     def _check_discovery(self) -> None:
         if self.discovery == "static":

@@ -14,7 +14,7 @@ from services.router.messages_api import MessagesServing, count_tokens, parse_me
 from services.router.messages_api import error_body as anthropic_error_body
 from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
 from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
-from services.router.responses import ResponsesServing, parse_responses, stored_response_not_found
+from services.router.responses import ResponsesServing
 from services.router.sampling import RequestLimits
 from services.version import version
 
@@ -42,7 +42,7 @@ class HttpGateway:
         self.model = router.model
         self.metrics = router.metrics
         self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
-        self.responses_serving = ResponsesServing(router.generator, router.model)
+        self.responses_serving = ResponsesServing(router.generator, router.model, router.config.responses_store_size)
         self.messages_serving = MessagesServing(router.generator, router.model)
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
@@ -57,7 +57,8 @@ class HttpGateway:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
-        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
@@ -160,7 +161,8 @@ class HttpGateway:
         return await self._serve(request, parse_chat, "chatcmpl", chat=True)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_responses, "resp", chat=True, respond=self.responses_serving.respond)
+        return await self._serve(request, self.responses_serving.parse, "resp", chat=True,
+                                 respond=self.responses_serving.respond)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_messages, "msg", chat=True, respond=self.messages_serving.respond)
@@ -169,7 +171,15 @@ class HttpGateway:
         return await self._answer(request, lambda body: count_tokens(body, self.model, self.limits))
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        raise stored_response_not_found(request.match_info["response_id"], "response_id")
+        return self._json_response(self.responses_serving.stored(request.match_info["response_id"]))
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        return self._json_response(self.responses_serving.delete(request.match_info["response_id"]))
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """Only a background response can be cancelled, and none is run in the background here."""
+        self.responses_serving.stored(request.match_info["response_id"])  # 404 when there is none
+        raise bad_request("Only responses created with background=true can be cancelled", "response_id")
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """A chat body (`messages`) goes to chat completions, a completions body (`prompt`) to completions."""

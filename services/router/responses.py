@@ -4,13 +4,19 @@ function tools, text.format -> a structured output, reasoning.effort -> the temp
 answer comes back as output items: the reasoning (under --reasoning-parser), the message, the
 function calls; whole, or streamed as the API's typed events.
 
-Responses are not stored (vLLM's default): `store` is accepted and has no effect,
-`previous_response_id` and `background` need a store and are refused, and a conversation goes
-back whole in `input`, as stateless clients send it."""
+Responses are stored only with --responses-store-size N (vLLM keeps them only under
+VLLM_ENABLE_RESPONSES_API_STORE): then the last N responses sent with `store` (the default) can
+be read back (GET /v1/responses/{id}), deleted, and continued with `previous_response_id` (their
+conversation, input and output, comes before the new input). The store is the router
+process's: behind several router replicas, a conversation continues where it is stored. Without
+it `store` has no effect, `previous_response_id` is a 404, and a conversation goes back whole in
+`input`, as stateless clients send it. `background` is refused either way."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -45,9 +51,48 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_for
            "reasoning_effort": "reasoning.effort", "top_logprobs": "top_logprobs"}
 
 
-def stored_response_not_found(response_id: str, param: str) -> RouterError:
-    return RouterError(404, f"Response with id '{response_id:.100}' not found: this server does not store "
-                       "responses; send the conversation in input", param=param, code="response_not_found")
+def stored_response_not_found(response_id: str, param: str, stored: bool = False) -> RouterError:
+    why = ("" if stored else ": this server does not store responses (the router's --responses-store-size); "
+           "send the conversation in input")
+    return RouterError(404, f"Response with id '{response_id:.100}' not found{why}", param=param,
+                       code="response_not_found")
+
+
+@dataclass
+class StoredResponse:
+    response: dict  # the response object, as answered
+    conversation: list[dict]  # its chat messages, input and output, the instructions left out
+
+
+class ResponseStore:
+    """The last `size` stored responses (least recently used out first). Written on the event
+    loop, read on the parsing worker threads: a lock around the dict."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, item: StoredResponse) -> None:
+        with self._lock:
+            self._items[response_id] = item
+            self._items.move_to_end(response_id)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str) -> StoredResponse:
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
+        if item is None:
+            raise stored_response_not_found(response_id, param, stored=True)
+        return item
+
+    def delete(self, response_id: str) -> None:
+        with self._lock:
+            if self._items.pop(response_id, None) is None:
+                raise stored_response_not_found(response_id, "response_id", stored=True)
 
 
 def _id(prefix: str) -> str:
@@ -185,18 +230,23 @@ class ResponsesRequest:
     echo: dict  # the request's fields a response object repeats
     include_logprobs: bool = False
     ignored_fields: list[str] = field(default_factory=list)
+    conversation: list[dict] | None = None  # set when the response is to be stored: its messages so far
 
     @property
     def stream(self) -> bool:
         return self.parsed.stream
 
 
-def parse_responses(body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
+def parse_responses(body, model: ServedModel, limits: RequestLimits, store: ResponseStore | None = None) -> ResponsesRequest:
     b = Body(body, FIELDS)
-    if b.get("previous_response_id", "str") is not None:
-        raise stored_response_not_found(b.get("previous_response_id", "str"), "previous_response_id")
+    previous_id = b.get("previous_response_id", "str")
+    history: list[dict] = []
+    if previous_id is not None:
+        if store is None:
+            raise stored_response_not_found(previous_id, "previous_response_id")
+        history = store.get(previous_id, "previous_response_id").conversation
     if b.get("background", "bool", False):
-        raise unsupported("background (it needs a response store)", "background")
+        raise unsupported("background responses", "background")
     if b.get("prompt", "dict") is not None:
         raise unsupported("prompt templates", "prompt")
     metadata = b.get("metadata", "dict")
@@ -215,6 +265,10 @@ def parse_responses(body, model: ServedModel, limits: RequestLimits) -> Response
     if "input" not in b.body:
         raise bad_request("input is required", "input")
     messages, continue_final = input_messages(b.get("instructions", "str"), b.body["input"])
+    # The previous response's conversation comes after these instructions and before this input
+    # (its own instructions are not carried over: OpenAI's rule).
+    split = 1 if b.get("instructions", "str") else 0
+    messages = messages[:split] + history + messages[split:]
     tools, tool_choice = _tools(b.get("tools", "list"), b.body.get("tool_choice"))
     reasoning = b.get("reasoning", "dict")
     chat = {k: b.body[k] for k in _CHAT_SAME if k in b.body}
@@ -234,10 +288,12 @@ def parse_responses(body, model: ServedModel, limits: RequestLimits) -> Response
             "parallel_tool_calls": b.get("parallel_tool_calls", "bool", True),
             "temperature": b.get("temperature", "number", 1.0), "top_p": b.get("top_p", "number", 1.0),
             "max_output_tokens": b.get("max_output_tokens", "int"), "max_tool_calls": b.get("max_tool_calls", "int"),
-            "previous_response_id": None, "reasoning": reasoning, "service_tier": b.get("service_tier", "str", "auto"),
-            "store": False, "text": b.get("text", "dict", {"format": {"type": "text"}}), "truncation": truncation,
-            "top_logprobs": top_logprobs, "background": False}
-    return ResponsesRequest(parsed, echo, include_logprobs, b.ignored)
+            "previous_response_id": previous_id, "reasoning": reasoning,
+            "service_tier": b.get("service_tier", "str", "auto"), "text": b.get("text", "dict", {"format": {"type": "text"}}),
+            "truncation": truncation, "top_logprobs": top_logprobs, "background": False,
+            "store": store is not None and b.get("store", "bool", True)}
+    conversation = messages[split:] if echo["store"] else None
+    return ResponsesRequest(parsed, echo, include_logprobs, b.ignored, conversation)
 
 
 def _parse_chat(chat: dict, model: ServedModel, limits: RequestLimits, truncate: bool):
@@ -372,9 +428,30 @@ class ResponseOutput:
 
 
 class ResponsesServing:
-    def __init__(self, generator: TextGenerator, model: ServedModel) -> None:
+    def __init__(self, generator: TextGenerator, model: ServedModel, store_size: int = 0) -> None:
         self.generator = generator
         self.model = model
+        self.store = ResponseStore(store_size) if store_size > 0 else None
+
+    def parse(self, body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
+        return parse_responses(body, model, limits, self.store)
+
+    def _keep(self, rr: ResponsesRequest, response: dict) -> None:
+        """A finished response asked to be stored: it and its conversation, output included."""
+        if rr.conversation is not None and self.store is not None:
+            output, _ = input_messages(None, response["output"]) if response["output"] else ([], False)
+            self.store.put(response["id"], StoredResponse(response, rr.conversation + output))
+
+    def stored(self, response_id: str) -> dict:
+        if self.store is None:
+            raise stored_response_not_found(response_id, "response_id")
+        return self.store.get(response_id, "response_id").response
+
+    def delete(self, response_id: str) -> dict:
+        if self.store is None:
+            raise stored_response_not_found(response_id, "response_id")
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def _response(self, rr: ResponsesRequest, response_id: str, created: int, status: str, output: list,
                   usage: dict | None, error: dict | None = None) -> dict:
@@ -410,7 +487,9 @@ class ResponsesServing:
 
         def final() -> dict:
             status = "incomplete" if choice.finish_reason == "length" else "completed"
-            return self._response(rr, request_id, created, status, out.items, self._usage(choice, rr))
+            response = self._response(rr, request_id, created, status, out.items, self._usage(choice, rr))
+            self._keep(rr, response)
+            return response
 
         if not req.stream:
             async with contextlib.aclosing(chunks):

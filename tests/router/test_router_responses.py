@@ -231,3 +231,62 @@ def test_a_stream_that_fails_midway_ends_with_an_error_and_the_response_failed(m
     assert failed["status"] == "failed" and failed["error"]["code"] == "migration_limit_reached"
     assert failed["output"][0]["content"][0]["text"]  # what came before the failure is kept
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_store_keeps_responses_to_continue_read_and_delete(make_stack, tokenizer):
+    stack = make_stack(prefill=1, decode=1, responses_store_size=2)
+    with client_of(stack) as client:
+        first = client.responses.create(model="tiny", instructions="Be brief.", input="My name is Ada.",
+                                        max_output_tokens=5)
+        assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+        # Continued: the stored conversation (its input and output; not its instructions) comes
+        # before the new input.
+        second = client.responses.create(model="tiny", previous_response_id=first.id, input="What is my name?",
+                                         max_output_tokens=5)
+        want = chat_ids(tokenizer, [{"role": "user", "content": "My name is Ada."},
+                                    {"role": "assistant", "content": first.output_text},
+                                    {"role": "user", "content": "What is my name?"}])
+        assert second.usage.input_tokens == len(want) and second.previous_response_id == first.id
+        # store false: answered, not kept.
+        loose = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+        assert not loose.store
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(loose.id)
+        # Only the last two are kept: a third pushes the first out.
+        client.responses.create(model="tiny", input="Third", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="tiny", previous_response_id=first.id, input="?", max_output_tokens=2)
+        # Delete; cancel is for background responses only, which are never run here.
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(second.id)
+        client.responses.delete(second.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(second.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(second.id)
+
+
+def test_a_stored_function_call_continues_with_its_output(make_stack, tokenizer):
+    text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    script = tokenizer.encode(text, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, responses_store_size=8, prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    with client_of(stack) as client:
+        with client.responses.stream(model="tiny", input="Weather in Paris?", tools=TOOLS,
+                                     max_output_tokens=100) as stream:
+            asked = stream.get_final_response()  # a streamed response is stored too
+        call = asked.output[1]
+        again = client.responses.create(model="tiny", previous_response_id=asked.id, tools=TOOLS,
+                                        max_output_tokens=100, input=[{"type": "function_call_output",
+                                                                       "call_id": call.call_id, "output": "Sunny"}])
+    tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}]
+    want = tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=True), add_special_tokens=False)
+    assert again.usage.input_tokens == len(want)
