@@ -462,7 +462,8 @@ def test_prefill_ranks_in_another_process(transport):
                 decodes.append(decode)
                 caches = decode.worker.allocate_kv_caches(DECODE_BLOCKS)
                 decode.start_pull(f"x{b}", handle, local)
-                assert wait_events(decode, [f"x{b}"]).finished == [f"x{b}"]
+                events = wait_events(decode, [f"x{b}"])
+                assert events.finished == [f"x{b}"], events.failed  # the failure's reason, if any
                 start = decode.worker.layout.shard.head_start
                 for h in range(start, start + decode.worker.layout.num_kv_heads):
                     ref = refs[h // 2]  # prefill rank h // 2 holds global head h as its local h % 2
