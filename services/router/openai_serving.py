@@ -148,7 +148,8 @@ class Choice:
             return 0
         skip = self.prompt.params.skip_special_tokens
         return count_reasoning_tokens(lambda ids: self.model.decode(ids, skip_special_tokens=skip),
-                                      self.generated_ids, self.req.reasoning_starts)
+                                      self.generated_ids, self.req.reasoning_starts,
+                                      (self.model.reasoning_start_ids, self.model.reasoning_end_ids))
 
     def _show_ids(self, ids: list[int]) -> None:
         if self.req.return_token_ids:

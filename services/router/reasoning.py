@@ -39,14 +39,40 @@ class ReasoningParser:
         return ReasoningSplitter(self.starts_in_reasoning(prompt_text))
 
 
-def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool) -> int:
+def _count_by_ids(token_ids: list[int], in_reasoning: bool, start: int, end: int) -> tuple[int, str]:
+    """(count, the splitter's state at the end) where each marker is one token id (DeepSeek-R1's
+    and Qwen3's vocabularies): one pass over the ids, the splitter's rule."""
+    state, fresh, count = ("reasoning" if in_reasoning else "before"), in_reasoning, 0
+    for t in token_ids:
+        if state == "before":
+            if t == start:
+                state = "reasoning"
+            continue
+        if fresh and t == start:  # a redundant opening marker, dropped
+            fresh = False
+            continue
+        fresh = False
+        if t == end:
+            return count, "content"
+        count += 1
+    return count, state
+
+
+def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool,
+                           markers: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> int:
     """The generated tokens inside the reasoning block, the markers' tokens left out (vLLM's
     `reasoning_tokens`): those after the token that completes the opening `<think>` (or from the
     start, for an output that starts in reasoning) and before the one that completes `</think>`.
-    `decode(ids)` -> text. Found by bisection on the text of a prefix of the ids (where a marker is
-    one token, as in DeepSeek-R1's and Qwen3's vocabularies, this is exactly vLLM's count; a
-    marker cut into several tokens counts all but its last)."""
+    `decode(ids)` -> text; `markers`: the two markers' token ids. Where each is one token, one
+    pass over the ids (exactly vLLM's count), checked against the text when the ids never closed
+    the block (the model may write a marker in other tokens); else by bisection on the text of a
+    prefix of the ids (a marker cut into several tokens counts all but its last)."""
     n = len(token_ids)
+    start_ids, end_ids = markers
+    if len(start_ids) == 1 and len(end_ids) == 1:
+        count, state = _count_by_ids(token_ids, in_reasoning, start_ids[0], end_ids[0])
+        if state == "content" or (END if state == "reasoning" else START) not in decode(token_ids):
+            return count
 
     def first(pred) -> int:
         """The smallest k with pred(text of the first k tokens); n + 1 if none."""

@@ -111,7 +111,7 @@ def _text_parts(content, where: str) -> list[dict]:
         kind = part.get("type") if isinstance(part, dict) else None
         key = "refusal" if kind == "refusal" else "text"
         if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise unsupported(f"{where}.content[{j}] of type {kind!r} (only text parts are)", "input")
+            raise unsupported(f"{where}.content[{j}] of type {kind!r:.40} (only text parts are)", "input")
         if not isinstance(part.get(key), str):
             raise bad_request(f"{where}.content[{j}] needs a string {key}", "input")
         parts.append({"type": "text", "text": part[key]})
@@ -180,7 +180,7 @@ def input_messages(instructions: str | None, raw) -> tuple[list[dict], bool]:
                 messages.append({"role": "assistant", "content": None, "reasoning": reasoning,
                                  "reasoning_content": reasoning})
         else:
-            raise unsupported(f"{where}: input items of type {kind!r}", "input")
+            raise unsupported(f"{where}: input items of type {kind!r:.40}", "input")
     last = raw[-1]
     continue_final = (last.get("type", "message") in ("message", "reasoning") and last.get("role", "assistant") ==
                       "assistant" and last.get("status") in ("in_progress", "incomplete"))

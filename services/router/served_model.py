@@ -10,7 +10,7 @@ from engine.processor import load_light_tokenizer
 
 from services.router.errors import RouterError, bad_request
 from services.router.prompt_limits import PromptCharBound
-from services.router.reasoning import END, ReasoningParser
+from services.router.reasoning import END, START, ReasoningParser
 
 
 # Texts on which the direct (Rust) tokenizer must agree with the transformers wrapper.
@@ -77,6 +77,8 @@ class ServedModel:
         # Qwen3's vocabularies): where a structured output's grammar starts.
         self.reasoning_end_ids = (tuple(self.tokenizer.encode(END, add_special_tokens=False))
                                   if reasoning_parser is not None else ())
+        self.reasoning_start_ids = (tuple(self.tokenizer.encode(START, add_special_tokens=False))
+                                    if reasoning_parser is not None else ())
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
         # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
         # tokenized on a worker thread leaves the event loop free.

@@ -180,6 +180,16 @@ def test_reasoning_tokens_leave_the_markers_out():
     assert count_reasoning_tokens(decode, list(range(2, 6)), True) == 2  # started inside: "a", "b"
     assert count_reasoning_tokens(decode, list(range(2, 4)), True) == 2  # never closed: all of it
     assert count_reasoning_tokens(decode, [0], False) == 0
+    # The same by token ids, in one pass (the markers are tokens 1 and 4), where the router knows
+    # them: the counts agree, with no text decoded when the ids close the block.
+    markers = ((1,), (4,))
+    for ids, starts in ((list(range(6)), False), (list(range(2, 6)), True), (list(range(2, 4)), True), ([0], False)):
+        assert count_reasoning_tokens(decode, ids, starts, markers) == count_reasoning_tokens(decode, ids, starts)
+    assert count_reasoning_tokens(lambda ids: pytest.fail("decoded"), list(range(6)), False, markers) == 2
+    # A marker written in other tokens (not its id): the text says so, and the text's count stands.
+    pieces[4:] = ["</thi", "nk>", "c"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    assert count_reasoning_tokens(decode, list(range(2, 7)), True, ((1,), (99,))) == 3  # "a", "b", "</thi"
 
 
 @pytest.mark.parametrize("body, status, param, words", [
