@@ -155,7 +155,7 @@ class Stack:
         if prefill:
             router += ["--prefill", ",".join(prefill)]
         router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
-        self.spawn("router", router, env)
+        self.spawn("router", [*router, *a.router_arg], env)
         url = f"http://127.0.0.1:{http_port}"
         return url if self._wait(lambda: http_ok(f"{url}/health", 1.0), "the router") else None
 
@@ -292,4 +292,6 @@ def add_up_parser(sub) -> None:
         help="speculative decoding JSON for the decode and colocated services (as their flag)")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag passed to every engine service, e.g. --engine-arg=--max-num-seqs=64")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra flag passed to the router, e.g. --router-arg=--reasoning-parser=qwen3")
     p.set_defaults(func=run_up)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 def test_pdserve_up_serves_and_stops_every_process(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=512)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--prefill", "1",
-                             "--decode", "1", "--port", "0", "--demo"],
+                             "--decode", "1", "--port", "0", "--demo", "--router-arg=--served-model-name=demo-model"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, lines = None, []
     try:
@@ -40,6 +40,7 @@ def test_pdserve_up_serves_and_stops_every_process(tiny_model_factory):
         assert len(children) >= 3 + 2, "router + prefill + decode, and each engine core"
 
         model_id = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=10))["data"][0]["id"]
+        assert model_id == "demo-model"  # --router-arg reached the router
         body = {"model": model_id, "prompt": "The old king", "max_tokens": 8, "temperature": 0, "stream": True}
         req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
