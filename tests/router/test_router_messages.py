@@ -174,3 +174,29 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(migration_stack):
     assert status == 200 and types[0] == "message_start" and "content_block_delta" in types
     assert types[-1] == "error" and "message_stop" not in types
     assert events[-1]["error"]["type"] == "api_error" and "migration" in events[-1]["error"]["message"]
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": 5}, {"messages": [5]}, {"messages": [{"role": "system", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": 5}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "thinking"}]}]},
+    {"messages": HI, "system": 5}, {"messages": HI, "system": [{"type": "image"}]},
+    {"messages": HI, "tools": "x"}, {"messages": HI, "tools": [{"name": "f"}]},
+    {"messages": HI, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": "auto"},
+    {"messages": HI, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}},
+    {"messages": HI, "thinking": {"type": "sometimes"}}, {"messages": HI, "thinking": "on"},
+    {"messages": HI, "output_config": {"format": {"type": "yaml"}}}, {"messages": HI, "stop_sequences": [5]},
+    {"messages": HI, "stop_sequences": "x"}, {"messages": HI, "temperature": "hot"}, {"messages": HI, "stream": 1},
+    {"messages": HI, "mcp_servers": [{"url": "x"}]}, {"messages": HI, "max_tokens": "5"},
+    {"messages": HI, "max_tokens": 0},
+])
+def test_malformed_messages_bodies_are_anthropic_400s(stack, body):
+    status, _, err = stack.post("/v1/messages", {"model": "tiny", "max_tokens": 5, **body})
+    assert status == 400, err
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    assert stack.post("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": HI})[0] == 200

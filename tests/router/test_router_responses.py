@@ -300,3 +300,26 @@ def test_a_stored_function_call_continues_with_its_output(make_stack, tokenizer)
     want = tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                           add_generation_prompt=True), add_special_tokens=False)
     assert again.usage.input_tokens == len(want)
+
+
+@pytest.mark.parametrize("body", [
+    {"input": 5}, {"input": [5]}, {"input": [{"role": "user", "content": 5}]},
+    {"input": [{"role": "robot", "content": "x"}]}, {"input": [{"type": "function_call", "name": "f"}]},
+    {"input": [{"type": "function_call_output", "output": "x"}]},
+    {"input": [{"type": "reasoning", "content": [{"text": 5}]}]},
+    {"input": [{"type": "reasoning", "encrypted_content": "abc"}]},
+    {"input": "hi", "tools": "x"}, {"input": "hi", "tools": [{"type": "function"}]},
+    {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": 5},
+    {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+    {"input": "hi", "text": "json"}, {"input": "hi", "text": {"format": "json"}},
+    {"input": "hi", "reasoning": {"effort": 5}}, {"input": "hi", "reasoning": {"effort": "huge"}},
+    {"input": "hi", "metadata": {"a": 1}}, {"input": "hi", "max_output_tokens": "5"},
+    {"input": "hi", "max_output_tokens": 0}, {"input": "hi", "top_logprobs": 99}, {"input": "hi", "include": "x"},
+    {"input": "hi", "truncation": "sometimes"}, {"input": "hi", "temperature": "hot"}, {"input": "hi", "stream": "yes"},
+    {"input": "hi", "prompt": {"id": "pmpt_1"}}, {"input": "x" * 100_000},
+])
+def test_malformed_responses_bodies_are_400s(stack, body):
+    status, _, err = stack.post("/v1/responses", {"model": "tiny", **body})
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"], err
+    assert stack.post("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2})[0] == 200
