@@ -52,26 +52,26 @@ def error_body(e: RouterError) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": message}}
 
 
-def _texts(content, where: str, allowed: tuple[str, ...] = ("text",)) -> list[dict]:
+def _texts(content, where: str, allowed: tuple[str, ...] = ("text",), param: str = "messages") -> list[dict]:
     """Content as blocks: a string is one text block."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or an array of content blocks", "messages")
+        raise bad_request(f"{where} must be a string or an array of content blocks", param)
     for j, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise bad_request(f"{where}.content[{j}] must be an object with a type", "messages")
+            raise bad_request(f"{where}[{j}] must be an object with a type", param)
         if block["type"] not in allowed:
-            raise unsupported(f"{where}.content[{j}]: content blocks of type {block['type']!r:.40}", "messages")
+            raise unsupported(f"{where}[{j}]: content blocks of type {block['type']!r:.40}", param)
         if block["type"] == "text" and not isinstance(block.get("text"), str):
-            raise bad_request(f"{where}.content[{j}]: a text block needs a string text", "messages")
+            raise bad_request(f"{where}[{j}]: a text block needs a string text", param)
     return content
 
 
 def _system(raw) -> str | None:
     if raw is None:
         return None
-    blocks = _texts(raw, "system")
+    blocks = _texts(raw, "system", param="system")
     text = "\n".join(b["text"] for b in blocks if not b["text"].startswith(_BILLING_HEADER))
     return text or None
 
@@ -90,7 +90,7 @@ def chat_messages(system, raw) -> list[dict]:
         role = msg["role"]
         allowed = ("text", "thinking", "redacted_thinking", "tool_use") if role == "assistant" else ("text", "tool_result")
         texts, calls, reasoning = [], [], []
-        for block in _texts(msg.get("content"), where, allowed):
+        for block in _texts(msg.get("content"), f"{where}.content", allowed):
             kind = block["type"]
             if kind == "text":
                 texts.append(block["text"])
@@ -110,7 +110,7 @@ def chat_messages(system, raw) -> list[dict]:
                 if not isinstance(block.get("tool_use_id"), str):
                     raise bad_request(f"{where}: a tool_result block needs a string tool_use_id", "messages")
                 result = block.get("content", "")
-                text = "\n".join(b["text"] for b in _texts(result, f"{where} tool_result")) if result else ""
+                text = "\n".join(b["text"] for b in _texts(result, f"{where} tool_result.content")) if result else ""
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             # redacted_thinking: opaque, accepted (clients send the assistant's turn back whole)
         if role == "user" and not texts and out and out[-1]["role"] == "tool":

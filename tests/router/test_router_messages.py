@@ -199,4 +199,6 @@ def test_malformed_messages_bodies_are_anthropic_400s(stack, body):
     status, _, err = stack.post("/v1/messages", {"model": "tiny", "max_tokens": 5, **body})
     assert status == 400, err
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    if "system" in body:  # the message names the field at fault
+        assert err["error"]["message"].startswith("system"), err
     assert stack.post("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": HI})[0] == 200
