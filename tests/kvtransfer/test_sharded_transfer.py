@@ -457,12 +457,13 @@ def test_prefill_ranks_in_another_process(transport):
         for b in (1, 4):
             handle = merge_shard_handles([peer.publish(f"rank{r}", f"x{b}", remote, 20) for r in range(2)], SECRET)
             for j in range(b):
+                # Deadlines for a loaded two-core box: the full suite once ran a gloo pull past 20 s.
                 decode = create_connector(transport, "decode", layout(4, b, j), secret=SECRET,
-                                          engine_id=f"decode{b}-{j}", timeout_s=20.0)
+                                          engine_id=f"decode{b}-{j}", timeout_s=60.0)
                 decodes.append(decode)
                 caches = decode.worker.allocate_kv_caches(DECODE_BLOCKS)
                 decode.start_pull(f"x{b}", handle, local)
-                events = wait_events(decode, [f"x{b}"])
+                events = wait_events(decode, [f"x{b}"], timeout=90.0)
                 assert events.finished == [f"x{b}"], events.failed  # the failure's reason, if any
                 start = decode.worker.layout.shard.head_start
                 for h in range(start, start + decode.worker.layout.num_kv_heads):

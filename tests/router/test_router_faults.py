@@ -192,7 +192,10 @@ def test_a_reused_request_id_keeps_requests_apart(make_stack):
     stream and its id echoed, and one client leaving aborts its request only."""
     stack = make_stack(prefill=1, decode=1, decode_kwargs=[{"token_delay": 0.02}])
     body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True}
-    conns = [open_stream(stack, "/v1/completions", body) for _ in range(2)]
+    # The leaver's stream is long (20 s), so it is still going when the router sees the client
+    # gone, however slow the machine (at 60 tokens it could end first on a loaded one).
+    conns = [open_stream(stack, "/v1/completions", {**body, "max_tokens": 1000}),
+             open_stream(stack, "/v1/completions", body)]
     assert all(resp.status == 200 and resp.getheader("X-Request-Id") == "leaver" for _, resp in conns)
     (leaving, first), (staying, second) = conns
     while not first.readline().startswith(b"data: "):
