@@ -39,8 +39,9 @@ def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) ->
     """Step n+1 for the rows of step n that continue whatever n samples: each computes one more
     position, in a block it already holds that this token does not fill (so nothing is allocated
     or published to the prefix cache behind the scheduler's back), and none can end by length or
-    be kept from stopping by min_tokens at n, and none has penalties or multi-token bad words
-    (n+1's logits processors would read n's token, which only the device knows yet). A row
+    be kept from stopping by min_tokens at n, and none has penalties, multi-token bad words or
+    a thinking budget that n's token may spend (n+1's logits processors would read n's token,
+    which only the device knows yet). A row
     that ends at n on a stop id or EOS runs n+1 anyway: the scheduler drops that token (the
     request is finished) and frees the slot it wrote."""
     so = step.scheduler_output
@@ -57,6 +58,7 @@ def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) ->
         if (r.status != RequestStatus.RUNNING or r.prefill_only or r.remote_kv is not None
                 or r.num_output_tokens + 1 >= p.max_tokens or position + 1 >= max_model_len
                 or p.min_tokens > r.num_output_tokens or p.depends_on_output
+                or (p.thinking_budget is not None and p.thinking_budget.may_force_after_next(r.output_history))
                 or (position + 1) % block_size == 0
                 or position // block_size >= r.num_computed_tokens // block_size + 1):
             continue

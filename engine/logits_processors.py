@@ -1,5 +1,5 @@
 """Logits processors before sampling, vectorised over the batch: allowed token ids, logit_bias, bad
-words, min_tokens, penalties."""
+words, min_tokens, penalties, thinking budgets."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -13,7 +13,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
                             output_ids_per_row: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Row i of `logits` [rows, vocab] (float32) with requests[i]'s processors applied, in vLLM's
     order: every token but allowed_token_ids hidden, logit_bias added, bad words banned, EOS and
-    stop ids hidden before min_tokens, then the repetition, frequency and presence penalties.
+    stop ids hidden before min_tokens, then the repetition, frequency and presence penalties; a
+    spent thinking budget then leaves only its closing token.
     Temperature and the top-k/top-p/min-p filters are the sampler's, after this.
 
     `output_ids_per_row[i]`: the output tokens row i follows (None: each request's
@@ -26,13 +27,16 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
     Works on the logits' device with one host-to-device copy per kind of index; nothing is read
     back. Rows that ask for nothing come out unchanged, and a batch where no row asks for
     anything returns `logits` itself (no copy)."""
+    masked = logits  # the input: a grammar's mask applied, no processor yet
     params = [r.sampling_params for r in requests]
     num_outputs = ([len(o) - p.resumed_tokens for o, p in zip(output_ids_per_row, params)]
                    if output_ids_per_row is not None else [r.num_output_tokens for r in requests])
-    if not any(p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids or p.has_penalties or p.min_tokens > n
-               for p, n in zip(params, num_outputs)):
-        return logits
     outputs = output_ids_per_row if output_ids_per_row is not None else _LazyOutputs(requests)
+    forced = {i: t for i, p in enumerate(params) if p.thinking_budget is not None
+              for t in (p.thinking_budget.forced_token(outputs[i]),) if t is not None}
+    if not forced and not any(p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids or p.has_penalties
+                              or p.min_tokens > n for p, n in zip(params, num_outputs)):
+        return logits
     vocab = logits.shape[-1]
     logits = logits.clone()
     allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
@@ -68,6 +72,14 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
     if penalised:
         apply_penalties(logits, [requests[i] for i in penalised], [outputs[i] for i in penalised],
                         None if len(penalised) == len(params) else penalised)
+    if forced:
+        # A spent thinking budget: the closing token is the only choice, whatever the processors
+        # above did to it; a grammar's mask (in `masked`, the input) still has the last word.
+        rows = on_device(list(forced), logits.device)
+        cols = on_device(list(forced.values()), logits.device)
+        kept = masked[rows, cols]
+        logits[rows] = float("-inf")
+        logits[rows, cols] = kept.to(logits.dtype)
     return logits
 
 

@@ -182,6 +182,10 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for w in words for t in w if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"bad_words token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    tb = params.thinking_budget
+    bad = [t for t in (tb.token_ids() if tb is not None else ()) if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"thinking budget token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
     if params.top_k > vocab_size:
         raise InvalidRequestError(f"top_k cannot be greater than the vocabulary size ({vocab_size}), "
                                   f"got {params.top_k}")

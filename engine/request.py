@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.structured_output.params import StructuredOutputsParams
+from engine.thinking_budget import ThinkingBudget
 
 
 class InvalidRequestError(ValueError):
@@ -77,6 +78,9 @@ class SamplingParams:
     # Streamed (DELTA) updates after the first carry at least this many tokens, or finish the
     # request (vLLM's per-request field): clamped up to the engine's stream_interval. None: the engine's.
     stream_interval: int | None = None
+    # A reasoning model's thinking budget: past it, the engine forces the reasoning's closing
+    # tokens (vLLM's thinking_token_budget; the router fills in the markers).
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +119,8 @@ class SamplingParams:
         si = self.stream_interval
         if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
             raise InvalidRequestError(f"stream_interval must be an integer >= 1, got {si!r}")
+        if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
+            raise InvalidRequestError("thinking_budget must be a ThinkingBudget")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -5,6 +5,7 @@ import math
 
 from engine.request import InvalidRequestError, SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+from engine.thinking_budget import ThinkingBudget
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 
 
@@ -35,6 +36,7 @@ def sampling_kwargs(p: pb.SamplingParams) -> dict:
         resumed_tokens=p.resumed_tokens,
         stream_interval=p.stream_interval if p.HasField("stream_interval") else None,
         allowed_token_ids=tuple(p.allowed_token_ids),
+        thinking_budget=thinking_from_proto(p.thinking_budget) if p.HasField("thinking_budget") else None,
         structured_outputs=structured_from_proto(p.structured_outputs) if p.HasField("structured_outputs") else None)
 
 
@@ -46,6 +48,17 @@ def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
     return StructuredOutputsParams(**{kind: value}, backend=so.backend or "auto",
                                    disable_any_whitespace=so.disable_any_whitespace,
                                    reasoning_end=tuple(so.reasoning_end_token_ids))
+
+
+def thinking_from_proto(t: pb.ThinkingBudget) -> ThinkingBudget:
+    return ThinkingBudget(budget=t.budget, end=tuple(t.end_token_ids), start=tuple(t.start_token_ids),
+                          starts_in_reasoning=t.starts_in_reasoning, forced=tuple(t.forced_token_ids))
+
+
+def thinking_to_proto(t: ThinkingBudget) -> pb.ThinkingBudget:
+    return pb.ThinkingBudget(budget=t.budget, end_token_ids=list(t.end), start_token_ids=list(t.start),
+                             starts_in_reasoning=t.starts_in_reasoning,
+                             forced_token_ids=list(t.forced) if t.forced != t.end else [])
 
 
 def structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
@@ -81,6 +94,10 @@ def check_wire_ranges(s: SamplingParams) -> None:
         check("stop_token_ids", t, INT32)
     for t in s.allowed_token_ids:
         check("allowed_token_ids", t, INT32)
+    if s.thinking_budget is not None:
+        check("thinking_token_budget", s.thinking_budget.budget, INT32)
+        for t in s.thinking_budget.token_ids():
+            check("thinking budget token ids", t, INT32)
     for t, _ in s.logit_bias:
         check("logit_bias", t, INT32)
     for t in (t for word in s.bad_words_token_ids for t in word):
@@ -122,6 +139,8 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     if s.stream_interval is not None:
         p.stream_interval = s.stream_interval
     p.allowed_token_ids.extend(s.allowed_token_ids)
+    if s.thinking_budget is not None:
+        p.thinking_budget.CopyFrom(thinking_to_proto(s.thinking_budget))
     if s.structured_outputs is not None:
         p.structured_outputs.CopyFrom(structured_to_proto(s.structured_outputs))
     return p

@@ -116,6 +116,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
           "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 (it always thinks first) or "
           "qwen3 (it thinks when it or its template opens <think>)", choices=["deepseek_r1", "qwen3"])
+    _flag(p, "--reasoning-end-str", "what the engine forces when a request's thinking budget "
+          "(thinking_token_budget, or Messages' thinking.budget_tokens) is spent, ending with </think> "
+          "(vLLM's reasoning_end_str), e.g. \"Time is up, so I answer now.</think>\"; default: </think> alone")
     _flag(p, "--responses-store-size", "keep the last N /v1/responses answers sent with store (the default) "
           "in this router's memory, to continue with previous_response_id and read back with GET "
           "/v1/responses/{id}; 0 (the default, as vLLM's): none kept, previous_response_id is a 404",
@@ -168,6 +171,7 @@ def config_from_args(args) -> RouterConfig:
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        reasoning_end_str=args.reasoning_end_str,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,
                                            args.engine_ssl_keyfile, args.engine_ssl_server_name))

@@ -82,6 +82,8 @@ class RouterConfig:
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id and GET; 0: none
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
+    # Forced when a thinking budget is spent (vLLM's reasoning_end_str); ends with </think>. None: </think>.
+    reasoning_end_str: str | None = None
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
 
@@ -103,6 +105,12 @@ class RouterConfig:
         if self.reasoning_parser is not None:
             from services.router.reasoning import reasoning_parser
             reasoning_parser(self.reasoning_parser)  # an unknown name is a start-up error
+        if self.reasoning_end_str is not None:
+            from services.router.reasoning import END
+            if self.reasoning_parser is None:
+                raise ValueError("--reasoning-end-str needs --reasoning-parser")
+            if not self.reasoning_end_str.endswith(END) or END in self.reasoning_end_str[:-len(END)]:
+                raise ValueError(f"--reasoning-end-str must end with {END}, and hold it only there")
         from services.router.tool_calls import check_tool_call_parser
         check_tool_call_parser(self.tool_call_parser)
         if self.migration_limit < 0:

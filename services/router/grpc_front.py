@@ -9,7 +9,7 @@ import logging
 from engine.request import InvalidRequestError
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
-from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs
+from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs, thinking_from_proto
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
@@ -52,6 +52,11 @@ class GenerateService(pb_grpc.GenerateServicer):
         if s.HasField("prompt_logprobs"):  # GenerateResponse has no place for them
             raise bad_request("prompt_logprobs is not available through Generate; use /v1/completions "
                               "with echo and logprobs", "prompt_logprobs")
+        if s.HasField("thinking_budget"):
+            try:
+                thinking_from_proto(s.thinking_budget)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), "thinking_budget") from None
         try:
             knobs = sampling_kwargs(s)
         except InvalidRequestError as e:  # a malformed structured_outputs

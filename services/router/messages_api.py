@@ -36,8 +36,10 @@ _CHAT_SAME = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs",
               "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "structured_outputs",
               "include_reasoning")
 # Chat completion parameters whose Messages names differ, for the errors a chat parse raises.
-_PARAMS = {"max_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
+_PARAMS = {"max_tokens": "max_tokens", "thinking_token_budget": "thinking.budget_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
            "reasoning_effort": "output_config.effort", "tools": "tools", "tool_choice": "tool_choice"}
+# Anthropic's (and vLLM's) least thinking.budget_tokens.
+MIN_BUDGET_TOKENS = 1024
 # Claude Code's first system block carries a hash that changes every request: left out, as vLLM
 # does, so the prompt's prefix stays cacheable.
 _BILLING_HEADER = "x-anthropic-billing-header"
@@ -157,14 +159,21 @@ def _tools(raw, choice) -> dict:
 
 
 def _thinking_and_output(b: Body) -> dict:
-    """thinking -> the template's enable_thinking (its budget is not enforced: max_tokens bounds
-    the whole answer); output_config.format -> response_format, .effort -> reasoning_effort."""
+    """thinking -> the template's enable_thinking, and an enabled thinking's budget_tokens ->
+    thinking_token_budget (the engine closes the reasoning once it is spent); output_config.format
+    -> response_format, .effort -> reasoning_effort."""
     out = {}
     thinking = b.get("thinking", "dict")
     if thinking is not None:
         kind = thinking.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
             raise bad_request('thinking.type must be "enabled", "disabled" or "adaptive"', "thinking")
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_BUDGET_TOKENS:
+                raise bad_request(f"thinking.budget_tokens must be an integer >= {MIN_BUDGET_TOKENS}, got "
+                                  f"{budget!r:.40}", "thinking.budget_tokens")
+            out["thinking_token_budget"] = budget
         if kind != "adaptive":
             kwargs = dict(b.get("chat_template_kwargs", "dict", {}))
             kwargs.setdefault("enable_thinking", kind == "enabled")
@@ -213,6 +222,14 @@ def parse_messages(body, model: ServedModel, limits: RequestLimits):
         raise bad_request("max_tokens is required", "max_tokens")
     chat = _chat_body(b)
     chat["max_tokens"] = max_tokens
+    budget = chat.get("thinking_token_budget")
+    if budget is not None and budget >= max_tokens:
+        raise bad_request(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                          "thinking.budget_tokens")
+    if budget is not None and model.reasoning_parser is None:
+        # No parser, no reasoning to tell from the answer: the whole output is text, bounded by
+        # max_tokens (the template still gets enable_thinking).
+        del chat["thinking_token_budget"]
     stop = _stop_sequences(b)
     if stop:
         chat["stop"] = stop

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from engine.thinking_budget import ThinkingBudget
 from services.convert import INT32
 from services.router.errors import bad_request, unsupported
 from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
@@ -20,7 +21,7 @@ COMMON_FIELDS = {
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
     "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "allowed_token_ids"} | STRUCTURED_FIELDS
+    "truncate_prompt_tokens", "allowed_token_ids", "thinking_token_budget"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens", "truncation_side"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -187,6 +188,33 @@ def _allowed_token_ids(b: Body) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _thinking_budget(b: Body, model: ServedModel) -> int | None:
+    """vLLM's thinking_token_budget: reasoning tokens allowed before the engine forces the end of
+    the reasoning (-1 or absent: no budget). Needs --reasoning-parser, which names the markers."""
+    budget = b.get("thinking_token_budget", "int")
+    if budget is None or budget == -1:
+        return None
+    if budget < 0:
+        raise bad_request("thinking_token_budget must be a non-negative integer or -1 for unlimited, "
+                          f"got {budget}", "thinking_token_budget")
+    if model.reasoning_parser is None:
+        raise bad_request("thinking_token_budget needs a reasoning model: this router runs without "
+                          "--reasoning-parser, so it cannot tell reasoning from the answer", "thinking_token_budget")
+    return budget
+
+
+def _with_thinking_budget(knobs: dict, budget: int | None, model: ServedModel, prompt_text: str) -> dict:
+    """knobs with the engine's ThinkingBudget for a prompt whose text is `prompt_text`: the
+    output starts in reasoning as the parser reads the prompt (an unclosed <think>, or a model
+    that thinks unprompted); otherwise the reasoning starts where the output opens it."""
+    if budget is None:
+        return knobs
+    starts = model.reasoning_parser.starts_in_reasoning(prompt_text)
+    return {**knobs, "thinking_budget": ThinkingBudget(budget, end=model.reasoning_end_ids,
+                                                       start=model.reasoning_start_ids, starts_in_reasoning=starts,
+                                                       forced=model.reasoning_forced_ids)}
+
+
 def _stream_flags(b: Body) -> tuple[bool, bool, bool]:
     """stream; include_usage (a last chunk with the usage); vLLM's continuous_usage_stats (with
     include_usage: every chunk carries its choice's usage so far)."""
@@ -312,9 +340,12 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
                              limits.max_prompts_per_request, _truncation(b, model))
     _check_fan_out(len(raw), best_of, limits)
     priority = _priority(b)
+    budget = _thinking_budget(b, model)
     prompts = [p for ids, text in raw for p in _per_sample(
         lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=16, limits=limits, text=text,
-                          priority=priority), best_of, knobs)]
+                          priority=priority),
+        best_of, _with_thinking_budget(knobs, budget, model, text if text is not None or budget is None
+                                         else model.decode(ids)))]
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, echo, echo_only, logprobs,
                          b.ignored, n, best_of, **_token_id_flags(b))
 
@@ -447,6 +478,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
     reasoning_starts = _reasoning_starts(parser, prompt_text, knobs, model)
+    knobs = _with_thinking_budget(knobs, _thinking_budget(b, model), model, prompt_text)
     stream, include_usage, continuous_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
     _unwatched_interval(knobs, stream, limits)

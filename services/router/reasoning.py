@@ -66,7 +66,8 @@ def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool,
     `decode(ids)` -> text; `markers`: the two markers' token ids. Where each is one token, one
     pass over the ids (exactly vLLM's count), checked against the text when the ids never closed
     the block (the model may write a marker in other tokens); else by bisection on the text of a
-    prefix of the ids (a marker cut into several tokens counts all but its last)."""
+    prefix of the ids: a closing marker cut into several tokens counts none of them when they are
+    its ids in `markers` (as a thinking budget forces it), all but its last otherwise."""
     n = len(token_ids)
     start_ids, end_ids = markers
     if len(start_ids) == 1 and len(end_ids) == 1:
@@ -95,7 +96,11 @@ def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool,
         if opened > n:
             return 0
         closed = first(lambda t: END in t[t.find(START) + len(START):] if START in t else False)
-    return max(0, min(closed - 1, n) - opened)
+    # The token that completes `</think>` is not reasoning, nor are the marker's other tokens when
+    # they are its ids as the tokenizer writes them (a forced end, a model that learnt it whole).
+    k = len(end_ids)
+    last = closed - k if k and closed <= n and tuple(token_ids[closed - k:closed]) == tuple(end_ids) else closed - 1
+    return max(0, min(last, n) - opened)
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}

@@ -62,7 +62,7 @@ class ServedModel:
 
     def __init__(self, path: str, name: str, max_model_len: int | None = None, tokenizer=None,
                  reasoning_parser: ReasoningParser | None = None, aliases: tuple[str, ...] = (),
-                 tool_call_parser: str = "hermes") -> None:
+                 tool_call_parser: str = "hermes", reasoning_end_str: str | None = None) -> None:
         self.path = path
         self.name = name
         self.names = (name, *(a for a in aliases if a != name))  # every name clients may send
@@ -79,6 +79,10 @@ class ServedModel:
                                   if reasoning_parser is not None else ())
         self.reasoning_start_ids = (tuple(self.tokenizer.encode(START, add_special_tokens=False))
                                     if reasoning_parser is not None else ())
+        # Forced when a thinking budget is spent: --reasoning-end-str's phrase, then the marker.
+        phrase = (reasoning_end_str or END)[:-len(END)]
+        self.reasoning_forced_ids = ((*self.tokenizer.encode(phrase, add_special_tokens=False), *self.reasoning_end_ids)
+                                     if reasoning_parser is not None and phrase else self.reasoning_end_ids)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
         # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
         # tokenized on a worker thread leaves the event loop free.

@@ -42,7 +42,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.model = ServedModel(resolve_model_path(config.model), config.served_model_name,
                                  config.max_model_len, tokenizer, reasoning_parser(config.reasoning_parser),
-                                 config.served_model_aliases, config.tool_call_parser)
+                                 config.served_model_aliases, config.tool_call_parser,
+                                 reasoning_end_str=config.reasoning_end_str)
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
         self.metrics.registry.register(self.kv_index)
         self.policy = make_policy(config.policy, self.kv_index, overlap_weight=config.kv_overlap_score_weight,

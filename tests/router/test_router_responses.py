@@ -145,7 +145,9 @@ def test_reasoning_is_an_item_of_its_own_and_counted(thinking_stack, tokenizer):
     stack, script = thinking_stack
     want_reasoning, want_content = reference(THINKING, True)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    want_tokens = count_reasoning_tokens(decode, script, True)
+    markers = tuple(tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (START, END))
+    want_tokens = count_reasoning_tokens(decode, script, True, markers)  # the markers' ids: left out whole
+    assert want_tokens == len(tokenizer.encode(want_reasoning, add_special_tokens=False))
     with client_of(stack) as client:
         out = client.responses.create(model="tiny", input="What is 2 + 2?", max_output_tokens=len(script) + 5)
         reasoning, message = out.output
@@ -173,6 +175,12 @@ def test_reasoning_tokens_leave_the_markers_out():
     decode = lambda k: text[:len(k)]  # noqa: E731
     assert count_reasoning_tokens(decode, ids, False) == 3 + len(END) - 1
     assert count_reasoning_tokens(decode, ids, True) == 3 + len(END) - 1  # a redundant opening marker dropped
+    # Where the router knows the markers' ids and the output holds them as such (a thinking
+    # budget forces them so), the inside alone.
+    by_char = (tuple(range(len(START))), tuple(range(len(START) + 3, len(START) + 3 + len(END))))
+    assert count_reasoning_tokens(decode, ids, False, by_char) == 3
+    assert count_reasoning_tokens(decode, ids, True, by_char) == 3
+    assert count_reasoning_tokens(decode, ids[:len(START) + 5], True, by_char) == 5  # not closed: all after <think>
     # Whole-token markers (as DeepSeek-R1's and Qwen3's vocabularies have them): exactly the inside.
     pieces = ["Sure", START, "a", "b", END, "c"]
     decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731

@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from engine.request import SamplingParams
+from engine.thinking_budget import ThinkingBudget
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.convert import sampling_from_proto, sampling_to_proto
 from services.router.openai_protocol import ParsedRequest
@@ -39,6 +40,10 @@ def test_the_new_fields_survive_the_wire():
                        logit_bias={7: -100.0, 3: 0.5}, bad_words_token_ids=[[1, 2], [9]], seed=4,
                        resumed_tokens=3, allowed_token_ids=[9, 4, 4])
     assert sampling_from_proto(sampling_to_proto(s)) == s
+    for tb in (ThinkingBudget(3, end=(9, 10)), ThinkingBudget(0, end=(9,), start=(8,), starts_in_reasoning=False,
+                                                                forced=(4, 5, 9))):
+        s = SamplingParams(max_tokens=5, thinking_budget=tb)
+        assert sampling_from_proto(sampling_to_proto(s)) == s
     plain = sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=5)))
     assert plain.repetition_penalty == 1.0 and plain.logit_bias == () and plain.bad_words_token_ids == ()
     assert plain.resumed_tokens == 0 and plain.allowed_token_ids == ()

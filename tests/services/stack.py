@@ -28,6 +28,7 @@ class StackSpec:
     router: bool = True
     prefill_args: tuple[str, ...] = ()  # e.g. ("--tensor-parallel-size", "2")
     decode_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()  # e.g. ("--reasoning-parser", "deepseek_r1")
     decode_secret: str = SECRET  # another one fails every handle's check: every prompt recomputed
 
     @classmethod
@@ -41,12 +42,12 @@ class StackSpec:
 class RouterProcess(LoggedProcess):
     """`pdserve router` (HTTP and gRPC fronts) over static lists of instances."""
 
-    def __init__(self, model: str, prefills: list[str], decodes: list[str]) -> None:
+    def __init__(self, model: str, prefills: list[str], decodes: list[str], args: tuple[str, ...] = ()) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         argv = [sys.executable, "-m", "services.cli", "router", "--model", model, "--served-model-name",
                 SERVED_MODEL, "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                 "--prefill", ",".join(prefills), "--decode", ",".join(decodes), "--policy", "round_robin",
-                "--health-check-interval", "0.2"]
+                "--health-check-interval", "0.2", *args]
         super().__init__(f"router-{self.port}", argv, dict(os.environ))
 
     def metric(self, name: str, labels: dict | None = None) -> float:
@@ -83,7 +84,8 @@ class Stack:
                          for _ in range(spec.prefills)]
         self.decodes = [Service("decode", model, *kv, *spec.decode_args, secret=spec.decode_secret)
                         for _ in range(spec.decodes)]
-        self.router = (RouterProcess(model, [s.address for s in self.prefills], [s.address for s in self.decodes])
+        self.router = (RouterProcess(model, [s.address for s in self.prefills], [s.address for s in self.decodes],
+                                     spec.router_args)
                        if spec.router else None)
         self.killed: list[LoggedProcess] = []  # by a fault test: neither watched nor asked for exit code 0
         try:

@@ -1,0 +1,116 @@
+"""A reasoning model's thinking budget (vLLM's thinking_token_budget, Anthropic's
+thinking.budget_tokens): once an output has reasoned for `budget` tokens without closing its
+reasoning, the engine forces the closing tokens, and the answer follows.
+
+The state is read from the output itself, never kept beside it: a request resumed on another
+engine (its earlier output resent as the prompt's tail), a decode continuing a prefill's first
+token, and a speculative row scoring draft tokens all see the same budget. The rule is the
+router's reasoning splitter's, on token ids: an output that starts in reasoning (its prompt
+opened the block, or the model always thinks first) drops a redundant opening marker; one that
+does not waits for the opening marker; the first closing marker after it ends the reasoning for
+good. Reasoning tokens are the tokens between the two markers, as usage's reasoning_tokens counts
+them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# Token ids a marker or the forced closing text may hold (a closing text is a phrase, not an essay).
+MAX_MARKER_TOKENS = 64
+
+
+def _invalid(message: str) -> Exception:
+    from engine.request import InvalidRequestError  # request.py imports this module
+    return InvalidRequestError(message)
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    budget: int  # reasoning tokens allowed before the closing tokens are forced (0: none)
+    end: tuple[int, ...]  # the closing marker's token ids (</think>)
+    start: tuple[int, ...] = ()  # the opening marker's token ids (<think>)
+    # The output starts in reasoning: its prompt left a block open, or the model thinks unprompted.
+    # False: the reasoning starts where the output writes `start`.
+    starts_in_reasoning: bool = True
+    # What is forced when the budget is spent, ending with `end` (a closing phrase before the
+    # marker, as vLLM's reasoning_end_str); empty: `end` alone.
+    forced: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise _invalid(f"thinking_token_budget must be an integer >= 0, got {b!r}")
+        for name in ("end", "start", "forced"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise _invalid(f"thinking budget {name} must be a list of token ids")
+            ids = tuple(ids)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids) or len(ids) > MAX_MARKER_TOKENS:
+                raise _invalid(f"thinking budget {name} must be at most {MAX_MARKER_TOKENS} token ids")
+            object.__setattr__(self, name, ids)
+        if not self.end:
+            raise _invalid("a thinking budget needs the reasoning's end marker (its token ids)")
+        if not self.starts_in_reasoning and not self.start:
+            raise _invalid("a thinking budget on an output that does not start in reasoning needs the "
+                           "reasoning's start marker (its token ids)")
+        forced = self.forced or self.end
+        if forced[len(forced) - len(self.end):] != self.end or _find(forced[:-1], self.end, 0) >= 0:
+            raise _invalid("the thinking budget's forced tokens must end with the end marker, and hold it only there")
+        object.__setattr__(self, "forced", forced)
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every id it may force or match (for the vocabulary check)."""
+        return tuple(dict.fromkeys((*self.end, *self.start, *self.forced)))
+
+    def forced_token(self, output: Sequence[int]) -> int | None:
+        """The token the next position must take after `output` (this request's output so far,
+        a resumed tail included), or None when the output may go on as it likes: not reasoning
+        (yet, or any more), or within the budget."""
+        n = len(output)
+        start = self.start
+        if self.starts_in_reasoning:
+            k = len(start)
+            reasoning_from = k if k and n >= k and tuple(output[:k]) == start else 0
+        else:
+            at = _find(output, start, 0)
+            if at < 0:
+                return None
+            reasoning_from = at + len(start)
+        spent = n - reasoning_from - self.budget
+        if spent < 0 or spent >= len(self.forced) or _find(output, self.end, reasoning_from) >= 0:
+            return None
+        return self.forced[spent]
+
+    def may_force_after_next(self, output: Sequence[int]) -> bool:
+        """Whether the position after `output` plus one token not yet known may be forced: the
+        engine's overlapped decode step launches it before that token is read back, so it only
+        may where the answer is no whatever the token is."""
+        n = len(output)
+        if not self.starts_in_reasoning:
+            at = _find(output, self.start, 0)
+            if at < 0:  # the unknown token may complete the opening marker
+                return self.budget == 0
+            reasoning_from = at + len(self.start)
+        else:
+            reasoning_from = 0  # a redundant opening marker only moves it later
+        if _find(output, self.end, reasoning_from) >= 0:
+            return False
+        return n + 1 - reasoning_from - self.budget >= 0
+
+
+def _find(seq: Sequence[int], marker: tuple[int, ...], begin: int) -> int:
+    """Index of the first occurrence of `marker` in seq[begin:], or -1 (list.index finds each
+    candidate first token at C speed)."""
+    first, rest, m = marker[0], marker[1:], len(marker)
+    seq = seq if isinstance(seq, list) else list(seq)
+    last = len(seq) - m
+    i = begin
+    while i <= last:
+        try:
+            i = seq.index(first, i, last + 1)
+        except ValueError:
+            return -1
+        if not rest or tuple(seq[i + 1:i + m]) == rest:
+            return i
+        i += 1
+    return -1
