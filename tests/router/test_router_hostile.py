@@ -31,22 +31,35 @@ def gated(stack):
     return lambda: stack.lt.loop.call_soon_threadsafe(engine.gate.set)
 
 
+RESPONSE = {"input": "hi", "max_output_tokens": 2}
+MESSAGE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
 def test_router_in_flight_cap_is_429_with_retry_after_on_http_and_grpc(make_stack):
+    """Every generating endpoint holds a slot while it runs and is refused past the cap, each in
+    its API's error shape: OpenAI's for completions, chat and responses, Anthropic's for messages."""
     stack = make_stack(max_concurrent_requests=2)
     release = gated(stack)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        held = [pool.submit(stack.post, "/v1/completions", OK) for _ in range(2)]
+        held = [pool.submit(stack.post, "/v1/responses", RESPONSE), pool.submit(stack.post, "/v1/messages", MESSAGE)]
         wait_until(lambda: len(stack.prefills[0].engine.running) == 2, what="two requests in flight")
-        status, headers, body = stack.post("/v1/chat/completions", CHAT)
-        err = assert_error((status, headers, body), 429, contains="router is at capacity")
-        assert err["code"] == "router_at_capacity" and err["type"] == "rate_limit_error"
-        assert headers["Retry-After"] == "1"
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", OK), ("/v1/responses", RESPONSE)):
+            status, headers, body = stack.post(path, body)
+            err = assert_error((status, headers, body), 429, contains="router is at capacity")
+            assert err["code"] == "router_at_capacity" and err["type"] == "rate_limit_error"
+            assert headers["Retry-After"] == "1"
+        status, headers, body = stack.post("/v1/messages", MESSAGE)
+        assert status == 429 and headers["Retry-After"] == "1", body
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+        assert "router is at capacity" in body["error"]["message"]
         with grpc.insecure_channel(stack.grpc_target) as ch, pytest.raises(grpc.RpcError) as e:
             list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=10))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         release()
-        assert [f.result()[0] for f in held] == [200, 200]
-    assert stack.metric("pdserve:router_requests_shed_total", {"code": "router_at_capacity"}) == 2
+        done = [f.result() for f in held]
+        assert [status for status, _, _ in done] == [200, 200], done
+        assert done[0][2]["status"] == "incomplete" and done[1][2]["stop_reason"] == "max_tokens"
+    assert stack.metric("pdserve:router_requests_shed_total", {"code": "router_at_capacity"}) == 5
     assert stack.router.admission.in_flight == 0
     assert stack.post("/v1/completions", OK)[0] == 200
 
