@@ -340,7 +340,8 @@ class ModelRunner:
         return (hidden if len(sample_rows) == b else hidden[torch.from_numpy(sample_rows).to(self.device)]), sample_rows
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor, meta) -> dict[str, list]:
-        """Logprob of each prompt token given the ones before it, for the rows that ask."""
+        """Logprob of each prompt token given the ones before it, for the rows that ask: per
+        token (logprob, [(top id, logprob), ...top-n], its rank in the distribution)."""
         result: dict[str, list] = {}
         qsl = meta.query_start_loc.tolist()
         for i, (r, n) in enumerate(zip(so.scheduled, so.num_scheduled_tokens)):
@@ -354,12 +355,15 @@ class ModelRunner:
             rows = hidden[qsl[i]:qsl[i] + (end - start)]
             logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
             targets = torch.tensor(r.all_token_ids[start + 1:end + 1], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            chosen = logprobs.gather(1, targets[:, None])
+            # vLLM's rank: 1 + how many tokens were likelier than the prompt's own.
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+            chosen = chosen.squeeze(1).tolist()
             k = r.sampling_params.prompt_logprobs
             if k > 0:
                 vals, ids = logprobs.topk(k, dim=-1)
                 tops = [list(zip(a, b)) for a, b in zip(ids.tolist(), vals.tolist())]
             else:
                 tops = [[] for _ in chosen]
-            result[r.request_id] = list(zip(chosen, tops))
+            result[r.request_id] = list(zip(chosen, tops, ranks))
         return result

@@ -39,6 +39,9 @@ class RequestOutput:
     kv_handle: bytes | None = None  # prefill role: the published prompt blocks
     # Per prompt token after the first: {token_id: logprob} (prompt token first, then top-n).
     prompt_logprobs: list | None = None
+    # Per prompt token after the first: its rank in the distribution it was read from (1: the
+    # likeliest; vLLM's Logprob.rank), beside prompt_logprobs.
+    prompt_logprob_ranks: list[int] | None = None
     queue_time: float | None = None  # engine-side: arrival to first scheduled (first output only)
 
 
@@ -57,7 +60,7 @@ def merge_delta(out: RequestOutput, later: RequestOutput) -> RequestOutput:
     out.num_cached_tokens = later.num_cached_tokens
     out.kv_handle = later.kv_handle if later.kv_handle is not None else out.kv_handle
     if out.prompt_logprobs is None:
-        out.prompt_logprobs = later.prompt_logprobs
+        out.prompt_logprobs, out.prompt_logprob_ranks = later.prompt_logprobs, later.prompt_logprob_ranks
     if out.queue_time is None:
         out.queue_time = later.queue_time
     return out
@@ -82,6 +85,7 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
+        self.prompt_logprob_ranks: list[int] | None = None
         self.streamed = False  # an update went out (the first always goes at once)
         self.held: RequestOutput | None = None  # DELTA updates short of the stream interval
         self.interval = 1  # this request's stream interval (the processor sets it)
@@ -156,6 +160,7 @@ class OutputProcessor:
             if co.prompt_logprobs is not None:
                 state.prompt_logprobs = [_entry(tok, lp) for tok, lp in
                                          zip(state.prompt_token_ids[1:], co.prompt_logprobs)]
+                state.prompt_logprob_ranks = [lp[2] for lp in co.prompt_logprobs]
             if finished:
                 del self.states[co.request_id]
             elif final_only:
@@ -163,7 +168,7 @@ class OutputProcessor:
             out = self._make(state, delta, new_ids, new_lps, finish_reason, stop_reason, finished,
                              co.num_cached_tokens)
             out.kv_handle = co.kv_handle
-            out.prompt_logprobs = state.prompt_logprobs
+            out.prompt_logprobs, out.prompt_logprob_ranks = state.prompt_logprobs, state.prompt_logprob_ranks
             out.queue_time = co.queue_time
             if state.interval > 1:
                 out = self._interval(state, out)

@@ -146,11 +146,18 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     return p
 
 
-def token_logprob(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:
-    """An engine logprob entry ({chosen: lp, top ids: lp...}) as a TokenLogprob."""
-    return pb.TokenLogprob(token_id=token_id, logprob=entry[token_id],
+def token_logprob(token_id: int, entry: dict[int, float], rank: int = 0) -> pb.TokenLogprob:
+    """An engine logprob entry ({chosen: lp, top ids: lp...}) as a TokenLogprob; `rank`: a
+    prompt token's rank in its distribution (0: not computed)."""
+    return pb.TokenLogprob(token_id=token_id, logprob=entry[token_id], rank=rank,
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items() if t != token_id]
                            if len(entry) > 1 else [])
+
+
+def prompt_token_logprobs(prompt: list[int], out) -> list[pb.TokenLogprob]:
+    """A RequestOutput's prompt logprobs (one per prompt token after the first), with their ranks."""
+    ranks = out.prompt_logprob_ranks or [0] * len(out.prompt_logprobs)
+    return [token_logprob(t, e, r) for t, e, r in zip(prompt[1:], out.prompt_logprobs, ranks)]
 
 
 def load_report(stats: dict, engine_id: str, role: str, block_size: int, max_model_len: int,

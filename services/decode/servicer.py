@@ -59,8 +59,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if c.logprobs:
                 response.logprobs.extend(convert.token_logprob(t, e) for t, e in zip(c.token_ids, c.logprobs))
             if first and out.prompt_logprobs is not None:
-                response.prompt_logprobs.extend(convert.token_logprob(t, e)
-                                                for t, e in zip(prompt[1:], out.prompt_logprobs))
+                response.prompt_logprobs.extend(convert.prompt_token_logprobs(prompt, out))
             first = False
             num_generated += len(c.token_ids)
             if out.finished:

@@ -45,6 +45,5 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if params.logprobs is not None:
             response.first_logprob.CopyFrom(convert.token_logprob(token, c.logprobs[0]))
         if final.prompt_logprobs is not None:
-            response.prompt_logprobs.extend(convert.token_logprob(t, e)
-                                            for t, e in zip(prompt[1:], final.prompt_logprobs))
+            response.prompt_logprobs.extend(convert.prompt_token_logprobs(prompt, final))
         return response

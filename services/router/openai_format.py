@@ -44,6 +44,23 @@ class CompletionLogprobs:
         return {k: a[k] + b[k] for k in a}
 
 
+def prompt_logprobs_entries(model: ServedModel, logprobs: list, top_n: int) -> list:
+    """vLLM's `prompt_logprobs`: null for the prompt's first token, then per token an object by
+    token id (as a string) of {"logprob", "rank", "decoded_token"}: the prompt's own token
+    first, then the top_n likeliest (ranks 1..top_n); -inf as -9999.0, vLLM's clamp (JSON has
+    no infinity)."""
+    def one(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": model.token_string(token_id)}
+
+    out: list = [None]
+    for lp in logprobs:
+        entry = {str(lp.token_id): one(lp.token_id, lp.logprob, lp.rank or None)}
+        for rank, t in enumerate(lp.top[:top_n], 1):
+            entry.setdefault(str(t.token_id), one(t.token_id, t.logprob, rank))
+        out.append(entry)
+    return out
+
+
 def token_namer(model: ServedModel, as_ids: bool):
     """How logprobs name a token: its text, or with vLLM's return_tokens_as_token_ids
     "token_id:<id>" (a token that is part of a UTF-8 character has no text of its own)."""

@@ -21,7 +21,7 @@ COMMON_FIELDS = {
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
     "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "allowed_token_ids", "thinking_token_budget"} | STRUCTURED_FIELDS
+    "truncate_prompt_tokens", "allowed_token_ids", "thinking_token_budget", "prompt_logprobs"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens", "truncation_side"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -53,6 +53,8 @@ class ParsedRequest:
     reasoning_starts: bool | None = None
     include_reasoning: bool = True
     chat_echo: str = ""  # chat's echo: the last message's content, put before each answer's content
+    # vLLM's prompt_logprobs: top-n per prompt token shown in the answer (None: not shown).
+    prompt_logprobs: int | None = None
 
 
 class Body:
@@ -215,6 +217,21 @@ def _with_thinking_budget(knobs: dict, budget: int | None, model: ServedModel, p
                                                        forced=model.reasoning_forced_ids)}
 
 
+def _prompt_logprobs(b: Body, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: the top-n logprobs of each prompt token, in the answer (not
+    streamed, vLLM's rule: a stream may only ask for 0, and is shown none)."""
+    n = b.get("prompt_logprobs", "int")
+    if n is None:
+        return None
+    if stream and n != 0:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}"
+                          + (" (-1, the whole vocabulary, is more than this server returns)" if n == -1 else ""),
+                          "prompt_logprobs")
+    return None if stream else n
+
+
 def _stream_flags(b: Body) -> tuple[bool, bool, bool]:
     """stream; include_usage (a last chunk with the usage); vLLM's continuous_usage_stats (with
     include_usage: every chunk carries its choice's usage so far)."""
@@ -335,7 +352,13 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     _unwatched_interval(knobs, stream, limits)
     # best_of ranks the samples by their logprobs: the engines send them even when not shown.
     knobs["logprobs"] = logprobs if best_of == n or logprobs is not None else 0
-    knobs["prompt_logprobs"] = logprobs if echo else None
+    # vLLM's: prompt_logprobs shown when asked for, or with echo and logprobs (echo's logprobs are
+    # the prompt's); the engines compute the larger top-n of the two.
+    shown = _prompt_logprobs(b, stream)
+    if shown is None and echo:
+        shown = logprobs
+    knobs["prompt_logprobs"] = max((v for v in (shown, logprobs if echo else None) if v is not None), default=None)
+    shown = None if stream else shown  # echo's logprobs stream; the prompt_logprobs list does not
     raw = completion_prompts(b.body["prompt"], model, b.get("add_special_tokens", "bool", True),
                              limits.max_prompts_per_request, _truncation(b, model))
     _check_fan_out(len(raw), best_of, limits)
@@ -347,7 +370,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
         best_of, _with_thinking_budget(knobs, budget, model, text if text is not None or budget is None
                                          else model.decode(ids)))]
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, echo, echo_only, logprobs,
-                         b.ignored, n, best_of, **_token_id_flags(b))
+                         b.ignored, n, best_of, **_token_id_flags(b), prompt_logprobs=shown)
 
 
 def _check_fan_out(num_prompts: int, best_of: int, limits: RequestLimits) -> None:
@@ -482,6 +505,10 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     stream, include_usage, continuous_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
     _unwatched_interval(knobs, stream, limits)
+    shown = _prompt_logprobs(b, stream)
+    if shown is None and b.get("echo", "bool", False) and not stream:  # vLLM's: echo shows them at top_logprobs
+        shown = top if want_logprobs else None
+    knobs["prompt_logprobs"] = shown
     _check_fan_out(1, n, limits)
     max_tokens = _max_tokens(b)
     priority = _priority(b)
@@ -491,7 +518,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
                          ignored_fields=b.ignored, **_token_id_flags(b),
                          n=n, best_of=n, tools=tools,
                          reasoning_starts=reasoning_starts,
-                         include_reasoning=b.get("include_reasoning", "bool", True), chat_echo=chat_echo)
+                         include_reasoning=b.get("include_reasoning", "bool", True), chat_echo=chat_echo,
+                         prompt_logprobs=shown)
 
 
 def _reasoning_starts(parser, prompt_text: str, knobs: dict, model: ServedModel) -> bool | None:

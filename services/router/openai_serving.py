@@ -11,7 +11,7 @@ from aiohttp import web
 from services.router.errors import RouterError
 from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import (CompletionLogprobs, chat_chunk, chat_logprobs, completion_chunk,
-                                           usage, usage_chunk)
+                                           prompt_logprobs_entries, usage, usage_chunk)
 from services.router.openai_protocol import ParsedRequest
 from services.router.reasoning import ReasoningSplitter, count_reasoning_tokens
 from services.router.sampling import PreparedPrompt
@@ -90,6 +90,7 @@ class Choice:
         self.reasoning = ""
         self.new_reasoning = ""  # the reasoning the last chunk added
         self.generated_ids: list[int] | None = [] if self.splitter is not None else None  # reasoning_tokens
+        self.prompt_logprobs: list = []  # the engine's, per prompt token after the first
 
     def _prompt_echo(self, chunk: TextChunk) -> tuple[str, dict | None]:
         p = self.prompt
@@ -106,6 +107,7 @@ class Choice:
         if not self.started:
             self.started = True
             self.num_cached_tokens = chunk.num_cached_tokens
+            self.prompt_logprobs = chunk.prompt_logprobs or []
             if self.req.echo:
                 text, lp = self._prompt_echo(chunk)
                 self._show_ids(self.prompt.token_ids)
@@ -151,6 +153,10 @@ class Choice:
                                       self.generated_ids, self.req.reasoning_starts,
                                       (self.model.reasoning_start_ids, self.model.reasoning_end_ids))
 
+    def shown_prompt_logprobs(self) -> list:
+        """vLLM's prompt_logprobs list for this choice's prompt."""
+        return prompt_logprobs_entries(self.model, self.prompt_logprobs, self.req.prompt_logprobs)
+
     def _show_ids(self, ids: list[int]) -> None:
         if self.req.return_token_ids:
             self.token_ids += ids
@@ -185,6 +191,8 @@ class Choice:
                    "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
             if self.req.return_token_ids:  # vLLM: a completion choice has its prompt's ids
                 out["prompt_token_ids"] = self.prompt.token_ids
+            if self.req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.shown_prompt_logprobs()
         if self.req.return_token_ids:
             out["token_ids"] = self.token_ids
         return out
@@ -245,6 +253,8 @@ class OpenAIServing:
                     "usage": self._usage(choices, req)}
             if chat and req.return_token_ids:  # vLLM: one prompt, its ids beside the choices
                 body["prompt_token_ids"] = req.prompts[0].token_ids
+            if chat and req.prompt_logprobs is not None:  # vLLM: beside the choices too
+                body["prompt_logprobs"] = choices[0].shown_prompt_logprobs()
             return web.Response(body=_encode(body), content_type="application/json", headers=headers)
         async def run(first, response: web.StreamResponse) -> None:
             await self._stream(response, first, chunks, choices, req, request_id, created, chat)

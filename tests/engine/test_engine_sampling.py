@@ -110,10 +110,16 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    ranks = out.prompt_logprob_ranks
+    assert len(ranks) == len(entries)
     for i, entry in enumerate(entries):
         token = prompt[i + 1]
         assert entry[token] == pytest.approx(float(ref[i, token]), abs=1e-4)
         assert len(entry) >= 2
+        # vLLM's rank: 1 + the tokens likelier than the prompt's own (a random model's prompt
+        # tokens are rarely its likeliest: the ranks spread).
+        assert ranks[i] == 1 + int((ref[i] > ref[i, token]).sum())
+    assert len(set(ranks)) > 5
     llm.engine.check_integrity(expect_all_free=True)
 
 

@@ -29,11 +29,11 @@ def next_token(ids: list[int]) -> int:
     return FIRST_ORDINARY + (sum(ids[-3:]) * 31 + len(ids) * 7) % (VOCAB - FIRST_ORDINARY)
 
 
-def toy_logprob(token_id: int, k: int) -> pb.TokenLogprob:
+def toy_logprob(token_id: int, k: int, prompt: bool = False) -> pb.TokenLogprob:
     """As the engines send it: the token's own logprob, then the other top-k tokens (here the
-    token is always the most likely, so k - 1 others)."""
+    token is always the most likely, so k - 1 others); a prompt token's rank (1, here)."""
     lp = -((token_id % 7) + 1) / 8
-    return pb.TokenLogprob(token_id=token_id, logprob=lp,
+    return pb.TokenLogprob(token_id=token_id, logprob=lp, rank=1 if prompt else 0,
                            top=[pb.TopLogprob(token_id=(token_id + j) % VOCAB, logprob=lp - j) for j in range(1, k)])
 
 
@@ -152,7 +152,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         if s.HasField("logprobs"):
             resp.first_logprob.CopyFrom(toy_logprob(first, s.logprobs))
         if s.HasField("prompt_logprobs"):
-            resp.prompt_logprobs.extend(toy_logprob(t, s.prompt_logprobs) for t in prompt[1:])
+            resp.prompt_logprobs.extend(toy_logprob(t, s.prompt_logprobs, prompt=True) for t in prompt[1:])
         resp.finish_reason, resp.stop_reason = first_token_finish(first, s, len(prompt), self.max_model_len,
                                                                   self.eos_token_id)
         if not resp.finish_reason and request.publish_kv:
@@ -173,7 +173,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
             prompt_logprobs = []
         else:
             tokens, budget = prompt, s.max_tokens
-            prompt_logprobs = ([toy_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
+            prompt_logprobs = ([toy_logprob(t, s.prompt_logprobs, prompt=True) for t in prompt[1:]]
                                if s.HasField("prompt_logprobs") else [])
         if self.script is None:
             out, finish = toy_generate(tokens, budget, tuple(s.stop_token_ids))

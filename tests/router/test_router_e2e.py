@@ -106,6 +106,23 @@ def test_echo_prompt_logprobs_match_the_engine(tcp_stack, e2e_model, e2e_tokeniz
     assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
 
 
+def test_vllms_prompt_logprobs_match_the_engine(tcp_stack, e2e_model, e2e_tokenizer):
+    """vLLM's prompt_logprobs through prefill and decode: each prompt token's logprob and rank,
+    and the top-2, as the offline engine computes them."""
+    ids = e2e_tokenizer.encode(PROMPTS[2])
+    status, body = tcp_stack.post("/v1/completions", {"model": SERVED_MODEL, "prompt": ids, "max_tokens": 3,
+                                                      "prompt_logprobs": 2, "temperature": 0})
+    assert status == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    ref = LLM(e2e_model).generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    assert got[0] is None and len(got) == len(ids)
+    for token, entry, want, rank in zip(ids[1:], got[1:], ref.prompt_logprobs, ref.prompt_logprob_ranks):
+        assert entry[str(token)]["rank"] == rank and entry[str(token)]["logprob"] == pytest.approx(want[token], abs=1e-4)
+        assert entry[str(token)]["decoded_token"] == e2e_tokenizer.decode([token])
+        assert set(entry) == {str(t) for t in want}  # the token's own entry and the top-2
+    assert len({e[str(t)]["rank"] for t, e in zip(ids[1:], got[1:])}) > 2
+
+
 def test_client_disconnect_frees_both_sides(tcp_stack):
     conn = http.client.HTTPConnection("127.0.0.1", tcp_stack.router.port, timeout=60)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(

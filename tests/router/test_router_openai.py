@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from router_fakes import VOCAB, toy_generate
+from router_fakes import VOCAB, toy_generate, toy_logprob
 
 
 @pytest.fixture
@@ -133,6 +133,49 @@ def test_echo_with_prompt_logprobs_for_loglikelihood(client, tokenizer):
     assert only.choices[0].text == prompt
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
     assert only.usage.completion_tokens == 0
+
+
+def test_vllms_prompt_logprobs_field(stack, client, tokenizer):
+    """vLLM's prompt_logprobs: per prompt token after the first, the token's own entry and the
+    top-n, each {logprob, rank, decoded_token} by token id; on a completion's choice, beside a
+    chat's choices; with echo and logprobs too (vLLM's rule); not streamed."""
+    prompt = "the king and the queen"
+    ids = tokenizer.encode(prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    lps = out.choices[0].model_extra["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == len(ids)
+    for token, entry in zip(ids[1:], lps[1:]):
+        want = toy_logprob(token, 2, prompt=True)
+        assert list(entry) == [str(token), str(want.top[0].token_id)]  # the prompt's token first
+        assert entry[str(token)] == {"logprob": want.logprob, "rank": 1, "decoded_token": tokenizer.decode([token])}
+        assert entry[str(want.top[0].token_id)]["rank"] == 1 and entry[str(want.top[0].token_id)]["logprob"] == \
+            pytest.approx(want.top[0].logprob)
+    assert out.choices[0].logprobs is None  # the completion's own logprobs were not asked for
+    # prompt_logprobs 0: each prompt token's own entry alone.
+    zero = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert all(len(e) == 1 for e in zero.choices[0].model_extra["prompt_logprobs"][1:])
+    # echo + logprobs shows them as well (top-1 here); asked for, the field wins for the list.
+    echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 2})
+    assert echo.choices[0].model_extra["prompt_logprobs"] == lps
+    # Echo's own top_logprobs stay at logprobs=1: the token and the likeliest other.
+    assert all(len(t) <= 2 for t in echo.choices[0].logprobs.top_logprobs[1:])
+    plain_echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    assert all(len(e) == 1 for e in plain_echo.choices[0].model_extra["prompt_logprobs"][1:])  # top-1 lists
+    # Chat: once, beside the choices (the chat template's prompt).
+    body = stack.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                               "prompt_logprobs": 1, "return_token_ids": True})[2]
+    assert len(body["prompt_logprobs"]) == len(body["prompt_token_ids"]) and body["prompt_logprobs"][0] is None
+    assert "prompt_logprobs" not in body["choices"][0]
+    # Refused as vLLM refuses them: streamed (but 0), -1 (the whole vocabulary), past 20, not a number.
+    for extra, message in (({"prompt_logprobs": 2, "stream": True}, "not available when `stream=True`"),
+                           ({"prompt_logprobs": -1}, "whole vocabulary"), ({"prompt_logprobs": 21}, "[0, 20]"),
+                           ({"prompt_logprobs": "2"}, "must be an integer")):
+        status, _, err = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
+        assert status == 400 and message in err["error"]["message"] and err["error"]["param"] == "prompt_logprobs"
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
+                                              extra_body={"prompt_logprobs": 0}))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
 
 def test_stop_strings_end_the_text(client, tokenizer):
