@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,16 @@ ENV_PREFIX = "PDSERVE_ROUTER_"
 
 def _flag(p: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
     add(p, flag, env_prefix=ENV_PREFIX, help=help, **kwargs)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,6 +94,12 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
     _flag(p, "--max-model-len", "context length limit (default: the smallest any instance reports, "
           "else the checkpoint's max_position_embeddings)", type=int)
+    _flag(p, "--generation-config", "where requests' sampling defaults come from (vLLM's flag): auto (the "
+          "model's generation_config.json: its temperature, top_p, top_k, min_p, penalties and max_new_tokens "
+          "apply to requests that do not set them), vllm (none: OpenAI's defaults), or a folder holding a "
+          "generation_config.json", default="auto")
+    _flag(p, "--override-generation-config", "JSON object of sampling defaults on top of --generation-config's, "
+          "e.g. '{\"temperature\": 0.5}' (vLLM's flag)", type=_json_object)
     _flag(p, "--request-timeout", "seconds a request may take from arrival to its last token",
           default=600.0, type=float)
     _flag(p, "--prefill-timeout", "seconds one prefill attempt may take before it is retried elsewhere",
@@ -158,6 +175,7 @@ def config_from_args(args) -> RouterConfig:
         max_local_prefill_length=args.max_local_prefill_length,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         prefill_timeout_s=args.prefill_timeout, max_attempts=args.max_attempts,
         migration_limit=args.migration_limit,
         health_check_interval_s=args.health_check_interval, load_poll_interval_s=args.load_poll_interval,

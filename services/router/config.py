@@ -82,6 +82,10 @@ class RouterConfig:
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id and GET; 0: none
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
+    # Requests' sampling defaults (vLLM's --generation-config): "auto" (the model's
+    # generation_config.json), "vllm" (none) or a folder; --override-generation-config on top.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     # Forced when a thinking budget is spent (vLLM's reasoning_end_str); ends with </think>. None: </think>.
     reasoning_end_str: str | None = None
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)

@@ -163,16 +163,18 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
     ids = b.get("stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
-    knobs = dict(temperature=b.get("temperature", "number", 1.0), top_p=b.get("top_p", "number", 1.0),
-                 top_k=b.get("top_k", "int", 0), min_p=b.get("min_p", "number", 0.0),
+    d = model.sampling_defaults  # the model's (vLLM's --generation-config), then OpenAI's
+    knobs = dict(temperature=b.get("temperature", "number", d.get("temperature", 1.0)),
+                 top_p=b.get("top_p", "number", d.get("top_p", 1.0)),
+                 top_k=b.get("top_k", "int", d.get("top_k", 0)), min_p=b.get("min_p", "number", d.get("min_p", 0.0)),
                  seed=b.get("seed", "int"), stop=_stop(b), stop_token_ids=tuple(ids),
                  ignore_eos=b.get("ignore_eos", "bool", False), min_tokens=b.get("min_tokens", "int", 0),
                  include_stop_str_in_output=b.get("include_stop_str_in_output", "bool", False),
                  skip_special_tokens=b.get("skip_special_tokens", "bool", True),
                  cache_salt=b.get("cache_salt", "str"),
-                 presence_penalty=b.get("presence_penalty", "number", 0.0),
-                 frequency_penalty=b.get("frequency_penalty", "number", 0.0),
-                 repetition_penalty=b.get("repetition_penalty", "number", 1.0),
+                 presence_penalty=b.get("presence_penalty", "number", d.get("presence_penalty", 0.0)),
+                 frequency_penalty=b.get("frequency_penalty", "number", d.get("frequency_penalty", 0.0)),
+                 repetition_penalty=b.get("repetition_penalty", "number", d.get("repetition_penalty", 1.0)),
                  logit_bias=_logit_bias(b), bad_words_token_ids=_bad_words(b, model),
                  stream_interval=b.get("stream_interval", "int"),
                  allowed_token_ids=_allowed_token_ids(b),
@@ -512,7 +514,9 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     _check_fan_out(1, n, limits)
     max_tokens = _max_tokens(b)
     priority = _priority(b)
-    prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=None,
+    # No max_tokens: the model's max_new_tokens, within the room left (vLLM's rule).
+    default_max = model.sampling_defaults.get("max_tokens")
+    prompts = _per_sample(lambda k: prepare(model, ids, k, max_tokens=max_tokens, default_max_tokens=default_max,
                                             limits=limits, param="messages", priority=priority), n, knobs)
     return ParsedRequest(name, prompts, stream, include_usage, continuous_usage, logprobs=logprobs,
                          ignored_fields=b.ignored, **_token_id_flags(b),

@@ -286,7 +286,8 @@ def parse_responses(body, model: ServedModel, limits: RequestLimits, store: Resp
     echo = {"instructions": b.get("instructions", "str"), "metadata": metadata, "user": b.get("user", "str"),
             "tools": b.get("tools", "list", []), "tool_choice": b.body.get("tool_choice", "auto" if tools else "none"),
             "parallel_tool_calls": b.get("parallel_tool_calls", "bool", True),
-            "temperature": b.get("temperature", "number", 1.0), "top_p": b.get("top_p", "number", 1.0),
+            # What it samples with: the request's, else the model's defaults, else OpenAI's.
+            "temperature": parsed.prompts[0].params.temperature, "top_p": parsed.prompts[0].params.top_p,
             "max_output_tokens": b.get("max_output_tokens", "int"), "max_tool_calls": b.get("max_tool_calls", "int"),
             "previous_response_id": previous_id, "reasoning": reasoning,
             "service_tier": b.get("service_tier", "str", "auto"), "text": b.get("text", "dict", {"format": {"type": "text"}}),

@@ -84,6 +84,8 @@ class ServedModel:
         self.reasoning_forced_ids = ((*self.tokenizer.encode(phrase, add_special_tokens=False), *self.reasoning_end_ids)
                                      if reasoning_parser is not None and phrase else self.reasoning_end_ids)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
+        # What a request that does not set them samples with (the router's --generation-config).
+        self.sampling_defaults: dict = {}
         # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
         # tokenized on a worker thread leaves the event loop free.
         self._backend = getattr(self.codec, "backend", None)

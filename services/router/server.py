@@ -23,6 +23,7 @@ from services.router.metrics import RouterMetrics
 from services.router.kv_index import KvIndex
 from services.router.pd_policy import PdPolicy
 from services.router.policy import KvAware, make_policy
+from services.router.generation_config import sampling_defaults
 from services.router.reasoning import reasoning_parser
 from services.router.served_model import ServedModel
 
@@ -44,6 +45,8 @@ class Router:
                                  config.max_model_len, tokenizer, reasoning_parser(config.reasoning_parser),
                                  config.served_model_aliases, config.tool_call_parser,
                                  reasoning_end_str=config.reasoning_end_str)
+        self.model.sampling_defaults = sampling_defaults(self.model.path, config.generation_config,
+                                                         config.override_generation_config)
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
         self.metrics.registry.register(self.kv_index)
         self.policy = make_policy(config.policy, self.kv_index, overlap_weight=config.kv_overlap_score_weight,
