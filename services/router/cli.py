@@ -144,6 +144,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
           "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3) or pythonic (an answer that is a "
           "Python list of calls: Llama 3.2, Llama 4)", choices=["hermes", "llama3_json", "pythonic"], default="hermes")
+    _flag(p, "--chat-template", "the chat template for every chat request, in place of the model's (vLLM's "
+          "flag): a Jinja file, or the template itself (text with {, } or a newline); for a base model "
+          "without one, or another tool-calling format")
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -186,6 +189,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests, max_prompts_per_request=args.max_prompts_per_request,
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=args.chat_template,
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,

@@ -76,6 +76,7 @@ class RouterConfig:
     max_stop_sequences: int = 64
     max_n: int = 16  # n and best_of of one request (each sample is an engine request)
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
+    chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     # Requests the client does not stream and with no text stop strings: the engines send their
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64

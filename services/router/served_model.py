@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import time
 
@@ -11,6 +12,8 @@ from engine.processor import load_light_tokenizer
 from services.router.errors import RouterError, bad_request
 from services.router.prompt_limits import PromptCharBound
 from services.router.reasoning import END, START, ReasoningParser
+
+logger = logging.getLogger(__name__)
 
 
 # Texts on which the direct (Rust) tokenizer must agree with the transformers wrapper.
@@ -84,6 +87,7 @@ class ServedModel:
         self.reasoning_forced_ids = ((*self.tokenizer.encode(phrase, add_special_tokens=False), *self.reasoning_end_ids)
                                      if reasoning_parser is not None and phrase else self.reasoning_end_ids)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
+        self.default_chat_template: str | None = None  # --chat-template, over the model's
         # What a request that does not set them samples with (the router's --generation-config).
         self.sampling_defaults: dict = {}
         # The Rust tokenizer's encode_batch releases the GIL (encode does not): a long prompt
@@ -135,16 +139,28 @@ class ServedModel:
             s = self._token_strings[token_id] = self.codec.decode([token_id])
         return s
 
+    def use_chat_template(self, template: str) -> None:
+        """The operator's template (--chat-template) for every chat request: checked on a
+        one-message chat now, so a template that cannot render says so at start (a warning: a
+        template may refuse a conversation without a system message, say)."""
+        self.default_chat_template = template
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                               add_generation_prompt=True, chat_template=template)
+        except Exception as e:  # noqa: BLE001 (jinja's errors are many)
+            logger.warning("--chat-template does not render a one-message chat: %s", e)
+
     def chat_text(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                   template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None,
                   documents: list[dict] | None = None) -> str:
         """The chat template's text for these messages: `chat_template`, a template the operator
-        allowed requests to send (else the model's); `tools`, the request's tools, for templates
+        allowed requests to send (else --chat-template's, else the model's); `tools`, the request's tools, for templates
         that render them (Hermes, Qwen, Llama 3); `documents`, for templates that render
         retrieved documents. The template writes the special tokens it wants (BOS included)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}
+        chat_template = chat_template if chat_template is not None else self.default_chat_template
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         if tools is not None:
@@ -174,3 +190,16 @@ class ServedModel:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (vLLM's rule: a value that
+    cannot be opened and has none of `{`, `}` or a newline is a path that failed)."""
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be opened: "
+                             f"{e.strerror}") from None
+        return value

@@ -25,7 +25,7 @@ from services.router.pd_policy import PdPolicy
 from services.router.policy import KvAware, make_policy
 from services.router.generation_config import sampling_defaults
 from services.router.reasoning import reasoning_parser
-from services.router.served_model import ServedModel
+from services.router.served_model import ServedModel, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class Router:
                                  reasoning_end_str=config.reasoning_end_str)
         self.model.sampling_defaults = sampling_defaults(self.model.path, config.generation_config,
                                                          config.override_generation_config)
+        if config.chat_template is not None:
+            self.model.use_chat_template(load_chat_template(config.chat_template))
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
         self.metrics.registry.register(self.kv_index)
         self.policy = make_policy(config.policy, self.kv_index, overlap_weight=config.kv_overlap_score_weight,

@@ -89,3 +89,35 @@ def test_chat_echo_puts_the_last_message_first(stack):
     asked = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     assert stack.post("/v1/chat/completions", {**asked, "echo": True})[2]["choices"][0]["message"]["content"] == \
         stack.post("/v1/chat/completions", asked)[2]["choices"][0]["message"]["content"]
+
+
+def test_the_operators_chat_template_replaces_the_models(make_stack, tokenizer, tmp_path, caplog):
+    """--chat-template (vLLM's): a file or the template's own text renders every chat request
+    (and /tokenize's, and the Messages API's); a template a request sends (trusted) still wins."""
+    simple = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+    path = tmp_path / "simple.jinja"
+    path.write_text(simple)
+    want = tokenizer.encode("[user] Hello there\n[bot]", add_special_tokens=False)
+    for value in (str(path), simple):
+        stack = make_stack(prefill=1, decode=1, chat_template=value, trust_request_chat_template=True)
+        status, _, body = stack.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+        assert status == 200, body
+        assert sent(stack) == want
+        assert stack.post("/tokenize", {"messages": MESSAGES})[2]["tokens"] == want
+        stack.post("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": MESSAGES})
+        assert sent(stack) == want
+        stack.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "chat_template": TEMPLATE})
+        assert sent(stack) == tokenizer.encode("<user>Hello thereeffort=unset thinking=unset<assistant>",
+                                               add_special_tokens=False)
+    # A path that cannot be opened is a start-up error; a template that cannot render a
+    # one-message chat is a warning at start, and each chat request's 400.
+    from services.router.served_model import load_chat_template
+
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with caplog.at_level("WARNING"):
+        broken = make_stack(prefill=1, decode=1, chat_template="{{ messages[5].content }}\n")
+    assert "does not render a one-message chat" in caplog.text
+    status, _, err = broken.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 400 and "cannot apply the chat template" in err["error"]["message"]
+    assert broken.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
