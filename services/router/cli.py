@@ -11,6 +11,7 @@ import signal
 from services.common.auth import ChannelAuth
 from services.common.flags import add
 from services.router.config import RouterConfig, parse_addresses
+from services.router.cors import CorsPolicy
 from services.router.discovery import pod_namespace
 from services.router.policy import OVERLAP_WEIGHT
 
@@ -29,6 +30,16 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _json_list(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON array of strings")
     return value
 
 
@@ -147,6 +158,13 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--chat-template", "the chat template for every chat request, in place of the model's (vLLM's "
           "flag): a Jinja file, or the template itself (text with {, } or a newline); for a base model "
           "without one, or another tool-calling format")
+    _flag(p, "--allowed-origins", "origins a browser may call the gateway from, a JSON array (vLLM's flag), "
+          "e.g. '[\"https://chat.example.com\"]' or '[\"*\"]'; none by default", type=_json_list, default=[])
+    _flag(p, "--allowed-methods", "HTTP methods allowed from those origins, a JSON array", type=_json_list,
+          default=["*"])
+    _flag(p, "--allowed-headers", "request headers allowed from those origins, a JSON array", type=_json_list,
+          default=["*"])
+    _flag(p, "--allow-credentials", "allow cookies and HTTP authentication from those origins", action="store_true")
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -190,6 +208,8 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         chat_template=args.chat_template,
+        cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                        args.allow_credentials),
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,

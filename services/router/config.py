@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.auth import ChannelAuth
+from services.router.cors import CorsPolicy
 from services.router.policy import OVERLAP_WEIGHT
 
 
@@ -77,6 +78,7 @@ class RouterConfig:
     max_n: int = 16  # n and best_of of one request (each sample is an engine request)
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
+    cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
     # Requests the client does not stream and with no text stop strings: the engines send their
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64

@@ -8,6 +8,7 @@ import logging
 import msgspec
 from aiohttp import web
 
+from services.router.cors import is_preflight
 from services.router.errors import RouterError, bad_request
 from services.router.generation import REQUEST_ID
 from services.router.messages_api import MessagesServing, count_tokens, parse_messages
@@ -48,9 +49,11 @@ class HttpGateway:
         self.limits = RequestLimits.from_config(router.config)
         self.max_body_bytes = router.config.max_payload_size
         self._api_key = router.config.api_key.encode() if router.config.api_key else None
+        self.cors = router.config.cors
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
+        app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -87,11 +90,18 @@ class HttpGateway:
             return True
         return hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), self._api_key)
 
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.cors.decorate(request, response)  # streamed answers too: this runs as headers go out
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"
         status = 500
+        if is_preflight(request):  # before the API key: browsers send none on a preflight
+            response = self.cors.preflight(request)
+            self.metrics.requests.labels(endpoint, str(response.status)).inc()
+            return response
         try:
             if not self._authorized(request):
                 raise RouterError(401, "Incorrect API key provided.", code="invalid_api_key")
