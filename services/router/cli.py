@@ -14,6 +14,7 @@ from services.router.config import RouterConfig, parse_addresses
 from services.router.cors import CorsPolicy
 from services.router.discovery import pod_namespace
 from services.router.policy import OVERLAP_WEIGHT
+from services.router.tls import FrontTls
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "PDSERVE_ROUTER_"
@@ -165,6 +166,11 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--allowed-headers", "request headers allowed from those origins, a JSON array", type=_json_list,
           default=["*"])
     _flag(p, "--allow-credentials", "allow cookies and HTTP authentication from those origins", action="store_true")
+    _flag(p, "--ssl-certfile", "serve HTTPS (and gRPC over TLS) with this PEM certificate chain (vLLM's flag)")
+    _flag(p, "--ssl-keyfile", "the TLS private key (PEM)")
+    _flag(p, "--ssl-ca-certs", "CA bundle (PEM) client certificates are checked against")
+    _flag(p, "--ssl-cert-reqs", "client certificates (vLLM's flag): 0 not asked for, 1 optional, 2 required",
+          type=int, default=0)
     _flag(p, "--trust-request-chat-template", "honour a chat template sent with a request (chat_template, "
           "chat_template_kwargs.chat_template); without it such requests get 400", action="store_true")
     _flag(p, "--engine-auth-token", "the engines' bearer token, sent on every call to them (PDSERVE_AUTH_TOKEN "
@@ -208,6 +214,7 @@ def config_from_args(args) -> RouterConfig:
         max_concurrent_prompts=args.max_concurrent_prompts, max_payload_size=args.max_payload_size,
         max_stop_sequences=args.max_stop_sequences, trust_request_chat_template=args.trust_request_chat_template,
         chat_template=args.chat_template,
+        tls=FrontTls.from_flags(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs),
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials),
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,

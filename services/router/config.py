@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from services.common.auth import ChannelAuth
 from services.router.cors import CorsPolicy
 from services.router.policy import OVERLAP_WEIGHT
+from services.router.tls import FrontTls
 
 
 def parse_addresses(value: str | list | tuple | None) -> tuple[str, ...]:
@@ -79,6 +80,7 @@ class RouterConfig:
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
+    tls: FrontTls | None = None  # vLLM's --ssl-*: HTTPS and gRPC TLS on the router's fronts
     # Requests the client does not stream and with no text stop strings: the engines send their
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64

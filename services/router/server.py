@@ -90,7 +90,7 @@ class Router:
         self._runner = web.AppRunner(HttpGateway(self).make_app(), handler_cancellation=True,
                                      shutdown_timeout=c.drain_timeout_s, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, c.host, c.port)
+        site = web.TCPSite(self._runner, c.host, c.port, ssl_context=c.tls.ssl_context() if c.tls else None)
         await site.start()
         self.http_port = self._runner.addresses[0][1]
         if c.grpc_port >= 0:
@@ -98,9 +98,10 @@ class Router:
         mode = "disaggregated" if c.disaggregated else "colocated"
         found = {r: ",".join(self.discovery.views.get(r, ()) if self.discovery else getattr(c, r))
                  for r in ("prefill", "decode")}
-        logger.info("router serving %s (%s, %s policy, %s discovery; prefill=[%s] decode=[%s]) on http://%s:%d%s",
+        logger.info("router serving %s (%s, %s policy, %s discovery; prefill=[%s] decode=[%s]) on %s://%s:%d%s",
                     self.model.name, mode, self.policy.name, c.discovery, found["prefill"], found["decode"],
-                    c.host, self.http_port, f" and gRPC {c.host}:{self.grpc_port}" if self.grpc_port else "")
+                    "https" if c.tls else "http", c.host, self.http_port,
+                    f" and gRPC{' (TLS)' if c.tls else ''} {c.host}:{self.grpc_port}" if self.grpc_port else "")
 
     async def _start_grpc(self) -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.config.max_payload_size)])
@@ -110,7 +111,9 @@ class Router:
         names = (pb.DESCRIPTOR.services_by_name["Generate"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        address, tls = f"{self.config.host}:{self.config.grpc_port}", self.config.tls
+        self.grpc_port = (server.add_secure_port(address, tls.grpc_credentials()) if tls
+                          else server.add_insecure_port(address))
         await server.start()
         await self._grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._grpc_server = server
