@@ -14,7 +14,7 @@ def add(parser: argparse.ArgumentParser, flag: str, *, env_prefix: str = "PDSERV
     env = env_name(env_prefix, flag)
     raw = os.environ.get(env)
     if raw is not None:
-        if kwargs.get("action") == "store_true":
+        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
             kwargs["default"] = raw.lower() in ("1", "true", "yes", "on")
         else:
             conv = kwargs.get("type", str)

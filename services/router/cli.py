@@ -152,6 +152,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "in this router's memory, to continue with previous_response_id and read back with GET "
           "/v1/responses/{id}; 0 (the default, as vLLM's): none kept, previous_response_id is a 404",
           default=0, type=int)
+    _flag(p, "--enable-auto-tool-choice", "serve tool_choice \"auto\" (the default when a request has tools), "
+          "read by --tool-call-parser (vLLM's flag; on here by default, so vLLM command lines work as they are); "
+          "--no-enable-auto-tool-choice answers it with 400, as vLLM does without the flag",
+          action=argparse.BooleanOptionalAction, default=True)
     _flag(p, "--tool-call-parser", "how an answer to tools with tool_choice auto is read into tool calls "
           "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
           "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3) or pythonic (an answer that is a "
@@ -220,6 +224,7 @@ def config_from_args(args) -> RouterConfig:
         max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_end_str=args.reasoning_end_str,
         engine_auth=ChannelAuth.from_flags(args.engine_auth_token, args.engine_auth_token_file,
                                            args.engine_ssl_ca_certs, args.engine_ssl_certfile,

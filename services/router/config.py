@@ -87,6 +87,7 @@ class RouterConfig:
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id and GET; 0: none
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
+    enable_auto_tool_choice: bool = True  # vLLM's flag (on here by default): tool_choice "auto" is served
     # Requests' sampling defaults (vLLM's --generation-config): "auto" (the model's
     # generation_config.json), "vllm" (none) or a folder; --override-generation-config on top.
     generation_config: str = "auto"

@@ -461,7 +461,7 @@ class RenderedChat:
 def _render_chat(b: Body, model: ServedModel, limits: RequestLimits) -> RenderedChat:
     """The chat template's text for a chat body, as chat completions and /tokenize both render
     it: tools, template kwargs (reasoning_effort), a trusted request template, documents."""
-    tools = parse_tools(b.body, model.tool_call_parser)
+    tools = parse_tools(b.body, model.tool_call_parser, model.auto_tool_choice)
     messages = chat_messages(b.body.get("messages"))
     add_generation = b.get("add_generation_prompt", "bool", True)
     continue_final = b.get("continue_final_message", "bool", False)

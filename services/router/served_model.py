@@ -74,6 +74,7 @@ class ServedModel:
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
         self.reasoning_parser = reasoning_parser  # chat output's <think> text -> `reasoning`
         self.tool_call_parser = tool_call_parser  # how an answer to tools (tool_choice auto) is read
+        self.auto_tool_choice = True  # --enable-auto-tool-choice (off: tool_choice "auto" is a 400)
         if reasoning_parser is not None:
             reasoning_parser.check_tokenizer(self.tokenizer)
         # The reasoning's end marker as the model writes it (one token in DeepSeek-R1's and

@@ -47,6 +47,7 @@ class Router:
                                  reasoning_end_str=config.reasoning_end_str)
         self.model.sampling_defaults = sampling_defaults(self.model.path, config.generation_config,
                                                          config.override_generation_config)
+        self.model.auto_tool_choice = config.enable_auto_tool_choice
         if config.chat_template is not None:
             self.model.use_chat_template(load_chat_template(config.chat_template))
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)

@@ -82,9 +82,11 @@ class ToolPlan:
         return PARSE[self.parser](text)
 
 
-def parse_tools(body: dict, parser: str = "hermes") -> ToolPlan | None:
+def parse_tools(body: dict, parser: str = "hermes", auto: bool = True) -> ToolPlan | None:
     """None when the request has no tools or tool_choice is "none" (the output is plain content).
-    `parser`: how an "auto" answer is read (--tool-call-parser)."""
+    `parser`: how an "auto" answer is read (--tool-call-parser); `auto` False: the router runs
+    with --no-enable-auto-tool-choice, and "auto" (the default with tools) is a 400, as vLLM
+    answers without --enable-auto-tool-choice."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -113,6 +115,10 @@ def parse_tools(body: dict, parser: str = "hermes") -> ToolPlan | None:
     if choice in ("auto", "required"):
         if not tools:
             raise bad_request(f"tool_choice {choice!r} needs at least one tool", "tool_choice")
+        if choice == "auto" and not auto:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice (this router runs with '
+                              '--no-enable-auto-tool-choice): send tool_choice "required", "none" or a named '
+                              "function", "tool_choice")
         return ToolPlan(choice, tuple(tools), parser=parser)
     if isinstance(choice, dict):
         fn = choice.get("function")

@@ -231,3 +231,30 @@ def test_the_tool_call_parser_is_a_router_flag(make_stack, tokenizer):
     calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
     assert [c["function"]["name"] for c in calls] == ["f"]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_tool_choice_can_be_turned_off_as_vllm_without_the_flag(make_stack, tiny_model_path, monkeypatch):
+    """--enable-auto-tool-choice is on by default (vLLM command lines carry it); with
+    --no-enable-auto-tool-choice, tool_choice "auto" (the default with tools) is a 400, and
+    "required", a named function and "none" are served."""
+    import argparse
+
+    from services.router.cli import add_router_parser, config_from_args
+
+    def config(*argv):
+        p = argparse.ArgumentParser()
+        add_router_parser(p.add_subparsers(dest="command"))
+        return config_from_args(p.parse_args(["router", "--model", tiny_model_path, "--decode", "h:1", *argv]))
+
+    assert config().enable_auto_tool_choice and config("--enable-auto-tool-choice").enable_auto_tool_choice
+    assert not config("--no-enable-auto-tool-choice").enable_auto_tool_choice
+    monkeypatch.setenv("PDSERVE_ROUTER_ENABLE_AUTO_TOOL_CHOICE", "false")
+    assert not config().enable_auto_tool_choice
+    stack = make_stack(prefill=1, decode=1, enable_auto_tool_choice=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [F], "max_tokens": 20}
+    for extra in ({}, {"tool_choice": "auto"}):
+        status, _, err = stack.post("/v1/chat/completions", {**body, **extra})
+        assert status == 400 and "--enable-auto-tool-choice" in err["error"]["message"]
+        assert err["error"]["param"] == "tool_choice"
+    for choice in ("required", "none", {"type": "function", "function": {"name": "f"}}):
+        assert stack.post("/v1/chat/completions", {**body, "tool_choice": choice})[0] == 200, choice
