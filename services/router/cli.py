@@ -15,6 +15,7 @@ from services.router.cors import CorsPolicy
 from services.router.discovery import pod_namespace
 from services.router.policy import OVERLAP_WEIGHT
 from services.router.tls import FrontTls
+from services.router.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "PDSERVE_ROUTER_"
@@ -158,8 +159,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           action=argparse.BooleanOptionalAction, default=True)
     _flag(p, "--tool-call-parser", "how an answer to tools with tool_choice auto is read into tool calls "
           "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
-          "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3) or pythonic (an answer that is a "
-          "Python list of calls: Llama 3.2, Llama 4)", choices=["hermes", "llama3_json", "pythonic"], default="hermes")
+          "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3), pythonic (an answer that is a "
+          "Python list of calls: Llama 3.2, Llama 4) or mistral ([TOOL_CALLS]name[ARGS]{...}: Mistral, "
+          "Ministral, Devstral)", choices=list(TOOL_CALL_PARSERS), default="hermes")
     _flag(p, "--chat-template", "the chat template for every chat request, in place of the model's (vLLM's "
           "flag): a Jinja file, or the template itself (text with {, } or a newline); for a base model "
           "without one, or another tool-calling format")

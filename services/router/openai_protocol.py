@@ -502,6 +502,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     parser = model.reasoning_parser
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
+    if tools is not None and tools.mode == "auto" and tools.parser == "mistral":
+        knobs["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: its text must show
     reasoning_starts = _reasoning_starts(parser, prompt_text, knobs, model)
     knobs = _with_thinking_budget(knobs, _thinking_budget(b, model), model, prompt_text)
     stream, include_usage, continuous_usage = _stream_flags(b)

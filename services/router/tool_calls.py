@@ -10,7 +10,11 @@ by the router's --tool-call-parser (vLLM's names):
 - `llama3_json` (Llama 3.1-3.3): an output that is JSON objects `{"name": ..., "parameters": {...}}`
   (or "arguments"), one or several joined by `;`, is calls; any other output is content;
 - `pythonic` (Llama 3.2, Llama 4): an output that is a Python list of calls with keyword
-  arguments of literals, `[get_weather(city="Paris"), now()]`, is calls; any other is content.
+  arguments of literals, `[get_weather(city="Paris"), now()]`, is calls; any other is content;
+- `mistral` (Mistral, Ministral, Devstral, Magistral with their Hugging Face tokenizers): the
+  output from `[TOOL_CALLS]` on is calls, `name[ARGS]{...}` per `[TOOL_CALLS]` (tokenizer v11 and
+  later) or one JSON array of `{"name", "arguments"}` (earlier); the text before it is content.
+  `[TOOL_CALLS]` is a special token there, so such requests keep special tokens in their text.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import ast
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass
 
 from services.router.errors import bad_request
@@ -27,7 +32,10 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TO
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# Parsers whose calls follow an opening tag, the content before it: the tag a stream holds back at.
+_TAGGED = {"hermes": TOOL_CALL_OPEN, "mistral": MISTRAL_TAG}
 # What a whole-output parser's calls may begin with (after whitespace and the model's special
 # tag, which detokenization usually drops): until an output shows it does or does not, it is held.
 _OPENERS = {"llama3_json": ("<|python_tag|>", "{"), "pythonic": ("<|python_start|>", "[")}
@@ -133,9 +141,20 @@ def parse_tools(body: dict, parser: str = "hermes", auto: bool = True) -> ToolPl
                       '"function": {"name": ...}}', "tool_choice")
 
 
-def make_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+def make_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id(given: str | None = None) -> str:
+    """Mistral's chat templates refuse a tool call id that is not 9 letters or digits (the id
+    comes back with the tool's result): the model's own when it wrote one, else a fresh one."""
+    if given is not None and len(given) == 9 and given.isascii() and given.isalnum():
+        return given
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
@@ -218,13 +237,53 @@ def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
     return None, calls
 
 
-PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "pythonic": parse_pythonic}
+def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
+    """Mistral's tool calls: from the first `[TOOL_CALLS]`, each `[TOOL_CALLS]name[ARGS]{...}`
+    (a `[CALL_ID]id` after the name is dropped), or one `[TOOL_CALLS][{"name", "arguments"}, ...]`
+    array; the text before is content. Any part that does not parse leaves the whole output as
+    content (vLLM's rule)."""
+    at = text.find(MISTRAL_TAG)
+    if at < 0:
+        return text, []
+    calls = []
+    for part in text[at:].split(MISTRAL_TAG)[1:]:
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if part.startswith("["):  # before tokenizer v11: a JSON array of calls
+                array, end = json.JSONDecoder().raw_decode(part)
+                if part[end:].strip() or not isinstance(array, list):
+                    return text, []
+                for call in array:
+                    name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+                    if not isinstance(name, str):
+                        return text, []
+                    calls.append(make_call(name, _arguments(arguments), mistral_call_id(call.get("id"))))
+                continue
+            name, sep, arguments = part.partition(MISTRAL_ARGS)
+            name, _, given_id = name.partition("[CALL_ID]")
+            name = name.strip()
+            value, end = json.JSONDecoder().raw_decode(arguments.strip())
+            if not sep or not name or arguments.strip()[end:].strip():
+                return text, []
+            calls.append(make_call(name, json.dumps(value, ensure_ascii=False), mistral_call_id(given_id.strip() or None)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+    if not calls:
+        return text, []
+    content = text[:at].strip()
+    return (content or None), calls
+
+
+PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "pythonic": parse_pythonic,
+         "mistral": parse_mistral}
 
 
 class ToolCallStream:
     """Streaming: the text a choice may show as content now, and the calls once the output is
-    complete. Constrained: no content. auto under `hermes`: what comes before the first
-    `<tool_call>`, holding back a tail that may be the tag's start. auto under `llama3_json` or
+    complete. Constrained: no content. auto under `hermes` or `mistral`: what comes before the
+    first `<tool_call>` (`[TOOL_CALLS]`), holding back a tail that may be the tag's start. auto under `llama3_json` or
     `pythonic`: the output is held until its first characters show whether it opens calls (then
     all of it is read at the end) or is content (then it streams)."""
 
@@ -259,11 +318,12 @@ class ToolCallStream:
             return self._decide()
         if self.plan.constrained or self.first_call >= 0:
             return ""
-        limit = self.first_call = self.text.find(TOOL_CALL_OPEN)
+        tag = _TAGGED[self.plan.parser]
+        limit = self.first_call = self.text.find(tag)
         if limit < 0:
             limit = len(self.text)
-            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
-                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+            for k in range(min(len(tag) - 1, len(self.text)), 0, -1):
+                if tag.startswith(self.text[-k:]):
                     limit -= k
                     break
         out = self.text[self.shown:limit] if limit > self.shown else ""
@@ -282,5 +342,5 @@ class ToolCallStream:
         if self.first_call < 0:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
-        content, calls = parse_hermes(self.text[self.first_call:])
+        content, calls = PARSE[self.plan.parser](self.text[self.first_call:])
         return self.text[self.shown:self.first_call] + (content or ""), calls

@@ -218,8 +218,8 @@ def test_streamed_llama3_json_and_pythonic_match_the_whole(parser, text, want_co
 def test_the_tool_call_parser_is_a_router_flag(make_stack, tokenizer):
     from services.router.config import RouterConfig
 
-    with pytest.raises(ValueError, match="unknown --tool-call-parser 'mistral'"):
-        RouterConfig(model="tiny", served_model_name="tiny", decode=("127.0.0.1:1",), tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="unknown --tool-call-parser 'granite'"):
+        RouterConfig(model="tiny", served_model_name="tiny", decode=("127.0.0.1:1",), tool_call_parser="granite")
     script = tokenizer.encode('{"name": "f", "parameters": {"x": 7}}', add_special_tokens=False)
     stack = make_stack(prefill=1, decode=1, tool_call_parser="llama3_json", prefill_kwargs=[{"script": script}],
                        decode_kwargs=[{"script": script}])
@@ -258,3 +258,83 @@ def test_auto_tool_choice_can_be_turned_off_as_vllm_without_the_flag(make_stack,
         assert err["error"]["param"] == "tool_choice"
     for choice in ("required", "none", {"type": "function", "function": {"name": "f"}}):
         assert stack.post("/v1/chat/completions", {**body, "tool_choice": choice})[0] == 200, choice
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # Tokenizer v11 and later: name[ARGS]{...} per [TOOL_CALLS], content before the first.
+    ('Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', "Let me look.",
+     [("get_weather", {"city": "Paris"}), ("now", {})]),
+    # Earlier tokenizers: one JSON array of calls.
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": "{}"}]', None,
+     [("f", {"x": 1}), ("g", {})]),
+    ('[TOOL_CALLS]f[CALL_ID]Ab3De6Gh9[ARGS]{"x": 2}', None, [("f", {"x": 2})]),
+])
+def test_mistral_outputs_are_calls(text, content, calls):
+    got_content, got = PARSE["mistral"](text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    # Mistral's templates take back only 9-character alphanumeric ids: the model's own when given.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)
+    if "[CALL_ID]" in text:
+        assert got[0]["id"] == "Ab3De6Gh9"
+
+
+@pytest.mark.parametrize("text", ["no calls here", '[TOOL_CALLS]f[ARGS]{"x": ', "[TOOL_CALLS]f{}",
+                                  '[TOOL_CALLS][{"name": 3}]', '[TOOL_CALLS]f[ARGS]{} trailing words', "[TOOL_CALLS]"])
+def test_mistral_outputs_that_do_not_parse_stay_content(text):
+    assert PARSE["mistral"](text) == (text, [])
+
+
+def test_streamed_mistral_holds_back_the_tag(make_stack, tiny_model_path, tokenizer):
+    text = 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    stream, shown = ToolCallStream(ToolPlan("auto", (F,), parser="mistral")), ""
+    for i in range(0, len(text), 3):
+        shown += stream.feed(text[i:i + 3])
+        assert "[" not in shown
+    rest, calls = stream.finish()
+    assert shown + rest == "Let me look." and calls[0]["function"]["name"] == "get_weather"
+    # Through the router: whole and streamed; the engines are asked to keep special tokens
+    # ([TOOL_CALLS] is one in Mistral's tokenizers), and the call's id goes back in the next turn.
+    script = tokenizer.encode(text, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, tool_call_parser="mistral", prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [F], "max_tokens": 100}
+    status, _, out = stack.post("/v1/chat/completions", body)
+    message = out["choices"][0]["message"]
+    assert status == 200 and message["content"] == "Let me look." and out["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather" and len(message["tool_calls"][0]["id"]) == 9
+    assert not stack.decodes[0].engine.requests[-1].sampling.skip_special_tokens
+    events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Let me look."
+    assert [c["function"]["name"] for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []] \
+        == ["get_weather"]
+    follow = body["messages"] + [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                                           "content": "Sunny"}]
+    assert stack.post("/v1/chat/completions", {**body, "messages": follow})[0] == 200
+
+
+def test_mistral_tags_survive_detokenization_as_special_tokens(tiny_model_path, tokenizer):
+    """With a tokenizer where [TOOL_CALLS] and [ARGS] are special (Mistral's), the text the router
+    reads keeps them for a tools request, so the calls parse; plain requests still drop specials."""
+    import copy
+
+    from engine.detokenizer import IncrementalDetokenizer
+    from services.router.openai_protocol import parse_chat
+    from services.router.sampling import RequestLimits
+    from services.router.served_model import ServedModel
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    model = ServedModel(tiny_model_path, "m", tokenizer=tok, tool_call_parser="mistral")
+    ids = tok.encode('[TOOL_CALLS]f[ARGS]{"x": 3}', add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    texts = {}
+    for name, extra, keeps in (("tools", {"tools": [F]}, True), ("plain", {}, False),
+                               ("none", {"tools": [F], "tool_choice": "none"}, False)):
+        params = parse_chat({**body, **extra}, model, RequestLimits()).prompts[0].params
+        assert params.skip_special_tokens is not keeps
+        texts[name] = IncrementalDetokenizer(model.codec, params).add_tokens(ids, finished=True)
+        assert ("[TOOL_CALLS]" in texts[name]) is keeps
+    _, calls = PARSE["mistral"](texts["tools"])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 3}
