@@ -43,9 +43,12 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # KV cache size: an explicit block count wins; else kv_cache_memory_bytes decides.
+    # KV cache size: an explicit block count wins; else kv_cache_memory_bytes; else, on a CUDA
+    # device, gpu_memory_utilization (vLLM's: that share of the device's memory, less the
+    # weights and a profiled step's peak, is KV cache); else 1 GiB.
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -53,6 +56,22 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and 0.0 < u <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if u is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("--kv-cache-memory-gb and --gpu-memory-utilization both size the KV cache: give one")
+
+    @property
+    def sized_by_profile(self) -> bool:
+        """The KV cache is what gpu_memory_utilization leaves (no explicit size given)."""
+        return self.num_blocks is None and self.gpu_memory_utilization is not None
+
+    @property
+    def fixed_kv_bytes(self) -> int:
+        return self.kv_cache_memory_bytes if self.kv_cache_memory_bytes is not None else 1 << 30
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
+from engine.memory import MemoryBudget, check_start, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import resolve_dtype
 from engine.parallel import TPLayout
-from engine.request import Request
+from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.spec_decode.grammar import mask_proposal_positions
@@ -60,9 +61,20 @@ class ModelRunner:
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
         self.num_kv_heads = self.tp_layout.local_kv_heads
         self.block_size = config.cache.block_size
-        # Memory per device, as vLLM: every rank's shard has this many blocks.
-        self.num_blocks = config.cache.num_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // self.bytes_per_block(arch))
+        probe = None
+        if config.cache.sized_by_profile:  # vLLM's --gpu-memory-utilization
+            if tp_size > 1:
+                raise ValueError("--gpu-memory-utilization does not size a tensor-parallel engine's KV cache yet: "
+                                 "give --kv-cache-memory-gb (per GPU) or --num-blocks")
+            probe = device_memory(self.device)
+            free_at_start, total = probe.free_total()
+            check_start(free_at_start, total, config.cache.gpu_memory_utilization)
+            # Room for the profiled step only; the KV cache proper is sized after it.
+            self.num_blocks = self._profile_blocks(config, max_model_len)
+        else:
+            # Memory per device, as vLLM: every rank's shard has this many blocks.
+            self.num_blocks = config.cache.num_blocks or max(
+                1, config.cache.fixed_kv_bytes // self.bytes_per_block(arch))
         self.tp = None
         if tp_size > 1:
             self.model = self._load_tensor_parallel(config, hf_config, show_progress,
@@ -77,9 +89,9 @@ class ModelRunner:
 
             connector = TPConnectorWorker(connector, self.tp)
         self.connector = connector
-        if connector is not None:  # e.g. shared memory, registered with the transport
+        if connector is not None and probe is None:  # e.g. shared memory, registered with the transport
             self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
-        else:
+        else:  # the engine's own, or the profiled step's (released after it)
             self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         sc = config.scheduler
@@ -92,12 +104,68 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(sc.max_num_seqs, arch.vocab_size, self.device)
         # request id -> its block ids, grown from each SchedulerOutput's new_block_ids.
         self.block_ids: dict[str, list[int]] = {}
-        self.decode_graphs, self.cuda_graphs_off_reason = self._decode_graphs(config)
         # Sampled ids come back through pinned memory, two slots (two steps may be in flight).
         on_cuda = self.device.type == "cuda"
         self._sampled_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
                               for _ in range(2)] if on_cuda else []
         self._sampled_slot = 0
+        self.memory_budget = None
+        if probe is not None:
+            self.memory_budget = self._size_kv_cache(probe, free_at_start, total, max_model_len)
+        self.decode_graphs, self.cuda_graphs_off_reason = self._decode_graphs(config)
+
+    def _profile_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        """Blocks for the profiled step's one prompt: the longest chunk a step may run."""
+        tokens = min(config.scheduler.max_num_batched_tokens, max_model_len)
+        return -(-tokens // self.block_size) + 1
+
+    @torch.inference_mode()
+    def _profile_step(self, max_model_len: int) -> None:
+        """The step that needs the most memory besides the KV cache: one prefill chunk of
+        max_num_batched_tokens tokens through the model, then a full batch (max_num_seqs rows)
+        sampled with top-k, top-p and 20 logprobs each (the sampler's sort and softmax copies)."""
+        sc = self.config.scheduler
+        tokens = min(sc.max_num_batched_tokens, max_model_len)
+        vocab = self.model.arch.vocab_size
+        # Fixed ids and a local generator: the global RNG (seeded by --seed) is left as it was.
+        prompt = Request("pdserve-profile", [(i * 7919 + 11) % vocab for i in range(tokens)],
+                         SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, logprobs=20))
+        so = SchedulerOutput(scheduled=[prompt], num_scheduled_tokens=[tokens],
+                             new_block_ids=[list(range(self.num_blocks))])
+        connector, self.connector = self.connector, None  # nothing of this step is the connector's
+        try:
+            self.execute(so)
+            rows = [Request(f"pdserve-profile-{i}", [0], prompt.sampling_params) for i in range(sc.max_num_seqs)]
+            g = torch.Generator(device=self.device).manual_seed(0)
+            logits = torch.randn(len(rows), vocab, device=self.device, dtype=torch.float32, generator=g)
+            self.sampler.select(logits, rows)
+        finally:
+            self.connector = connector
+            self.block_ids.pop(prompt.request_id, None)
+            self.sampler.forget(prompt.request_id)
+
+    def _size_kv_cache(self, probe, free_at_start: int, total: int, max_model_len: int) -> MemoryBudget:
+        """After the weights: the profiled step, then the KV cache is what the share asked for
+        leaves (vLLM's rule), allocated (and registered with the KV connector) now."""
+        probe.reset_peak()
+        self._profile_step(max_model_len)
+        peak = probe.peak_over_current()
+        self.kv_caches = []
+        probe.release()
+        free_after, _ = probe.free_total()
+        budget = MemoryBudget(total, free_at_start, free_after, peak, self.config.cache.gpu_memory_utilization)
+        per_block = self.bytes_per_block()
+        if budget.kv_bytes() < per_block:
+            raise ValueError(f"no room for a KV cache: {budget.describe()}; raise --gpu-memory-utilization, "
+                             "lower --max-num-batched-tokens or --max-num-seqs, or use a smaller model")
+        self.num_blocks = budget.kv_bytes() // per_block
+        logger.info("KV cache sized by --gpu-memory-utilization: %s: %d blocks of %d tokens",
+                    budget.describe(), self.num_blocks, self.block_size)
+        if self.connector is not None:
+            self.kv_caches = self.connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
+        else:
+            self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
+        return budget
 
     def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool,
                               kv_connector_factory):

@@ -29,7 +29,12 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--max-model-len", type=int, default=None, help="context length (default: the model's)")
     add(p, "--block-size", type=int, default=16, help="tokens per KV block")
     add(p, "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
-    add(p, "--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size when --num-blocks is unset")
+    add(p, "--kv-cache-memory-gb", type=float, default=None,
+        help="KV cache size when --num-blocks is unset (default: what --gpu-memory-utilization leaves, else 1 GiB)")
+    add(p, "--gpu-memory-utilization", type=float, default=None,
+        help="on a CUDA device, the share of its memory this engine takes (vLLM's flag, e.g. 0.9): what the "
+             "weights and a profiled step (the longest prefill chunk, a full batch's sampling) leave of it is "
+             "KV cache; not with --kv-cache-memory-gb")
     add(p, "--max-num-seqs", type=int, default=256, help="most requests in the running batch")
     add(p, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     add(p, "--max-waiting-requests", type=int, default=None,

@@ -98,7 +98,9 @@ def engine_kwargs(args) -> dict:
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
-                kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)))
+                kv_cache_memory_bytes=(None if args.kv_cache_memory_gb is None
+                                       else int(args.kv_cache_memory_gb * (1 << 30))),
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 _DEAD_CORE_EXIT_S = 20.0

@@ -223,3 +223,22 @@ def test_notes_say_how_to_reach_the_router_send_a_request_and_watch_scaling():
     assert "kubectl -n llm port-forward svc/pd-pdserve-router 8000:80" in notes
     assert "/v1/completions" in notes and '"model": "Qwen/Qwen2.5-1.5B-Instruct"' in notes
     assert "prefill: the planner" in notes and "logs -f deploy/pd-pdserve-planner" in notes
+
+
+def test_gpu_memory_utilization_reaches_both_engines_and_parses():
+    """engine.gpuMemoryUtilization: each engine sizes its KV cache to that share of its GPU."""
+    import argparse
+
+    from services.decode.cli import add_parsers as add_decode_parsers
+    from services.prefill.cli import add_parser as add_prefill_parser
+
+    p = argparse.ArgumentParser(prog="pdserve")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_prefill_parser(sub)
+    add_decode_parsers(sub)
+    docs = render("3", "gpu-ucx-rdma", sets={"engine.kvCacheMemoryGb": None, "engine.gpuMemoryUtilization": 0.9})
+    for name in ENGINES:
+        args = container(by_kind(docs, "Deployment")[name])["args"]
+        assert "--gpu-memory-utilization=0.9" in args and not any(a.startswith("--kv-cache-memory-gb") for a in args)
+        parsed = p.parse_args(args)
+        assert parsed.gpu_memory_utilization == 0.9 and parsed.kv_cache_memory_gb is None

@@ -21,11 +21,14 @@ CASES = {
     "typo in kvEvents": ({"kvEvents.replay_port": 5558}, "additional properties 'replay_port' not allowed"),
     "KV events replay buffer of zero": ({"kvEvents.bufferSteps": 0}, "at '/kvEvents/bufferSteps'"),
     "unknown router policy": ({"router.policy": "prefix"}, "at '/router/policy'"),
+    "GPU memory share above 1": ({"engine.gpuMemoryUtilization": 1.5}, "at '/engine/gpuMemoryUtilization'"),
 }
 # What a schema cannot compare, the templates check (`fail`); helm lint reports those as [INFO] only.
 TEMPLATE_CASES = {
     "min above max": ({"prefill.autoscaling.minReplicas": 5, "prefill.autoscaling.maxReplicas": 2},
                       "prefill.autoscaling: minReplicas (5) is above maxReplicas (2)"),
+    "two KV cache sizes": ({"engine.kvCacheMemoryGb": 40, "engine.gpuMemoryUtilization": 0.9},
+                           "engine.kvCacheMemoryGb sizes the KV cache too: give one"),
     "planner with no role": ({"planner.enabled": True, "planner.prefill.enabled": False,
                               "planner.decode.enabled": False}, "the planner scales nothing"),
     "TLS without its Secret": ({"engineAuth.tls.enabled": True}, "name the Secret holding tls.crt, tls.key and ca.crt"),

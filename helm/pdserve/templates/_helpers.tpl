@@ -161,6 +161,9 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and .Values.engineAuth.tls.enabled (not .Values.engineAuth.tls.secretName) }}
 {{- fail "engineAuth.tls.enabled: name the Secret holding tls.crt, tls.key and ca.crt in engineAuth.tls.secretName" }}
 {{- end }}
+{{- if and .Values.engine.kvCacheMemoryGb .Values.engine.gpuMemoryUtilization }}
+{{- fail "engine.gpuMemoryUtilization: engine.kvCacheMemoryGb sizes the KV cache too: give one" }}
+{{- end }}
 {{- if and .Values.planner.enabled (not (or .Values.planner.prefill.enabled .Values.planner.decode.enabled)) }}
 {{- fail "planner.enabled: the planner scales nothing: enable planner.prefill and/or planner.decode" }}
 {{- end }}

@@ -1,0 +1,135 @@
+"""--gpu-memory-utilization (vLLM's): the KV cache is what that share of the device's memory
+leaves after the weights and a profiled step. The arithmetic and the profiled step run here on
+the CPU through a scripted memory probe (CUDA's readings are the probe's only device part); the
+engine then serves token-exact with the cache it sized."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import CacheConfig
+from engine.memory import GIB, MemoryBudget, check_start
+
+MIB = 1 << 20
+
+
+class ScriptedMemory:
+    """free_total() answers the scripted readings in turn; the peak is scripted too."""
+
+    def __init__(self, total: int, frees: list[int], peak: int) -> None:
+        self.total, self.frees, self.peak = total, list(frees), peak
+        self.calls: list[str] = []
+
+    def free_total(self) -> tuple[int, int]:
+        self.calls.append("free_total")
+        return self.frees.pop(0), self.total
+
+    def reset_peak(self) -> None:
+        self.calls.append("reset_peak")
+
+    def peak_over_current(self) -> int:
+        self.calls.append("peak_over_current")
+        return self.peak
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+def test_vllms_rule():
+    b = MemoryBudget(total=80 * GIB, free_at_start=79 * GIB, free_after=63 * GIB, peak_over_after=2 * GIB,
+                     utilization=0.9)
+    assert b.requested == int(72 * GIB) and b.non_kv == 18 * GIB and b.kv_bytes() == int(54 * GIB)
+    assert "KV cache 54.00 GiB" in b.describe()
+    check_start(79 * GIB, 80 * GIB, 0.9)
+    with pytest.raises(ValueError, match="only 40.00 GiB are free"):
+        check_start(40 * GIB, 80 * GIB, 0.9)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        check_start(79 * GIB, 80 * GIB, 1.5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpu_memory_utilization=0.0), r"in \(0, 1\]"), (dict(gpu_memory_utilization=1.2), r"in \(0, 1\]"),
+    (dict(gpu_memory_utilization=0.9, kv_cache_memory_bytes=GIB), "give one"),
+])
+def test_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**kwargs)
+
+
+def test_the_engine_sizes_its_cache_and_serves(tiny_llama, monkeypatch):
+    probe = ScriptedMemory(total=200 * MIB, frees=[190 * MIB, 160 * MIB], peak=12 * MIB)
+    monkeypatch.setattr("engine.model_runner.device_memory", lambda device: probe)
+    llm = LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.3, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    # 0.3 x 200 MiB = 60 MiB, less 30 MiB the weights took and the step's 12 MiB peak: 18 MiB.
+    assert runner.memory_budget.kv_bytes() == int(0.3 * 200 * MIB) - 30 * MIB - 12 * MIB
+    assert runner.num_blocks == runner.memory_budget.kv_bytes() // runner.bytes_per_block()
+    assert runner.kv_caches[0].shape[1] == runner.num_blocks
+    assert probe.calls == ["free_total", "reset_peak", "peak_over_current", "release", "free_total"]
+    assert llm.engine.stats()["num_blocks"] == runner.num_blocks  # the scheduler's block pool
+    # The profiled step left nothing behind: the engine answers as one sized by hand.
+    prompts = [[5, 6, 7, 8], list(range(40, 140))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(tiny_llama, device="cpu", num_blocks=64).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_too_little_room_and_other_devices(tiny_llama, monkeypatch):
+    probe = ScriptedMemory(total=100 * MIB, frees=[100 * MIB, 60 * MIB], peak=10 * MIB)
+    monkeypatch.setattr("engine.model_runner.device_memory", lambda device: probe)
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.5, max_num_batched_tokens=64)
+    busy = ScriptedMemory(total=100 * MIB, frees=[30 * MIB], peak=0)
+    monkeypatch.setattr("engine.model_runner.device_memory", lambda device: busy)
+    with pytest.raises(ValueError, match="another process holds the rest"):
+        LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.5)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="on cpu give --kv-cache-memory-gb or --num-blocks"):
+        LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.9)
+    # An explicit block count wins over the share (as vLLM's num_gpu_blocks_override).
+    assert LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.9, num_blocks=32).engine.runner.num_blocks == 32
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_connector_registers_the_cache_it_sized(tiny_llama, monkeypatch, transport):
+    """P/D engines sized by the share: the KV connector gets the final cache (shared memory is
+    registered with its transport), not the profiled step's, and the transfers stay exact."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from services.common.kv_connector import KVConnectorConfig
+    from services.common.role import Role
+
+    monkeypatch.setattr("engine.model_runner.device_memory",
+                        lambda device: ScriptedMemory(total=200 * MIB, frees=[190 * MIB, 160 * MIB], peak=12 * MIB))
+    prompts = [[5, 6, 7, 8], list(range(40, 140))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, device="cpu", num_blocks=64).generate(prompts, params)]
+    sized = dict(device="cpu", detokenize=False, gpu_memory_utilization=0.3, max_num_batched_tokens=64,
+                 max_num_seqs=8)
+
+    async def main():
+        prefill = await AsyncEngine.create(tiny_llama, **sized, kv_connector_factory=KVConnectorConfig(
+            transport, Role.PREFILL, b"secret", "prefill-0"))
+        decode = await AsyncEngine.create(tiny_llama, **sized, kv_connector_factory=KVConnectorConfig(
+            transport, Role.DECODE, b"secret", "decode-0"))
+        try:
+            got = []
+            for prompt in prompts:
+                first = None
+                async for out in prefill.generate(prompt, params, prefill_only=True, publish_kv=True):
+                    first = out
+                token = first.outputs[0].token_ids[0]
+                rest = [t async for out in decode.generate(prompt, params, remote_kv=first.kv_handle,
+                                                           first_token_id=token) for t in out.delta_token_ids]
+                got.append([token, *rest])
+            runner = prefill.client.core.runner
+            assert runner.kv_caches[0].shape[1] == runner.num_blocks == 18 * MIB // runner.bytes_per_block()
+            return got
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    assert asyncio.run(main()) == want
