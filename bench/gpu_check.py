@@ -279,6 +279,32 @@ def gpu_tests(small: bool) -> dict:
     return result
 
 
+def memory_share(model: str, size: dict, device: str) -> dict:
+    """--gpu-memory-utilization on the real device: the parts it measured, the blocks it sized,
+    and what the engine then holds after a batch, against the share asked for."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    if device != "cuda":
+        return {"skipped": "needs a CUDA GPU (the share is of a GPU's memory)"}
+    torch.cuda.empty_cache()
+    llm = LLM(model, device=device, dtype=size["dtype"], max_num_seqs=size["requests"], max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    work = workload(size)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    outs = llm.generate([p for p, _ in work], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work]
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    b = runner.memory_budget
+    held = b.free_at_start - free
+    return {"budget": b.describe(), "num_blocks": runner.num_blocks, "kv_gib": b.kv_bytes() / (1 << 30),
+            "held_after_batch_gib": held / (1 << 30), "requested_gib": b.requested / (1 << 30),
+            "within_share": held <= b.requested}
+
+
 def failing_tests(pytest_output: str, limit: int = 40) -> list[str]:
     """The FAILED/ERROR lines of pytest's short summary (test id and the error's first line)."""
     lines = [line.strip() for line in pytest_output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
@@ -289,7 +315,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", default=str(ROOT / "build" / "gpu-check" / "report.json"))
     p.add_argument("--small", action="store_true", help="toy sizes (also runs on CPU): checks the script")
-    p.add_argument("--parts", default="tests,engine,stack,decode")
+    p.add_argument("--parts", default="tests,engine,stack,decode,memory")
     args = p.parse_args()
     import torch
 
@@ -308,6 +334,7 @@ def main() -> int:
         model = make_model(os.path.join(tmp, "llama-1b" if not args.small else "tiny"), size)
         steps = {"tests": lambda: gpu_tests(args.small), "engine": lambda: engine_throughput(model, size, device, rates),
                  "decode": lambda: decode_steps(model, size, device, rates),
+                 "memory": lambda: memory_share(model, size, device),
                  "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
                                                 device, rates, 24 if args.small else 800)}
         for part in parts:

@@ -133,3 +133,23 @@ def test_a_connector_registers_the_cache_it_sized(tiny_llama, monkeypatch, trans
             await decode.shutdown()
 
     assert asyncio.run(main()) == want
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_share_is_kept_and_the_engine_serves(tiny_llama):
+    """The real probe: the cache the share leaves, the same tokens as a cache sized by hand, and
+    the engine's memory (what the allocator reserved at its peak, plus the CUDA graphs it
+    captured) within the share."""
+    import torch
+
+    llm = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.5, max_num_seqs=32)
+    budget = llm.engine.runner.memory_budget
+    assert budget is not None and llm.engine.runner.num_blocks > 1000, budget.describe()
+    prompts = [[5, 6, 7, 8], list(range(40, 140))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, device="cuda", num_blocks=64,
+                                                enforce_eager=True).generate(prompts, params)]
+    assert got == want
+    free, total = torch.cuda.mem_get_info()
+    assert budget.free_at_start - free <= budget.requested * 1.02, budget.describe()
