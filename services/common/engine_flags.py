@@ -25,7 +25,8 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add(p, "--inproc", action="store_true", help="run the engine core in a thread, not its own process")
     add(p, "--device", default="auto", help="auto (the first visible GPU, else the CPU), cpu, cuda or cuda:N")
-    add(p, "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"], help="model dtype")
+    add(p, "--dtype", default="auto", choices=["float32", "float16", "bfloat16", "auto"],
+        help="model dtype; auto (vLLM's default): the checkpoint's own (config.json's dtype / torch_dtype)")
     add(p, "--max-model-len", type=int, default=None, help="context length (default: the model's)")
     add(p, "--block-size", type=int, default=16, help="tokens per KV block")
     add(p, "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
