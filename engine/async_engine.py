@@ -207,7 +207,8 @@ class AsyncEngine:
         self.streams[rid] = q
         self._inflight.add(rid, token_ids, keys)
         self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params,
-                                  find_stop=not prefill_only)
+                                  find_stop=not prefill_only,
+                                  output_prefix=(first_token_id,) if first_token_id is not None else ())
         self.client.send(AddRequest(rid, token_ids, params, self.processor.eos_token_id, priority,
                                     prefill_only, publish_kv, remote_kv, first_token_id))
         return rid, q

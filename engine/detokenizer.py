@@ -111,6 +111,12 @@ class IncrementalDetokenizer:
         self._emitted = end
         return delta
 
+    def add_prefix(self, token_ids: list[int]) -> None:
+        """Output this request had before these tokens (a decode's first token, sampled by the
+        prefill): read for stop strings, never returned as new text."""
+        self.add_tokens(token_ids)
+        self._emitted = len(self.text)
+
     def _check_stop(self) -> bool:
         # Only text added since the last check (plus a stop string's length of overlap) can match.
         search_from = max(0, self._checked - self.stop_buffer)

@@ -114,13 +114,18 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams, find_stop: bool = True) -> None:
+            params: SamplingParams, find_stop: bool = True, output_prefix: tuple[int, ...] = ()) -> None:
         """find_stop False: the request's stop strings are left to whoever reads its tokens (a
-        prefill's one token: its KV is published before the front end could see a match)."""
+        prefill's one token: its KV is published before the front end could see a match).
+        output_prefix: output this request has before this engine's (a decode's first token, which
+        the prefill sampled): read for stop strings, so one spanning it and this engine's first
+        tokens stops here too; not shown again."""
         tokenizer = self.tokenizer
         if tokenizer is None and params.stop and find_stop:
             tokenizer = self.stop_tokenizer
         state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer)
+        if state.detokenizer is not None and output_prefix:
+            state.detokenizer.add_prefix(list(output_prefix))
         if self.kind is OutputKind.DELTA:
             state.interval = max(self.stream_interval, params.stream_interval or 1)
         self.states[request_id] = state

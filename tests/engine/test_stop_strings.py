@@ -61,3 +61,16 @@ def test_stop_strings_are_looked_for_only_past_min_tokens():
     assert run(3) == ("abca", "b")
     assert run(2) == ("abca", "b")  # the "b" at token 2 is not past min_tokens
     assert run(1) == ("a", "b")
+
+
+def test_a_stop_string_spanning_the_prefills_token_stops_the_decode():
+    """A decode's request arrives with the prefill's first token: a stop string that begins in it
+    and ends in the decode's first token is found by the decode (before, only by the router)."""
+    p = OutputProcessor(None, OutputKind.DELTA, stream_interval=8, stop_tokenizer=CharTokenizer())
+    p.add("spans", None, [1], SamplingParams(max_tokens=20, stop=["ab"]), output_prefix=tuple(ids("xa")))
+    p.add("inside", None, [1], SamplingParams(max_tokens=20, stop=["zz"]), output_prefix=tuple(ids("x")))
+    got, stopped = p.process([EngineCoreOutput("spans", ids("b"))])
+    assert stopped == ["spans"] and got[0].outputs[0].finish_reason == "stop"
+    assert got[0].outputs[0].token_ids == ids("b") and got[0].outputs[0].text == ""  # the prefix is not shown again
+    got, stopped = p.process([EngineCoreOutput("inside", ids("abc"))])
+    assert not stopped and got[0].outputs[0].text == "ab"  # "c" held back: a stop may still span

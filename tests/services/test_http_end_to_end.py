@@ -133,3 +133,28 @@ def test_stream_interval_sends_fewer_chunks_and_every_token(llm, e2e_model):
         # engine finds it too), instead of generating on until the router aborted it.
         assert decoded("pdserve:request_success_total", {"finished_reason": "stop"}) == stops + 1
         assert decoded("pdserve:generation_tokens_total") - tokens == 2 * max_tokens + len(stopped.token_ids)
+
+        # A stop string that begins in the prefill's token and ends in the decode's first: the
+        # decode reads the prefill's token too, so it finishes the request itself as stopped (a
+        # not-streamed request's tokens reach the router 64 a message: it could not have cut it).
+        from engine.processor import load_tokenizer
+
+        tok = load_tokenizer(e2e_model)
+        for exp, prompt in zip(expected, prompts):
+            first, two = tok.decode(exp.token_ids[:1]), tok.decode(exp.token_ids[:2])
+            start = max(0, len(first) - 3)
+            spanning = two[start:len(first) + 3]
+            # It spans the boundary, first matches there, and the decode's own text never holds
+            # it: only a decode that reads the prefill's token can stop on it.
+            if (first and len(two) > len(first) and two.find(spanning) == start
+                    and spanning not in tok.decode(exp.token_ids[1:])):
+                break
+        else:
+            pytest.fail("no prompt's first two tokens give a stop string that spans them")
+        tokens = decoded("pdserve:generation_tokens_total")
+        stops = decoded("pdserve:request_success_total", {"finished_reason": "stop"})
+        status, body = stack.post("/v1/completions", {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0, "ignore_eos": True, "stop": [spanning]})
+        assert status == 200 and body["choices"][0]["text"] == first[:start], body
+        assert decoded("pdserve:request_success_total", {"finished_reason": "stop"}) == stops + 1
+        assert decoded("pdserve:generation_tokens_total") - tokens < max_tokens - 1  # not run to its length
