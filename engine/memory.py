@@ -82,3 +82,13 @@ def check_start(free: int, total: int, utilization: float) -> None:
         raise ValueError(f"--gpu-memory-utilization {utilization} asks for {total * utilization / GIB:.2f} GiB of "
                          f"the device's {total / GIB:.2f} GiB, but only {free / GIB:.2f} GiB are free (another "
                          "process holds the rest): lower it, or free the device")
+
+
+def default_size_warning(device: torch.device, cache, num_blocks: int, block_size: int) -> str | None:
+    """The words for a GPU engine whose KV cache fell to the 1 GiB default (nothing sized it):
+    a GPU's capacity in sequences is its cache, and vLLM would have taken 90% of the device."""
+    if device.type != "cuda" or cache.num_blocks is not None or cache.kv_cache_memory_bytes is not None \
+            or cache.gpu_memory_utilization is not None:
+        return None
+    return (f"the KV cache is the 1 GiB default ({num_blocks} blocks, {num_blocks * block_size} tokens) on a GPU: "
+            "give --gpu-memory-utilization (vLLM's default is 0.9) or --kv-cache-memory-gb")

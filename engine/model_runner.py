@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device
 from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
-from engine.memory import MemoryBudget, check_start, device_memory
+from engine.memory import MemoryBudget, check_start, default_size_warning, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import resolve_dtype
@@ -75,6 +75,9 @@ class ModelRunner:
             # Memory per device, as vLLM: every rank's shard has this many blocks.
             self.num_blocks = config.cache.num_blocks or max(
                 1, config.cache.fixed_kv_bytes // self.bytes_per_block(arch))
+            warning = default_size_warning(self.device, config.cache, self.num_blocks, self.block_size)
+            if warning:
+                logger.warning(warning)
         self.tp = None
         if tp_size > 1:
             self.model = self._load_tensor_parallel(config, hf_config, show_progress,

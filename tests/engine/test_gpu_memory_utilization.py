@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import CacheConfig
-from engine.memory import GIB, MemoryBudget, check_start
+from engine.memory import GIB, MemoryBudget, check_start, default_size_warning
 
 MIB = 1 << 20
 
@@ -154,3 +154,15 @@ def test_on_cuda_the_share_is_kept_and_the_engine_serves(tiny_llama):
     want = [o.outputs[0].token_ids for o in LLM(tiny_llama, device="cuda", num_blocks=64,
                                                 enforce_eager=True).generate(prompts, params)]
     assert got == want
+
+
+def test_a_gpu_engine_left_at_the_default_size_is_told():
+    import torch
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    said = default_size_warning(cuda, CacheConfig(), 512, 16)
+    assert "1 GiB default (512 blocks, 8192 tokens)" in said and "--gpu-memory-utilization" in said
+    for cache in (CacheConfig(num_blocks=64), CacheConfig(kv_cache_memory_bytes=GIB),
+                  CacheConfig(gpu_memory_utilization=0.9)):
+        assert default_size_warning(cuda, cache, 512, 16) is None
+    assert default_size_warning(cpu, CacheConfig(), 512, 16) is None  # the CPU's default is a fine size
