@@ -17,6 +17,7 @@ from engine.request import DuplicateRequestError, Request, RequestStatus, genera
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 from engine.spec_decode import make_proposer, spec_decode_stats
 from engine.structured_output.manager import StructuredOutputManager
+from engine.thinking_budget import for_request
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,11 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
     if wanted > limit:
         raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} tokens")
     return wanted
+
+
+def _thinking_may_force(r) -> bool:
+    at = for_request(r)
+    return at is not None and r.sampling_params.thinking_budget.may_force_after_next(*at)
 
 
 def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) -> SchedulerOutput | None:
@@ -58,7 +64,7 @@ def next_decode_step(step: LaunchedStep, max_model_len: int, block_size: int) ->
         if (r.status != RequestStatus.RUNNING or r.prefill_only or r.remote_kv is not None
                 or r.num_output_tokens + 1 >= p.max_tokens or position + 1 >= max_model_len
                 or p.min_tokens > r.num_output_tokens or p.depends_on_output
-                or (p.thinking_budget is not None and p.thinking_budget.may_force_after_next(r.output_history))
+                or (p.thinking_budget is not None and _thinking_may_force(r))
                 or (position + 1) % block_size == 0
                 or position // block_size >= r.num_computed_tokens // block_size + 1):
             continue

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from engine.device import on_device
+from engine.thinking_budget import for_request
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
@@ -33,7 +34,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
                    if output_ids_per_row is not None else [r.num_output_tokens for r in requests])
     outputs = output_ids_per_row if output_ids_per_row is not None else _LazyOutputs(requests)
     forced = {i: t for i, p in enumerate(params) if p.thinking_budget is not None
-              for t in (p.thinking_budget.forced_token(outputs[i]),) if t is not None}
+              for t in (_forced(requests[i], outputs, i, output_ids_per_row),) if t is not None}
     if not forced and not any(p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids or p.has_penalties
                               or p.min_tokens > n for p, n in zip(params, num_outputs)):
         return logits
@@ -81,6 +82,16 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence,
         logits[rows] = float("-inf")
         logits[rows, cols] = kept.to(logits.dtype)
     return logits
+
+
+def _forced(request, outputs, i: int, explicit) -> int | None:
+    """A thinking budget's forced token for row i: on the request's own token ids (no copy; none
+    once its reasoning closed), or on the row's explicit output (a speculative position)."""
+    tb = request.sampling_params.thinking_budget
+    if explicit is not None:
+        return tb.forced_token(outputs[i])
+    at = for_request(request)
+    return None if at is None else tb.forced_token(*at)
 
 
 class _LazyOutputs:

@@ -249,6 +249,8 @@ class Request:
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set: one entry per
         # prompt token after the first, (logprob, [(token id, logprob), ...top-n]).
         self.prompt_logprobs: list | None = [] if self.sampling_params.prompt_logprobs is not None else None
+        # A thinking budget's reasoning has closed in the committed output (it never reopens).
+        self.thinking_closed = False
 
     @property
     def num_tokens(self) -> int:
@@ -261,6 +263,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def output_start(self) -> int:
+        """Where output_history starts in all_token_ids."""
+        return self.num_prompt_tokens - min(self.sampling_params.resumed_tokens, self.num_prompt_tokens)
 
     @property
     def output_history(self) -> list[int]:

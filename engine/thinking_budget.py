@@ -62,40 +62,60 @@ class ThinkingBudget:
         """Every id it may force or match (for the vocabulary check)."""
         return tuple(dict.fromkeys((*self.end, *self.start, *self.forced)))
 
-    def forced_token(self, output: Sequence[int]) -> int | None:
-        """The token the next position must take after `output` (this request's output so far,
-        a resumed tail included), or None when the output may go on as it likes: not reasoning
-        (yet, or any more), or within the budget."""
-        n = len(output)
+    def _reasoning_from(self, seq: Sequence[int], begin: int, unknown_next: bool = False) -> int | None:
+        """Where the reasoning starts in seq (the output from `begin`), or None when it has not
+        started. `unknown_next`: a token not yet known follows (a redundant opening marker only
+        moves the start later, so the earliest is taken)."""
         start = self.start
         if self.starts_in_reasoning:
             k = len(start)
-            reasoning_from = k if k and n >= k and tuple(output[:k]) == start else 0
-        else:
-            at = _find(output, start, 0)
-            if at < 0:
-                return None
-            reasoning_from = at + len(start)
-        spent = n - reasoning_from - self.budget
-        if spent < 0 or spent >= len(self.forced) or _find(output, self.end, reasoning_from) >= 0:
+            if unknown_next or not k or len(seq) - begin < k or tuple(seq[begin:begin + k]) != start:
+                return begin
+            return begin + k
+        at = _find(seq, start, begin)
+        return None if at < 0 else at + len(start)
+
+    def closed(self, seq: Sequence[int], begin: int = 0) -> bool:
+        """The output (seq from `begin`) has opened and closed its reasoning: for good."""
+        reasoning_from = self._reasoning_from(seq, begin)
+        return reasoning_from is not None and _find(seq, self.end, reasoning_from) >= 0
+
+    def forced_token(self, seq: Sequence[int], begin: int = 0) -> int | None:
+        """The token the next position must take after seq[begin:] (this request's output so
+        far, a resumed tail included), or None when the output may go on as it likes: not
+        reasoning (yet, or any more), or within the budget."""
+        reasoning_from = self._reasoning_from(seq, begin)
+        if reasoning_from is None:
+            return None
+        spent = len(seq) - reasoning_from - self.budget
+        if spent < 0 or spent >= len(self.forced) or _find(seq, self.end, reasoning_from) >= 0:
             return None
         return self.forced[spent]
 
-    def may_force_after_next(self, output: Sequence[int]) -> bool:
-        """Whether the position after `output` plus one token not yet known may be forced: the
-        engine's overlapped decode step launches it before that token is read back, so it only
-        may where the answer is no whatever the token is."""
-        n = len(output)
-        if not self.starts_in_reasoning:
-            at = _find(output, self.start, 0)
-            if at < 0:  # the unknown token may complete the opening marker
-                return self.budget == 0
-            reasoning_from = at + len(self.start)
-        else:
-            reasoning_from = 0  # a redundant opening marker only moves it later
-        if _find(output, self.end, reasoning_from) >= 0:
+    def may_force_after_next(self, seq: Sequence[int], begin: int = 0) -> bool:
+        """Whether the position after seq[begin:] plus one token not yet known may be forced:
+        the engine's overlapped decode step launches it before that token is read back, so it
+        only may where the answer is no whatever the token is."""
+        reasoning_from = self._reasoning_from(seq, begin, unknown_next=True)
+        if reasoning_from is None:  # the unknown token may complete the opening marker
+            return self.budget == 0
+        if _find(seq, self.end, reasoning_from) >= 0:
             return False
-        return n + 1 - reasoning_from - self.budget >= 0
+        return len(seq) + 1 - reasoning_from - self.budget >= 0
+
+
+def for_request(request) -> tuple[list[int], int] | None:
+    """(the request's token ids, where its output starts) while its thinking budget may still
+    act; None once its reasoning closed (remembered on the request: its committed output only
+    grows) or when it has no budget."""
+    tb = request.sampling_params.thinking_budget
+    if tb is None or request.thinking_closed:
+        return None
+    seq, begin = request.all_token_ids, request.output_start
+    if tb.closed(seq, begin):
+        request.thinking_closed = True
+        return None
+    return seq, begin
 
 
 def _find(seq: Sequence[int], marker: tuple[int, ...], begin: int) -> int:

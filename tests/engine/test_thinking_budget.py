@@ -134,6 +134,24 @@ def test_rows_a_budget_may_close_are_not_launched_ahead():
     assert [r.request_id for r in following.scheduled] == ["far", "closed", "unopened"]
 
 
+def test_a_closed_reasoning_is_remembered_and_the_output_read_in_place():
+    """Once the committed output closed its reasoning, the request says so and is not scanned
+    again; before, the rule reads the request's token ids from where its output starts (a
+    resumed tail included) without copying them."""
+    from engine.thinking_budget import for_request
+
+    tb = ThinkingBudget(2, end=(END,))
+    r = request("r", [4], thinking_budget=tb)
+    assert for_request(r) == (r.all_token_ids, 3) and not r.thinking_closed
+    r.append_token(END)
+    assert for_request(r) is None and r.thinking_closed
+    # A resumed request: the prompt's last 2 tokens are its earlier output (one reasoning token, then 5).
+    resumed = Request("m", [1, 2, 4, 5], SamplingParams(max_tokens=9, resumed_tokens=2, thinking_budget=tb))
+    seq, begin = for_request(resumed)
+    assert begin == 2 and tb.forced_token(seq, begin) == END
+    assert for_request(request("plain", [4])) is None
+
+
 # ---- the engine, against transformers --------------------------------------------------------------
 
 class HFGreedy:
