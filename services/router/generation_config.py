@@ -55,7 +55,8 @@ def sampling_defaults(model_path: str, source: str = "auto", override: dict | No
             raise ValueError("--override-generation-config must be a JSON object")
         unknown = sorted(set(override) - set(SAMPLING_KEYS))
         if unknown:
-            raise ValueError(f"--override-generation-config: unknown keys {unknown}; known: {', '.join(SAMPLING_KEYS)}")
+            raise ValueError(f"--override-generation-config: unknown keys {unknown}; "
+                             f"known: {', '.join(SAMPLING_KEYS)}")
         config, where = {**config, **override}, f"{where} and --override-generation-config"
     defaults = {("max_tokens" if k == "max_new_tokens" else k): config[k] for k in SAMPLING_KEYS
                 if config.get(k) is not None}

@@ -36,7 +36,8 @@ _CHAT_SAME = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs",
               "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "structured_outputs",
               "include_reasoning")
 # Chat completion parameters whose Messages names differ, for the errors a chat parse raises.
-_PARAMS = {"max_tokens": "max_tokens", "thinking_token_budget": "thinking.budget_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
+_PARAMS = {"max_tokens": "max_tokens", "thinking_token_budget": "thinking.budget_tokens", "stop": "stop_sequences",
+           "response_format": "output_config.format",
            "reasoning_effort": "output_config.effort", "tools": "tools", "tool_choice": "tool_choice"}
 # Anthropic's (and vLLM's) least thinking.budget_tokens.
 MIN_BUDGET_TOKENS = 1024

@@ -85,8 +85,9 @@ class ServedModel:
                                     if reasoning_parser is not None else ())
         # Forced when a thinking budget is spent: --reasoning-end-str's phrase, then the marker.
         phrase = (reasoning_end_str or END)[:-len(END)]
-        self.reasoning_forced_ids = ((*self.tokenizer.encode(phrase, add_special_tokens=False), *self.reasoning_end_ids)
-                                     if reasoning_parser is not None and phrase else self.reasoning_end_ids)
+        self.reasoning_forced_ids = (
+            (*self.tokenizer.encode(phrase, add_special_tokens=False), *self.reasoning_end_ids)
+            if reasoning_parser is not None and phrase else self.reasoning_end_ids)
         self.codec = make_codec(self.tokenizer)  # encode/decode on the request path
         self.default_chat_template: str | None = None  # --chat-template, over the model's
         # What a request that does not set them samples with (the router's --generation-config).
@@ -155,9 +156,10 @@ class ServedModel:
                   template_kwargs: dict, chat_template: str | None = None, tools: list[dict] | None = None,
                   documents: list[dict] | None = None) -> str:
         """The chat template's text for these messages: `chat_template`, a template the operator
-        allowed requests to send (else --chat-template's, else the model's); `tools`, the request's tools, for templates
-        that render them (Hermes, Qwen, Llama 3); `documents`, for templates that render
-        retrieved documents. The template writes the special tokens it wants (BOS included)."""
+        allowed requests to send (else --chat-template's, else the model's); `tools`, the
+        request's tools, for templates that render them (Hermes, Qwen, Llama 3); `documents`, for
+        templates that render retrieved documents. The template writes the special tokens it
+        wants (BOS included)."""
         # Like vLLM, keyword arguments that name apply_chat_template's own parameters are dropped:
         # only template variables reach the template.
         kwargs = {k: v for k, v in template_kwargs.items() if k not in self._template_params}

@@ -267,7 +267,8 @@ def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
             value, end = json.JSONDecoder().raw_decode(arguments.strip())
             if not sep or not name or arguments.strip()[end:].strip():
                 return text, []
-            calls.append(make_call(name, json.dumps(value, ensure_ascii=False), mistral_call_id(given_id.strip() or None)))
+            calls.append(make_call(name, json.dumps(value, ensure_ascii=False),
+                                   mistral_call_id(given_id.strip() or None)))
         except (ValueError, KeyError, TypeError, AttributeError):
             return text, []
     if not calls:
