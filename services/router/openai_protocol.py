@@ -458,10 +458,12 @@ class RenderedChat:
     text: str  # the chat template's output for them
 
 
-def _render_chat(b: Body, model: ServedModel, limits: RequestLimits) -> RenderedChat:
+def _render_chat(b: Body, model: ServedModel, limits: RequestLimits, generating: bool = True) -> RenderedChat:
     """The chat template's text for a chat body, as chat completions and /tokenize both render
-    it: tools, template kwargs (reasoning_effort), a trusted request template, documents."""
-    tools = parse_tools(b.body, model.tool_call_parser, model.auto_tool_choice)
+    it: tools, template kwargs (reasoning_effort), a trusted request template, documents.
+    `generating` False (/tokenize, count_tokens): nothing is generated, so tool_choice "auto"
+    needs no --enable-auto-tool-choice."""
+    tools = parse_tools(b.body, model.tool_call_parser, model.auto_tool_choice or not generating)
     messages = chat_messages(b.body.get("messages"))
     add_generation = b.get("add_generation_prompt", "bool", True)
     continue_final = b.get("continue_final_message", "bool", False)
@@ -559,7 +561,7 @@ def tokenize(body, model: ServedModel, limits: RequestLimits) -> dict:
     b = Body(body, TOKENIZE_FIELDS)
     _check_model(model, b)
     if "messages" in b.body:
-        text = _render_chat(b, model, limits).text
+        text = _render_chat(b, model, limits, generating=False).text
         ids = model.encode(text, add_special_tokens=b.get("add_special_tokens", "bool", False))
     elif "prompt" in b.body:
         ids = model.encode(b.get("prompt", "str"), add_special_tokens=b.get("add_special_tokens", "bool", True))

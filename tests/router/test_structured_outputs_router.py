@@ -258,6 +258,8 @@ def test_auto_tool_choice_can_be_turned_off_as_vllm_without_the_flag(make_stack,
         assert err["error"]["param"] == "tool_choice"
     for choice in ("required", "none", {"type": "function", "function": {"name": "f"}}):
         assert stack.post("/v1/chat/completions", {**body, "tool_choice": choice})[0] == 200, choice
+    # Counting a prompt generates nothing: /tokenize renders tools with the default choice.
+    assert stack.post("/tokenize", {"messages": body["messages"], "tools": [F]})[0] == 200
 
 
 @pytest.mark.parametrize("text, content, calls", [
