@@ -46,6 +46,14 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "shared by prompts in flight counts once (default: the KV cache's size)")
     add(p, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add(p, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    # vLLM's spellings of the two, so its command lines start as they are (on by default here too).
+    add(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="the prefix cache (vLLM's flag; on unless --no-enable-prefix-caching or --no-prefix-caching)")
+    add(p, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="chunked prefill (vLLM's flag; on unless --no-enable-chunked-prefill or --no-chunked-prefill)")
+    add(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the KV cache's dtype (vLLM's flag): auto, the model's; fp8 caches are not supported yet (an "
+             "error at start, not a silent full-precision cache)")
     add(p, "--stream-interval", type=int, default=1,
         help="tokens a streamed request's updates carry at least after its first, as vLLM's and SGLang's flag: "
              "fewer gRPC, router and HTTP messages per token, each update later by up to N - 1 steps")

@@ -84,14 +84,27 @@ class EngineServicer(pb_grpc.EngineServicer):
         return report
 
 
+def _switch(args, name: str) -> bool:
+    """A feature on by default, off by our --no-<name> or vLLM's --no-enable-<name>; the two
+    spellings saying opposite things is an error."""
+    vllm, off = getattr(args, f"enable_{name}", None), getattr(args, f"no_{name}")
+    flag = name.replace("_", "-")
+    if vllm and off:
+        raise ValueError(f"--enable-{flag} and --no-{flag} contradict each other: give one")
+    return not off if vllm is None else vllm
+
+
 def engine_kwargs(args) -> dict:
     """The engine options of the shared flags."""
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV caches are not supported yet; the cache "
+                         "is the model's dtype (--kv-cache-dtype auto)")
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-                enable_prefix_caching=not args.no_prefix_caching,
-                enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
+                enable_prefix_caching=_switch(args, "prefix_caching"),
+                enable_chunked_prefill=_switch(args, "chunked_prefill"), policy=args.scheduling_policy,
                 stream_interval=args.stream_interval,
                 num_threads=args.num_threads, kernel_backend=args.kernel_backend, kv_events=args.kv_events_config,
                 linear_backend=args.linear_backend, cpu_allocator=args.cpu_allocator,

@@ -43,3 +43,21 @@ def test_cpu_and_linear_backends_reach_the_engine_config(tiny_llama):
     assert (config.model.linear_backend, config.parallel.cpu_allocator) == ("torch", "system")
     assert config.stream_interval == 8
     assert EngineConfig.create(tiny_llama, **engine_kwargs(parse(Role.DECODE))).parallel.cpu_allocator == "auto"
+
+
+@pytest.mark.parametrize("flags, prefix, chunked", [
+    ((), True, True), (("--enable-prefix-caching", "--enable-chunked-prefill"), True, True),
+    (("--no-enable-prefix-caching",), False, True), (("--no-prefix-caching",), False, True),
+    (("--no-enable-chunked-prefill",), True, False), (("--no-chunked-prefill",), True, False),
+])
+def test_vllms_spellings_of_the_cache_switches(flags, prefix, chunked):
+    kwargs = engine_kwargs(parse(Role.DECODE, *flags))
+    assert (kwargs["enable_prefix_caching"], kwargs["enable_chunked_prefill"]) == (prefix, chunked)
+
+
+def test_contradictions_and_fp8_caches_are_refused():
+    with pytest.raises(ValueError, match="contradict"):
+        engine_kwargs(parse(Role.DECODE, "--enable-prefix-caching", "--no-prefix-caching"))
+    with pytest.raises(ValueError, match="fp8 KV caches are not supported yet"):
+        engine_kwargs(parse(Role.PREFILL, "--kv-cache-dtype", "fp8"))
+    assert "kv_cache_dtype" not in engine_kwargs(parse(Role.PREFILL, "--kv-cache-dtype", "auto"))
