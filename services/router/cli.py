@@ -103,8 +103,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "prefill instance (its outstanding tokens beyond one step's budget), a decode instance with room "
           "computes the prompt (default: the prompt's own uncached tokens times 1 + the requests decoding on "
           "that decode: computing it there stalls each of them for as long as the prompt takes)", type=int)
-    _flag(p, "--api-key", "require 'Authorization: Bearer KEY' on /v1/* and on gRPC Generate "
-          "(PDSERVE_API_KEY works too)", default=os.environ.get("PDSERVE_API_KEY"))
+    _flag(p, "--api-key", "require 'Authorization: Bearer KEY' (or x-api-key) on /v1/* and on gRPC Generate; "
+          "several keys (vLLM's flag takes several: rotate one while the other serves) are any of them; "
+          "PDSERVE_API_KEY works too, comma-separated", nargs="+", default=os.environ.get("PDSERVE_API_KEY"))
     _flag(p, "--max-model-len", "context length limit (default: the smallest any instance reports, "
           "else the checkpoint's max_position_embeddings)", type=int)
     _flag(p, "--generation-config", "where requests' sampling defaults come from (vLLM's flag): auto (the "
@@ -202,7 +203,7 @@ def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         model=args.model, served_model_name=served_names(args)[0], served_model_aliases=served_names(args)[1:],
         prefill=parse_addresses(args.prefill), decode=parse_addresses(args.decode), host=args.host,
-        port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=args.api_key or None,
+        port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=(tuple(args.api_key) if isinstance(args.api_key, list) else args.api_key) or None,
         kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
         kv_low_confidence_weight=args.kv_low_confidence_weight, pd_policy=args.pd_policy,
         max_local_prefill_length=args.max_local_prefill_length,

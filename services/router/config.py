@@ -53,7 +53,9 @@ class RouterConfig:
     # conditional: prefill queue beyond which a decode with room computes; None: the prompt's own
     # uncached tokens (it would wait at the prefill longer than its compute takes)
     max_prefill_queue_tokens: int | None = None
-    api_key: str | None = None
+    # The API keys clients may send (vLLM's --api-key takes several: rotate one while the other
+    # serves); a string may hold several, comma-separated (the environment variable's form).
+    api_key: str | tuple[str, ...] | None = None
     max_model_len: int | None = None  # None: what the instances report, else config.json
     request_timeout_s: float = 600.0
     prefill_timeout_s: float = 60.0
@@ -96,6 +98,11 @@ class RouterConfig:
     reasoning_end_str: str | None = None
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (answers carry the first)
     engine_auth: ChannelAuth = ChannelAuth()  # token and/or TLS the engines' gRPC services demand
+
+    @property
+    def api_keys(self) -> tuple[bytes, ...]:
+        keys = self.api_key.split(",") if isinstance(self.api_key, str) else (self.api_key or ())
+        return tuple(k.strip().encode() for k in keys if k.strip())
 
     def __post_init__(self) -> None:
         self._check_discovery()

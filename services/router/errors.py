@@ -1,6 +1,8 @@
 """One error type for everything the router refuses, with its HTTP status and gRPC code."""
 from __future__ import annotations
 
+import hmac
+
 import grpc
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -48,3 +50,13 @@ def overloaded(role: str, num_tried: int) -> RouterError:
     """Every instance tried refused the request at capacity: the client should come back later."""
     return RouterError(429, f"every {role} instance tried ({num_tried}) is at capacity; retry later",
                        code="overloaded", retry_after_s=1)
+
+
+def key_matches(given: str, keys: tuple[bytes, ...]) -> bool:
+    """`given` is one of the API keys; every key is compared (in constant time each), so the
+    answer's timing does not say which one came close."""
+    token = given.strip().encode()
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found

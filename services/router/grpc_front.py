@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 from engine.request import InvalidRequestError
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs, thinking_from_proto
-from services.router.errors import RouterError, bad_request
+from services.router.errors import RouterError, bad_request, key_matches
 from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
 from services.router.structured_outputs import check as check_structured_outputs
@@ -26,14 +25,14 @@ class GenerateService(pb_grpc.GenerateServicer):
         self.metrics = router.metrics
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
-        self._api_key = router.config.api_key.encode() if router.config.api_key else None
+        self._api_keys = router.config.api_keys
 
     def _check_auth(self, context) -> None:
-        if self._api_key is None:
+        if not self._api_keys:
             return
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+        if scheme.lower() != "bearer" or not key_matches(token, self._api_keys):
             raise RouterError(401, "missing or incorrect API key (metadata authorization: Bearer <key>)")
 
     def _prepare(self, request: pb.GenerateRequest) -> PreparedPrompt:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import msgspec
 from aiohttp import web
 
 from services.router.cors import is_preflight
-from services.router.errors import RouterError, bad_request
+from services.router.errors import RouterError, bad_request, key_matches
 from services.router.generation import REQUEST_ID
 from services.router.messages_api import MessagesServing, count_tokens, parse_messages
 from services.router.messages_api import error_body as anthropic_error_body
@@ -48,7 +47,7 @@ class HttpGateway:
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
         self.max_body_bytes = router.config.max_payload_size
-        self._api_key = router.config.api_key.encode() if router.config.api_key else None
+        self._api_keys = router.config.api_keys
         self.cors = router.config.cors
 
     def make_app(self) -> web.Application:
@@ -82,13 +81,13 @@ class HttpGateway:
 
     def _authorized(self, request: web.Request) -> bool:
         """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
-        if self._api_key is None or not request.path.startswith(PROTECTED):
+        if not self._api_keys or not request.path.startswith(PROTECTED):
             return True
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key):
+        if scheme.lower() == "bearer" and key_matches(token, self._api_keys):
             return True
-        return hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), self._api_key)
+        return key_matches(request.headers.get("x-api-key", ""), self._api_keys)
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         self.cors.decorate(request, response)  # streamed answers too: this runs as headers go out

@@ -36,6 +36,10 @@ def test_flags_and_env_vars(monkeypatch):
     assert c.request_timeout_s == 5.0 and c.served_model_name == "tiny" and c.disaggregated
     monkeypatch.setenv("PDSERVE_ROUTER_API_KEY", "router-key")
     assert config_from_args(parse(["--decode", "h:1"])).api_key == "router-key"
+    c = config_from_args(parse(["--decode", "h:1", "--api-key", "k1", "k2"]))
+    assert c.api_key == ("k1", "k2") and c.api_keys == (b"k1", b"k2")
+    monkeypatch.setenv("PDSERVE_ROUTER_API_KEY", "a, b")
+    assert config_from_args(parse(["--decode", "h:1"])).api_keys == (b"a", b"b")
 
 
 def test_several_served_model_names(monkeypatch):

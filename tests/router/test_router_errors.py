@@ -117,6 +117,30 @@ def test_api_key(make_stack):
     assert stack.request("GET", "/metrics")[0] == 200
 
 
+def test_several_api_keys_rotate(make_stack):
+    """vLLM's --api-key takes several: any of them is let in (one can be retired while the other
+    serves), on HTTP and gRPC; a comma-separated string (the environment's form) says the same."""
+    import grpc
+
+    from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+
+    body = {"prompt": "hi", "max_tokens": 2}
+    for keys in (("old-key", "new-key"), "old-key, new-key"):
+        stack = make_stack(api_key=keys)
+        for key in ("old-key", "new-key"):
+            assert stack.post("/v1/completions", body, {"Authorization": f"Bearer {key}"})[0] == 200
+            assert stack.post("/v1/completions", body, {"x-api-key": key})[0] == 200
+        assert_error(stack.post("/v1/completions", body, {"Authorization": "Bearer old-key, new-key"}), 401)
+        assert_error(stack.post("/v1/completions", body, {"Authorization": "Bearer other"}), 401)
+        with grpc.insecure_channel(stack.grpc_target) as ch:
+            stub = pb_grpc.GenerateStub(ch)
+            request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2))
+            assert list(stub.Generate(request, timeout=10, metadata=[("authorization", "Bearer new-key")]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, timeout=10, metadata=[("authorization", "Bearer nope")]))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_no_healthy_instance_is_503_with_a_reason(make_stack):
     stack = make_stack(prefill=1, decode=1)
     stack.lt.run(stack.prefills[0].set_serving(False))
