@@ -21,7 +21,8 @@ COMMON_FIELDS = {
     "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "request_id", "cache_salt",
     "bad_words", "stream_interval", "priority", "return_token_ids", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "allowed_token_ids", "thinking_token_budget", "prompt_logprobs"} | STRUCTURED_FIELDS
+    "truncate_prompt_tokens", "allowed_token_ids", "thinking_token_budget", "prompt_logprobs",
+    "spaces_between_special_tokens"} | STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens", "truncation_side"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -163,6 +164,9 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
     ids = b.get("stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
+    # vLLM's spaces_between_special_tokens: a slow tokenizer's option; every tokenizer here is a
+    # fast one (tokenizer.json), where it changes nothing, as in vLLM's fast detokenizer. Checked.
+    b.get("spaces_between_special_tokens", "bool")
     d = model.sampling_defaults  # the model's (vLLM's --generation-config), then OpenAI's
     knobs = dict(temperature=b.get("temperature", "number", d.get("temperature", 1.0)),
                  top_p=b.get("top_p", "number", d.get("top_p", 1.0)),

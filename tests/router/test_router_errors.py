@@ -103,6 +103,13 @@ def test_unknown_fields_are_ignored_and_counted(stack, caplog):
     assert "'frobnicate', 'zeta'" in caplog.text
     status, headers, _ = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert "X-Ignored-Fields-Count" not in headers
+    # vLLM's spaces_between_special_tokens is known (it changes nothing with fast tokenizers,
+    # every tokenizer here, as in vLLM's fast detokenizer), and checked.
+    status, headers, _ = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                        "spaces_between_special_tokens": False})
+    assert status == 200 and "X-Ignored-Fields-Count" not in headers
+    assert_error(stack.post("/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": "no"}), 400,
+                 "spaces_between_special_tokens")
 
 
 def test_api_key(make_stack):
