@@ -25,21 +25,22 @@ def _flag(p: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
     add(p, flag, env_prefix=ENV_PREFIX, help=help, **kwargs)
 
 
-def _json_object(text: str) -> dict:
+def _json(text: str):
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+
+
+def _json_object(text: str) -> dict:
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 
 def _json_list(text: str) -> list:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    value = _json(text)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError("must be a JSON array of strings")
     return value

@@ -1,13 +1,23 @@
 """The router test harness: an event loop in a thread, fakes + router stacks, sync HTTP helpers."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.client
 import json
 import threading
 import time
 
+from services.router.cli import add_router_parser, config_from_args
 from services.router.server import Router
+
+
+def router_config(model: str, *argv: str):
+    """The RouterConfig `pdserve router --model MODEL --decode h:1 ARGV...` builds (flags and
+    environment variables read as the CLI reads them)."""
+    p = argparse.ArgumentParser()
+    add_router_parser(p.add_subparsers(dest="command"))
+    return config_from_args(p.parse_args(["router", "--model", model, "--decode", "h:1", *argv]))
 
 
 class LoopThread:

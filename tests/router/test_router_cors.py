@@ -3,12 +3,12 @@ Starlette's rules): preflights answered before the API key is asked for, allowed
 answer (streamed too), nothing allowed by default."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
-from services.router.cli import add_router_parser, config_from_args
 from services.router.cors import CorsPolicy
+
+from router_harness import router_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 APP = "https://chat.example.com"
@@ -71,9 +71,7 @@ def test_any_origin_credentials_methods_and_headers(make_stack):
 
 def test_the_flags(tiny_model_path, monkeypatch):
     def config(*argv):
-        p = argparse.ArgumentParser()
-        add_router_parser(p.add_subparsers(dest="command"))
-        return config_from_args(p.parse_args(["router", "--model", tiny_model_path, "--decode", "h:1", *argv]))
+        return router_config(tiny_model_path, *argv)
 
     assert config().cors == CorsPolicy()
     c = config("--allowed-origins", f'["{APP}"]', "--allowed-methods", '["GET", "POST"]', "--allow-credentials")

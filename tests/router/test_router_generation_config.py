@@ -3,13 +3,13 @@ the requests that do not set them, on every HTTP API; a request's own values win
 them off; --override-generation-config goes on top; a bad file stops the router at start."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from services.router.cli import add_router_parser, config_from_args
 from services.router.generation_config import sampling_defaults
+
+from router_harness import router_config
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
          "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
@@ -60,9 +60,7 @@ def test_bad_defaults_stop_the_router_at_start(tmp_path, files, source, override
 
 def test_the_flags(tiny_model_path):
     def config(*argv):
-        p = argparse.ArgumentParser()
-        add_router_parser(p.add_subparsers(dest="command"))
-        return config_from_args(p.parse_args(["router", "--model", tiny_model_path, "--decode", "h:1", *argv]))
+        return router_config(tiny_model_path, *argv)
 
     c = config()
     assert (c.generation_config, c.override_generation_config) == ("auto", None)

@@ -3,7 +3,6 @@
 bad files refused at start."""
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import ssl
@@ -13,8 +12,9 @@ import pytest
 import trustme
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
-from services.router.cli import add_router_parser, config_from_args
 from services.router.tls import FrontTls
+
+from router_harness import router_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -77,9 +77,7 @@ def test_client_certificates_when_required(make_stack, pki):
 
 def test_the_flags(tiny_model_path, pki, tmp_path):
     def config(*argv):
-        p = argparse.ArgumentParser()
-        add_router_parser(p.add_subparsers(dest="command"))
-        return config_from_args(p.parse_args(["router", "--model", tiny_model_path, "--decode", "h:1", *argv]))
+        return router_config(tiny_model_path, *argv)
 
     assert config().tls is None
     tls = config("--ssl-certfile", pki["server.pem"], "--ssl-keyfile", pki["server.key"]).tls

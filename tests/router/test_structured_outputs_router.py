@@ -237,14 +237,10 @@ def test_auto_tool_choice_can_be_turned_off_as_vllm_without_the_flag(make_stack,
     """--enable-auto-tool-choice is on by default (vLLM command lines carry it); with
     --no-enable-auto-tool-choice, tool_choice "auto" (the default with tools) is a 400, and
     "required", a named function and "none" are served."""
-    import argparse
-
-    from services.router.cli import add_router_parser, config_from_args
+    from router_harness import router_config
 
     def config(*argv):
-        p = argparse.ArgumentParser()
-        add_router_parser(p.add_subparsers(dest="command"))
-        return config_from_args(p.parse_args(["router", "--model", tiny_model_path, "--decode", "h:1", *argv]))
+        return router_config(tiny_model_path, *argv)
 
     assert config().enable_auto_tool_choice and config("--enable-auto-tool-choice").enable_auto_tool_choice
     assert not config("--no-enable-auto-tool-choice").enable_auto_tool_choice
