@@ -186,6 +186,10 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in (tb.token_ids() if tb is not None else ()) if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"thinking budget token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(params, name)
+        if n is not None and n > vocab_size:
+            raise InvalidRequestError(f"{name} cannot be greater than the vocabulary size ({vocab_size}), got {n}")
     if params.top_k > vocab_size:
         raise InvalidRequestError(f"top_k cannot be greater than the vocabulary size ({vocab_size}), "
                                   f"got {params.top_k}")

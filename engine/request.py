@@ -99,10 +99,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        # The cap (vLLM's --max-logprobs) is the server's policy (the router's flag); the engine's
+        # own bound, the vocabulary, is checked with it known (validate_sampling).
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidRequestError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise InvalidRequestError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):

@@ -140,6 +140,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--max-stop-sequences", "stop strings per request; beyond it 400", default=64, type=int)
     _flag(p, "--max-n", "n and best_of of one request (each sample is an engine request; prompts x best_of "
           "counts against --max-prompts-per-request too); beyond it 400", default=16, type=int)
+    _flag(p, "--max-logprobs", "vLLM's flag: the top-n logprobs a request may ask for per token (logprobs, "
+          "top_logprobs, prompt_logprobs; a request's -1 is the whole vocabulary); beyond it 400. -1: no cap "
+          "(the whole vocabulary per token: large answers)", default=20, type=int)
     _flag(p, "--non-streaming-interval", "tokens per upstream message for a request the client does not "
           "stream: the engine holds its tokens back to this many a message "
           "(each message costs the router and the engine's service CPU; vLLM sends such output once, at the "
@@ -204,7 +207,8 @@ def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         model=args.model, served_model_name=served_names(args)[0], served_model_aliases=served_names(args)[1:],
         prefill=parse_addresses(args.prefill), decode=parse_addresses(args.decode), host=args.host,
-        port=args.port, grpc_port=args.grpc_port, policy=args.policy, api_key=(tuple(args.api_key) if isinstance(args.api_key, list) else args.api_key) or None,
+        port=args.port, grpc_port=args.grpc_port, policy=args.policy,
+        api_key=(tuple(args.api_key) if isinstance(args.api_key, list) else args.api_key) or None,
         kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
         kv_low_confidence_weight=args.kv_low_confidence_weight, pd_policy=args.pd_policy,
         max_local_prefill_length=args.max_local_prefill_length,
@@ -225,7 +229,7 @@ def config_from_args(args) -> RouterConfig:
         tls=FrontTls.from_flags(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs),
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials),
-        max_n=args.max_n, non_streaming_interval=args.non_streaming_interval,
+        max_n=args.max_n, max_logprobs=args.max_logprobs, non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

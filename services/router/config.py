@@ -79,6 +79,7 @@ class RouterConfig:
     max_payload_size: int = 8 << 20  # bytes of a request body (HTTP) or message (gRPC)
     max_stop_sequences: int = 64
     max_n: int = 16  # n and best_of of one request (each sample is an engine request)
+    max_logprobs: int = 20  # vLLM's --max-logprobs: top-n logprobs per token at most; -1: the vocabulary
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
@@ -138,6 +139,8 @@ class RouterConfig:
                      "non_streaming_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_logprobs < -1:
+            raise ValueError("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
         if self.responses_store_size < 0:
             raise ValueError("--responses-store-size must be >= 0")
 

@@ -11,7 +11,7 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_gr
 from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs, thinking_from_proto
 from services.router.errors import RouterError, bad_request, key_matches
 from services.router.generation import REQUEST_ID
-from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
+from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, logprobs_count, prepare
 from services.router.structured_outputs import check as check_structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class GenerateService(pb_grpc.GenerateServicer):
             knobs = sampling_kwargs(s)
         except InvalidRequestError as e:  # a malformed structured_outputs
             raise bad_request(str(e), "structured_outputs") from None
+        if knobs["logprobs"] is not None:
+            knobs["logprobs"] = logprobs_count(knobs["logprobs"], self.model, self.limits, "logprobs")
         if knobs["structured_outputs"] is not None:
             check_structured_outputs(knobs["structured_outputs"], "structured_outputs")
         if s.bad_words:  # text: tokenized here, as the HTTP gateway does

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from engine.thinking_budget import ThinkingBudget
 from services.convert import INT32
 from services.router.errors import bad_request, unsupported
-from services.router.sampling import MAX_LOGPROBS, PreparedPrompt, RequestLimits, bad_words_token_ids, prepare
+from services.router.sampling import (PreparedPrompt, RequestLimits, bad_words_token_ids, logprobs_count,
+                                      prepare)
 from services.router.served_model import ServedModel
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS, parse_structured_outputs
 from services.router.tool_calls import ToolPlan, parse_tools
@@ -223,18 +224,15 @@ def _with_thinking_budget(knobs: dict, budget: int | None, model: ServedModel, p
                                                        forced=model.reasoning_forced_ids)}
 
 
-def _prompt_logprobs(b: Body, stream: bool) -> int | None:
+def _prompt_logprobs(b: Body, stream: bool, model: ServedModel, limits: RequestLimits) -> int | None:
     """vLLM's prompt_logprobs: the top-n logprobs of each prompt token, in the answer (not
-    streamed, vLLM's rule: a stream may only ask for 0, and is shown none)."""
+    streamed, vLLM's rule: a stream may only ask for 0, and is shown none); -1: the vocabulary."""
     n = b.get("prompt_logprobs", "int")
     if n is None:
         return None
     if stream and n != 0:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}"
-                          + (" (-1, the whole vocabulary, is more than this server returns)" if n == -1 else ""),
-                          "prompt_logprobs")
+    n = logprobs_count(n, model, limits, "prompt_logprobs", "prompt")
     return None if stream else n
 
 
@@ -346,8 +344,8 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
         raise bad_request("prompt is required", "prompt")
     echo = b.get("echo", "bool", False)
     logprobs = b.get("logprobs", "int")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    if logprobs is not None:
+        logprobs = logprobs_count(logprobs, model, limits, "logprobs")
     max_tokens = _max_tokens(b)
     echo_only = echo and max_tokens == 0
     if echo_only:
@@ -360,7 +358,7 @@ def parse_completion(body, model: ServedModel, limits: RequestLimits) -> ParsedR
     knobs["logprobs"] = logprobs if best_of == n or logprobs is not None else 0
     # vLLM's: prompt_logprobs shown when asked for, or with echo and logprobs (echo's logprobs are
     # the prompt's); the engines compute the larger top-n of the two.
-    shown = _prompt_logprobs(b, stream)
+    shown = _prompt_logprobs(b, stream, model, limits)
     if shown is None and echo:
         shown = logprobs
     knobs["prompt_logprobs"] = max((v for v in (shown, logprobs if echo else None) if v is not None), default=None)
@@ -489,8 +487,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     top = b.get("top_logprobs", "int")
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    if top is not None:
+        top = logprobs_count(top, model, limits, "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     # vLLM's echo: the last message's content comes back first when it has the answer's role (the
     # assistant's, or with no generation prompt, the last message's own).
@@ -515,7 +513,7 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     stream, include_usage, continuous_usage = _stream_flags(b)
     n, _ = _samples(b, limits, stream, best_of_allowed=False)
     _unwatched_interval(knobs, stream, limits)
-    shown = _prompt_logprobs(b, stream)
+    shown = _prompt_logprobs(b, stream, model, limits)
     if shown is None and b.get("echo", "bool", False) and not stream:  # vLLM's: echo shows them at top_logprobs
         shown = top if want_logprobs else None
     knobs["prompt_logprobs"] = shown

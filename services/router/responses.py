@@ -261,7 +261,7 @@ def parse_responses(body, model: ServedModel, limits: RequestLimits, store: Resp
     if truncation not in ("disabled", "auto"):
         raise bad_request(f"truncation must be 'auto' or 'disabled', got {truncation!r:.40}", "truncation")
     top_logprobs = b.get("top_logprobs", "int")
-    include_logprobs = LOGPROBS_INCLUDE in include or (top_logprobs or 0) > 0
+    include_logprobs = LOGPROBS_INCLUDE in include or top_logprobs not in (None, 0)
     if "input" not in b.body:
         raise bad_request("input is required", "input")
     messages, continue_final = input_messages(b.get("instructions", "str"), b.body["input"])

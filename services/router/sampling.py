@@ -11,7 +11,11 @@ from services.convert import sampling_to_proto
 from services.router.errors import bad_request
 from services.router.served_model import ServedModel
 
-MAX_LOGPROBS = 20
+# Logprob entries (a token's and each of its top-n) one engine message may carry: the engines'
+# gRPC messages are bounded (64 MiB; an entry is about 11 bytes on the wire), so a request asking
+# for a wide top-n gets its tokens a few a message, and prompt logprobs that cannot fit in the one
+# message that carries them are refused.
+MAX_LOGPROB_ENTRIES_PER_MESSAGE = 4 << 20
 # A stop string longer than this is no stop string: each one is searched at every step.
 MAX_STOP_SEQUENCE_CHARS = 1024
 MAX_BAD_WORD_CHARS = 256
@@ -25,11 +29,42 @@ class RequestLimits:
     trust_request_chat_template: bool = False
     max_n: int = 16  # n and best_of
     non_streaming_interval: int = 64  # tokens a message upstream when nobody watches them arrive
+    max_logprobs: int = 20  # vLLM's --max-logprobs: top-n per token at most; -1: the vocabulary
 
     @classmethod
     def from_config(cls, config) -> "RequestLimits":
         return cls(config.max_stop_sequences, config.max_prompts_per_request, config.trust_request_chat_template,
-                   config.max_n, config.non_streaming_interval)
+                   config.max_n, config.non_streaming_interval, config.max_logprobs)
+
+
+def logprobs_count(n: int, model: ServedModel, limits: RequestLimits, param: str, kind: str = "sample") -> int:
+    """vLLM's rules for a top-n logprobs count: -1 is the whole vocabulary, any other negative is
+    400, and more than --max-logprobs (-1: the vocabulary) is 400 with vLLM's message."""
+    if n == -1:
+        n = model.vocab_size
+    elif n < 0:
+        raise bad_request(f"`{param}` must be a positive value or -1.", param)
+    cap = model.vocab_size if limits.max_logprobs == -1 else limits.max_logprobs
+    if n > cap:
+        raise bad_request(f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap} "
+                          "(the server's --max-logprobs)", param)
+    return n
+
+
+def check_prompt_logprobs_size(num_prompt: int, n: int | None, param: str = "prompt_logprobs") -> None:
+    """Prompt logprobs come back in one engine message: refused (400) when they cannot fit in it."""
+    if n is not None and (num_prompt - 1) * (n + 1) > MAX_LOGPROB_ENTRIES_PER_MESSAGE:
+        raise bad_request(f"{param} of {n} for a prompt of {num_prompt} tokens is {(num_prompt - 1) * (n + 1)} "
+                          f"logprobs, more than one answer carries ({MAX_LOGPROB_ENTRIES_PER_MESSAGE}); "
+                          "ask for fewer or send a shorter prompt", param)
+
+
+def logprobs_interval(interval: int, n: int | None) -> int:
+    """Tokens per engine message for a request with top-n logprobs: `interval` unless so many
+    tokens' logprobs would not fit in one message."""
+    if n is None:
+        return interval
+    return max(1, min(interval, MAX_LOGPROB_ENTRIES_PER_MESSAGE // (n + 1)))
 
 
 @dataclass
@@ -107,6 +142,9 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
         check_context(model, len(token_ids), max_tokens, param)
     model.check_token_ids(token_ids, param)  # after the length check: a bounded scan
     check_stop(tuple(knobs.get("stop", ())), limits)
+    check_prompt_logprobs_size(len(token_ids), knobs.get("prompt_logprobs"))
+    if knobs.get("stream_interval") and knobs.get("logprobs") is not None:
+        knobs = {**knobs, "stream_interval": logprobs_interval(knobs["stream_interval"], knobs["logprobs"])}
     try:
         params = SamplingParams(max_tokens=max_tokens, **knobs)
         validate_sampling(params, model.vocab_size)  # what the engines refuse, refused here first

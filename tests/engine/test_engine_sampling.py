@@ -123,6 +123,34 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
     llm.engine.check_integrity(expect_all_free=True)
 
 
+def test_whole_vocabulary_logprobs_are_the_distribution(tiny_llama):
+    """logprobs and prompt_logprobs as wide as the vocabulary (vLLM's -1 under --max-logprobs -1)
+    are each position's whole distribution, transformers' log-softmax entry by entry; one more is
+    refused."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.request import InvalidRequestError
+
+    llm = LLM(tiny_llama)
+    vocab = llm.engine.vocab_size
+    prompt = list(range(5, 17))
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=vocab,
+                                                prompt_logprobs=vocab))[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    rows = list(out.prompt_logprobs) + list(out.outputs[0].logprobs)
+    assert len(rows) == len(prompt) - 1 + len(tokens)
+    for i, entry in enumerate(rows):
+        assert len(entry) == vocab
+        got = torch.tensor([entry[t] for t in range(vocab)])
+        torch.testing.assert_close(got, ref[i], atol=1e-4, rtol=0)
+    with pytest.raises(InvalidRequestError, match="vocabulary size"):
+        llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    llm.engine.check_integrity(expect_all_free=True)
+
+
 def test_min_tokens_hides_eos_until_reached(device):
     sampler = Sampler(device=device)
     logits = torch.zeros(1, 8, device=device)

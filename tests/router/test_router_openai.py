@@ -167,9 +167,11 @@ def test_vllms_prompt_logprobs_field(stack, client, tokenizer):
                                                "prompt_logprobs": 1, "return_token_ids": True})[2]
     assert len(body["prompt_logprobs"]) == len(body["prompt_token_ids"]) and body["prompt_logprobs"][0] is None
     assert "prompt_logprobs" not in body["choices"][0]
-    # Refused as vLLM refuses them: streamed (but 0), -1 (the whole vocabulary), past 20, not a number.
+    # Refused as vLLM refuses them: streamed (but 0), -1 (the whole vocabulary: more than
+    # --max-logprobs, 20 by default), past 20, not a number.
     for extra, message in (({"prompt_logprobs": 2, "stream": True}, "not available when `stream=True`"),
-                           ({"prompt_logprobs": -1}, "whole vocabulary"), ({"prompt_logprobs": 21}, "[0, 20]"),
+                           ({"prompt_logprobs": -1}, "which is greater than max allowed: 20"),
+                           ({"prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is greater"),
                            ({"prompt_logprobs": "2"}, "must be an integer")):
         status, _, err = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
         assert status == 400 and message in err["error"]["message"] and err["error"]["param"] == "prompt_logprobs"
