@@ -40,6 +40,19 @@ class Admission:
         finally:
             self.in_flight -= 1
 
+    def hold(self):
+        """One more place in flight, for work that outlives the request admitted (a background
+        response): taken inside admit(), so never past the cap; returns its release (once)."""
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+        return release
+
     async def run(self, size: int, fn, *args):
         """fn(*args), its input `size` bytes: on a worker thread unless small (exceptions raised here)."""
         if size <= INLINE_BYTES:

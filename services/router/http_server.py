@@ -42,7 +42,9 @@ class HttpGateway:
         self.model = router.model
         self.metrics = router.metrics
         self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
-        self.responses_serving = ResponsesServing(router.generator, router.model, router.config.responses_store_size)
+        self.responses_serving = ResponsesServing(router.generator, router.model, router.config.responses_store_size,
+                                                  router.admission)
+        router.responses_serving = self.responses_serving  # the router drains its background responses
         self.messages_serving = MessagesServing(router.generator, router.model)
         self.admission = router.admission
         self.limits = RequestLimits.from_config(router.config)
@@ -179,16 +181,25 @@ class HttpGateway:
     async def count_tokens(self, request: web.Request) -> web.Response:
         return await self._answer(request, lambda body: count_tokens(body, self.model, self.limits))
 
-    async def stored_response(self, request: web.Request) -> web.Response:
-        return self._json_response(self.responses_serving.stored(request.match_info["response_id"]))
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """The response; ?stream=true&starting_after=N replays a background stream's events."""
+        response_id = request.match_info["response_id"]
+        stream = request.query.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise bad_request("stream must be true or false", "stream")
+        if stream == "false":
+            return self._json_response(self.responses_serving.stored(response_id))
+        after = request.query.get("starting_after")
+        if after is not None and not after.lstrip("-").isdigit():
+            raise bad_request("starting_after must be an integer (a sequence_number)", "starting_after")
+        return await self.responses_serving.replay(request, response_id, None if after is None else int(after),
+                                                   {"X-Request-Id": response_id})
 
     async def delete_response(self, request: web.Request) -> web.Response:
-        return self._json_response(self.responses_serving.delete(request.match_info["response_id"]))
+        return self._json_response(await self.responses_serving.delete(request.match_info["response_id"]))
 
     async def cancel_response(self, request: web.Request) -> web.Response:
-        """Only a background response can be cancelled, and none is run in the background here."""
-        self.responses_serving.stored(request.match_info["response_id"])  # 404 when there is none
-        raise bad_request("Only responses created with background=true can be cancelled", "response_id")
+        return self._json_response(await self.responses_serving.cancel(request.match_info["response_id"]))
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """A chat body (`messages`) goes to chat completions, a completions body (`prompt`) to completions."""

@@ -91,7 +91,8 @@ def chat_messages(system, raw) -> list[dict]:
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
             raise bad_request(f"{where}.role must be user or assistant", "messages")
         role = msg["role"]
-        allowed = ("text", "thinking", "redacted_thinking", "tool_use") if role == "assistant" else ("text", "tool_result")
+        allowed = (("text", "thinking", "redacted_thinking", "tool_use") if role == "assistant"
+                   else ("text", "tool_result"))
         texts, calls, reasoning = [], [], []
         for block in _texts(msg.get("content"), f"{where}.content", allowed):
             kind = block["type"]

@@ -10,11 +10,21 @@ be read back (GET /v1/responses/{id}), deleted, and continued with `previous_res
 conversation, input and output, comes before the new input). The store is the router
 process's: behind several router replicas, a conversation continues where it is stored. Without
 it `store` has no effect, `previous_response_id` is a 404, and a conversation goes back whole in
-`input`, as stateless clients send it. `background` is refused either way."""
+`input`, as stateless clients send it.
+
+`background: true` (with the store) answers at once with the response `queued`; the router
+generates it on its own while GET /v1/responses/{id} shows it `in_progress` and then finished, and
+POST /v1/responses/{id}/cancel stops it (`cancelled`, the output so far kept). Created with
+`stream: true` too, its events are kept: the POST streams them, and GET ?stream=true
+&starting_after=N replays them after sequence number N and follows the rest, so a client that
+lost its connection picks up where it was. A background response holds its place among the
+router's requests in flight (--max-concurrent-requests) until it is done."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -28,10 +38,11 @@ from services.router.errors import RouterError, bad_request, unsupported
 from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import chat_logprobs
 from services.router.openai_protocol import Body, parse_chat
-from services.router.openai_serving import Choice, sse_event, stream_events
+from services.router.openai_serving import CLIENT_CLOSED, SSE_HEADERS, STREAM_STATUS, Choice, sse_event, stream_events
 from services.router.sampling import RequestLimits
 from services.router.served_model import ServedModel
 
+logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 
 # Sampling and vLLM fields that mean the same as in a chat completion, passed on as they are.
@@ -59,9 +70,33 @@ def stored_response_not_found(response_id: str, param: str, stored: bool = False
 
 
 @dataclass
+class BackgroundRun:
+    """A response generated in the background: its task, the response as it stands, and (created
+    with stream=true) every event it has made, in order, for clients to replay."""
+    response: dict
+    events: list[dict] | None
+    task: asyncio.Task | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at each change
+
+    @property
+    def done(self) -> bool:
+        return self.response["status"] not in ("queued", "in_progress")
+
+    def emit(self, events: list[dict]) -> None:
+        if self.events is not None:
+            for event in events:
+                event["sequence_number"] = len(self.events)
+                self.events.append(event)
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
+@dataclass
 class StoredResponse:
-    response: dict  # the response object, as answered
-    conversation: list[dict]  # its chat messages, input and output, the instructions left out
+    response: dict  # the response object, as answered (a background one: as it stands)
+    conversation: list[dict] | None  # its chat messages, input and output, the instructions left out;
+    # None while a background response is still being generated
+    run: BackgroundRun | None = None
 
 
 class ResponseStore:
@@ -74,11 +109,16 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, response_id: str, item: StoredResponse) -> None:
+        """Least recently used out first, never a background response still running (those are
+        bounded by the requests in flight): it is read and cancelled by its id."""
         with self._lock:
             self._items[response_id] = item
             self._items.move_to_end(response_id)
             while len(self._items) > self.size:
-                self._items.popitem(last=False)
+                old = next((k for k, v in self._items.items() if v.run is None or v.run.done), None)
+                if old is None:
+                    break
+                del self._items[old]
 
     def get(self, response_id: str, param: str) -> StoredResponse:
         with self._lock:
@@ -236,17 +276,30 @@ class ResponsesRequest:
     def stream(self) -> bool:
         return self.parsed.stream
 
+    @property
+    def background(self) -> bool:
+        return self.echo["background"]
 
-def parse_responses(body, model: ServedModel, limits: RequestLimits, store: ResponseStore | None = None) -> ResponsesRequest:
+
+def parse_responses(body, model: ServedModel, limits: RequestLimits,
+                    store: ResponseStore | None = None) -> ResponsesRequest:
     b = Body(body, FIELDS)
     previous_id = b.get("previous_response_id", "str")
     history: list[dict] = []
     if previous_id is not None:
         if store is None:
             raise stored_response_not_found(previous_id, "previous_response_id")
-        history = store.get(previous_id, "previous_response_id").conversation
-    if b.get("background", "bool", False):
-        raise unsupported("background responses", "background")
+        previous = store.get(previous_id, "previous_response_id")
+        if previous.conversation is None:
+            status = (previous.run or previous).response["status"]
+            raise bad_request(f"Response '{previous_id:.100}' is still {status}: continue it once it is done",
+                              "previous_response_id")
+        history = previous.conversation
+    background = b.get("background", "bool", False)
+    if background and (store is None or not b.get("store", "bool", True)):
+        raise bad_request("background mode needs the response stored: store must be true, and this server "
+                          "must store responses (the router's --responses-store-size)"
+                          if store is None else "background mode needs store: true", "background")
     if b.get("prompt", "dict") is not None:
         raise unsupported("prompt templates", "prompt")
     metadata = b.get("metadata", "dict")
@@ -290,8 +343,9 @@ def parse_responses(body, model: ServedModel, limits: RequestLimits, store: Resp
             "temperature": parsed.prompts[0].params.temperature, "top_p": parsed.prompts[0].params.top_p,
             "max_output_tokens": b.get("max_output_tokens", "int"), "max_tool_calls": b.get("max_tool_calls", "int"),
             "previous_response_id": previous_id, "reasoning": reasoning,
-            "service_tier": b.get("service_tier", "str", "auto"), "text": b.get("text", "dict", {"format": {"type": "text"}}),
-            "truncation": truncation, "top_logprobs": top_logprobs, "background": False,
+            "service_tier": b.get("service_tier", "str", "auto"),
+            "text": b.get("text", "dict", {"format": {"type": "text"}}),
+            "truncation": truncation, "top_logprobs": top_logprobs, "background": background,
             "store": store is not None and b.get("store", "bool", True)}
     conversation = messages[split:] if echo["store"] else None
     return ResponsesRequest(parsed, echo, include_logprobs, b.ignored, conversation)
@@ -428,75 +482,171 @@ class ResponseOutput:
         return self._close()
 
 
-class ResponsesServing:
-    def __init__(self, generator: TextGenerator, model: ServedModel, store_size: int = 0) -> None:
-        self.generator = generator
-        self.model = model
-        self.store = ResponseStore(store_size) if store_size > 0 else None
+class _Turn:
+    """One response being generated: its chunks become output items and stream events."""
 
-    def parse(self, body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
-        return parse_responses(body, model, limits, self.store)
+    def __init__(self, serving: "ResponsesServing", rr: ResponsesRequest, response_id: str) -> None:
+        self.serving, self.rr, self.id = serving, rr, response_id
+        req = rr.parsed
+        self.prompt = req.prompts[0]
+        self.choice = Choice(0, self.prompt, req, serving.model, chat=True)
+        self.answer = AnswerParts(self.choice)
+        self.out = ResponseOutput(serving.model, req.logprobs, req.tokens_as_ids)
+        self.created = int(time.time())
+        self.run: BackgroundRun | None = None  # set when generated in the background
 
-    def _keep(self, rr: ResponsesRequest, response: dict) -> None:
-        """A finished response asked to be stored: it and its conversation, output included."""
-        if rr.conversation is not None and self.store is not None:
-            output, _ = input_messages(None, response["output"]) if response["output"] else ([], False)
-            self.store.put(response["id"], StoredResponse(response, rr.conversation + output))
-
-    def stored(self, response_id: str) -> dict:
-        if self.store is None:
-            raise stored_response_not_found(response_id, "response_id")
-        return self.store.get(response_id, "response_id").response
-
-    def delete(self, response_id: str) -> dict:
-        if self.store is None:
-            raise stored_response_not_found(response_id, "response_id")
-        self.store.delete(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-    def _response(self, rr: ResponsesRequest, response_id: str, created: int, status: str, output: list,
-                  usage: dict | None, error: dict | None = None) -> dict:
+    def response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None) -> dict:
+        rr = self.rr
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": response_id, "object": "response", "created_at": created, "status": status,
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
                 "incomplete_details": incomplete, "model": rr.parsed.model, "output": output, "usage": usage,
                 **rr.echo}
 
-    def _usage(self, choice: Choice, rr: ResponsesRequest) -> dict:
+    def usage(self) -> dict:
+        choice = self.choice
         prompt = len(choice.prompt.token_ids)
-        reasoning = choice.reasoning_tokens()
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
-                "output_tokens": choice.num_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                "output_tokens": choice.num_tokens,
+                "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens()},
                 "total_tokens": prompt + choice.num_tokens}
+
+    def event(self, kind: str, status: str) -> dict:
+        """A lifecycle event (response.created, .queued, .in_progress) with the response as it
+        stood then."""
+        return {"type": kind, "response": self.response(status, [])}
+
+    def step(self, chunk: TextChunk) -> list[dict]:
+        parts = self.answer.feed(chunk)
+        out = self.out
+        events = out.reasoning(parts.reasoning) + out.content(parts.content, parts.token_ids, parts.logprobs)
+        if parts.calls is not None:
+            events += out.calls(parts.calls) + out.finish()
+        return events
+
+    def final(self) -> tuple[dict, list[dict]]:
+        """The finished response (stored when asked) and its last event."""
+        status = "incomplete" if self.choice.finish_reason == "length" else "completed"
+        response = self.response(status, self.out.items, self.usage())
+        self.serving.keep(self.rr, response, self.run)
+        return response, [{"type": f"response.{status}", "response": response}]
+
+    def cancelled(self) -> dict:
+        """Stopped where it was: the item being written is left incomplete."""
+        if self.out.open is not None:
+            self.out.open["status"] = "incomplete"
+        return self.response("cancelled", self.out.items)
+
+    def failed(self, e: RouterError) -> tuple[dict, list[dict]]:
+        """An error event, then the response failed with what it had written."""
+        if self.out.open is not None:
+            self.out.open["status"] = "incomplete"
+        response = self.response("failed", self.out.items, None, {"code": e.code or e.type, "message": e.message})
+        self.serving.keep(self.rr, response, self.run)
+        return response, [{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
+                          {"type": "response.failed", "response": response}]
+
+
+class ResponsesServing:
+    def __init__(self, generator: TextGenerator, model: ServedModel, store_size: int = 0, admission=None) -> None:
+        self.generator = generator
+        self.model = model
+        self.store = ResponseStore(store_size) if store_size > 0 else None
+        self.admission = admission  # background responses hold a place among the requests in flight
+        self._tasks: set[asyncio.Task] = set()
+
+    def parse(self, body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
+        return parse_responses(body, model, limits, self.store)
+
+    def keep(self, rr: ResponsesRequest, response: dict, run: BackgroundRun | None = None) -> None:
+        """A finished response asked to be stored: it and its conversation, output included."""
+        if rr.conversation is not None and self.store is not None:
+            output, _ = input_messages(None, response["output"]) if response["output"] else ([], False)
+            self.store.put(response["id"], StoredResponse(response, rr.conversation + output, run))
+
+    def _stored(self, response_id: str) -> StoredResponse:
+        if self.store is None:
+            raise stored_response_not_found(response_id, "response_id")
+        return self.store.get(response_id, "response_id")
+
+    def stored(self, response_id: str) -> dict:
+        """The response; a background one as it stands (queued, in progress, or done)."""
+        item = self._stored(response_id)
+        return item.run.response if item.run is not None else item.response
+
+    async def delete(self, response_id: str) -> dict:
+        """A background response still running is cancelled first."""
+        run = self._stored(response_id).run
+        if run is not None and not run.done:
+            await self._cancel_run(run)
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def cancel(self, response_id: str) -> dict:
+        """A background response stops where it is (`cancelled`, its output so far kept); one
+        already done comes back as it is."""
+        run = self._stored(response_id).run
+        if run is None:
+            raise bad_request("Only responses created with background=true can be cancelled", "response_id")
+        if not run.done:
+            await self._cancel_run(run)
+        return run.response
+
+    @staticmethod
+    async def _cancel_run(run: BackgroundRun) -> None:
+        run.task.cancel()
+        await asyncio.wait([run.task])
+
+    async def replay(self, request: web.Request, response_id: str, starting_after: int | None,
+                     headers: dict) -> web.StreamResponse:
+        """GET ?stream=true: a background stream's events after `starting_after`, then the rest as
+        they come."""
+        run = self._stored(response_id).run
+        if run is None or run.events is None:
+            raise bad_request("stream=true replays only responses created with background=true and stream=true",
+                              "stream")
+        return await self._follow(request, run, -1 if starting_after is None else starting_after, headers)
+
+    @staticmethod
+    async def _follow(request: web.Request, run: BackgroundRun, after: int, headers: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await response.prepare(request)
+        i = max(after + 1, 0)
+        try:
+            while True:
+                changed = run.changed
+                while i < len(run.events):
+                    await response.write(sse_event(run.events[i]))
+                    i += 1
+                if run.done and i >= len(run.events):
+                    break
+                await changed.wait()
+        except ConnectionResetError:  # the response goes on; the client may come back for it
+            request[STREAM_STATUS] = CLIENT_CLOSED
+            return response
+        await response.write_eof()
+        return response
+
+    async def close(self, timeout_s: float) -> None:
+        """Lets background responses finish for up to `timeout_s`, then cancels the rest."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     async def respond(self, request: web.Request, rr: ResponsesRequest, request_id: str,
                       headers: dict) -> web.StreamResponse:
-        req = rr.parsed
-        prompt = req.prompts[0]
-        choice = Choice(0, prompt, req, self.model, chat=True)
-        answer = AnswerParts(choice)
-        out = ResponseOutput(self.model, req.logprobs, req.tokens_as_ids)
-        created = int(time.time())
-        chunks = self.generator.stream(request_id, prompt)
-
-        def step(chunk: TextChunk) -> list[dict]:
-            parts = answer.feed(chunk)
-            events = out.reasoning(parts.reasoning) + out.content(parts.content, parts.token_ids, parts.logprobs)
-            if parts.calls is not None:
-                events += out.calls(parts.calls) + out.finish()
-            return events
-
-        def final() -> dict:
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
-            response = self._response(rr, request_id, created, status, out.items, self._usage(choice, rr))
-            self._keep(rr, response)
-            return response
-
-        if not req.stream:
+        turn = _Turn(self, rr, request_id)
+        chunks = self.generator.stream(request_id, turn.prompt)
+        if rr.background:
+            return await self._background(request, turn, chunks, headers)
+        if not rr.stream:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    step(chunk)
-            return web.Response(body=_encode(final()), content_type="application/json", headers=headers)
+                    turn.step(chunk)
+            return web.Response(body=_encode(turn.final()[0]), content_type="application/json", headers=headers)
 
         seq = 0
 
@@ -508,22 +658,61 @@ class ResponsesServing:
                 await response.write(sse_event(event))
 
         async def run(first: TextChunk, response: web.StreamResponse) -> None:
-            started = self._response(rr, request_id, created, "in_progress", [], None)
-            await send(response, [{"type": "response.created", "response": started},
-                                  {"type": "response.in_progress", "response": started}])
-            await send(response, step(first))
+            await send(response, [turn.event("response.created", "in_progress"),
+                                  turn.event("response.in_progress", "in_progress")])
+            await send(response, turn.step(first))
             async for chunk in chunks:
-                await send(response, step(chunk))
-            done = final()
-            await send(response, [{"type": "response.completed" if done["status"] == "completed"
-                                   else "response.incomplete", "response": done}])
+                await send(response, turn.step(chunk))
+            await send(response, turn.final()[1])
 
-        async def on_error(e: RouterError, response: web.StreamResponse) -> None:  # an error event, then failed
-            if out.open is not None:
-                out.open["status"] = "incomplete"
-            failed = self._response(rr, request_id, created, "failed", out.items, None,
-                                    {"code": e.code or e.type, "message": e.message})
-            await send(response, [{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
-                                  {"type": "response.failed", "response": failed}])
+        async def on_error(e: RouterError, response: web.StreamResponse) -> None:
+            await send(response, turn.failed(e)[1])
 
         return await stream_events(request, request_id, headers, chunks, self.generator.metrics, run, on_error)
+
+    async def _background(self, request: web.Request, turn: _Turn, chunks, headers: dict) -> web.StreamResponse:
+        """Stored `queued` and answered at once (or, streamed, followed from its first event);
+        generated by a task of its own, which the client's connection does not end."""
+        rr = turn.rr
+        run = turn.run = BackgroundRun(turn.response("queued", []), [] if rr.stream else None)
+        self.store.put(turn.id, StoredResponse(run.response, None, run))
+        run.emit([turn.event("response.created", "queued"), turn.event("response.queued", "queued")])
+        release = self.admission.hold() if self.admission is not None else (lambda: None)
+        run.task = asyncio.create_task(self._generate(turn, chunks, run), name=f"background-{turn.id}")
+        self._tasks.add(run.task)
+
+        def finished(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            release()
+            if not run.done:  # cancelled before it ran a line
+                self._end(turn, run, turn.cancelled(), [])
+
+        run.task.add_done_callback(finished)
+        if rr.stream:
+            return await self._follow(request, run, -1, headers)
+        return web.Response(body=_encode(run.response), content_type="application/json", headers=headers)
+
+    async def _generate(self, turn: _Turn, chunks, run: BackgroundRun) -> None:
+        try:
+            async with contextlib.aclosing(chunks):  # closing it aborts the request upstream
+                async for chunk in chunks:
+                    if run.response["status"] == "queued":  # what GET shows from now on: the output so far
+                        run.response = turn.response("in_progress", turn.out.items)
+                        run.emit([turn.event("response.in_progress", "in_progress")])
+                    run.emit(turn.step(chunk))
+            response, events = turn.final()
+        except RouterError as e:
+            logger.warning("background response %s failed: %s", turn.id, e.message)
+            response, events = turn.failed(e)
+        except asyncio.CancelledError:
+            response, events = turn.cancelled(), []
+        except Exception:
+            logger.exception("background response %s failed", turn.id)
+            response, events = turn.failed(RouterError(500, "internal server error", type="server_error"))
+        self._end(turn, run, response, events)
+
+    def _end(self, turn: _Turn, run: BackgroundRun, response: dict, events: list[dict]) -> None:
+        if response["status"] == "cancelled":  # final() and failed() keep theirs
+            self.keep(turn.rr, response, run)
+        run.response = response
+        run.emit(events)

@@ -75,6 +75,7 @@ class Router:
         self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, self.metrics)
         self.draining = False
+        self.responses_serving = None  # the HTTP gateway's, once made
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -129,6 +130,8 @@ class Router:
             stopping.append(self._grpc_server.stop(self.config.drain_timeout_s))
         if self._runner is not None:
             stopping.append(self._runner.cleanup())
+        if self.responses_serving is not None:  # background responses, which no handler waits on
+            stopping.append(self.responses_serving.close(self.config.drain_timeout_s))
         await asyncio.gather(*stopping)
         self.admission.close()
         await self.dispatcher.drain()

@@ -276,7 +276,7 @@ def test_a_store_keeps_responses_to_continue_read_and_delete(make_stack, tokeniz
             client.responses.retrieve(first.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.create(model="tiny", previous_response_id=first.id, input="?", max_output_tokens=2)
-        # Delete; cancel is for background responses only, which are never run here.
+        # Delete; cancel is for background responses only (a 400 here).
         with pytest.raises(openai.BadRequestError):
             client.responses.cancel(second.id)
         client.responses.delete(second.id)
