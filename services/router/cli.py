@@ -165,8 +165,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--tool-call-parser", "how an answer to tools with tool_choice auto is read into tool calls "
           "(vLLM's flag): hermes (<tool_call>{...}</tool_call> blocks: Hermes, Qwen), llama3_json (an answer that "
           "is JSON {\"name\", \"parameters\"} objects: Llama 3.1-3.3), pythonic (an answer that is a "
-          "Python list of calls: Llama 3.2, Llama 4) or mistral ([TOOL_CALLS]name[ARGS]{...}: Mistral, "
-          "Ministral, Devstral)", choices=list(TOOL_CALL_PARSERS), default="hermes")
+          "Python list of calls: Llama 3.2, Llama 4), mistral ([TOOL_CALLS]name[ARGS]{...}: Mistral, "
+          "Ministral, Devstral), qwen3_coder (<function=NAME><parameter=KEY>: Qwen3-Coder, Qwen3.5), glm45 "
+          "(<arg_key>/<arg_value>: GLM-4.5 to 4.7), deepseek_v3 / deepseek_v31 (DeepSeek-V3 and R1-0528 / "
+          "V3.1 and later) or kimi_k2 (Kimi K2)", choices=list(TOOL_CALL_PARSERS), default="hermes")
     _flag(p, "--chat-template", "the chat template for every chat request, in place of the model's (vLLM's "
           "flag): a Jinja file, or the template itself (text with {, } or a newline); for a base model "
           "without one, or another tool-calling format")

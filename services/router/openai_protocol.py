@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from dataclasses import dataclass, field
 
 from engine.thinking_budget import ThinkingBudget
@@ -11,7 +13,9 @@ from services.router.sampling import (PreparedPrompt, RequestLimits, bad_words_t
                                       prepare)
 from services.router.served_model import ServedModel
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS, parse_structured_outputs
-from services.router.tool_calls import ToolPlan, parse_tools
+from services.router.tool_calls import KEEPS_SPECIAL_TOKENS, ToolPlan, parse_tools
+
+logger = logging.getLogger(__name__)
 
 _KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "a boolean"),
           "str": ((str,), "a string"), "list": ((list,), "an array"), "dict": ((dict,), "an object")}
@@ -406,7 +410,40 @@ def chat_messages(raw) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
                               "messages")
-        out.append({**msg, "content": content if content is not None else ""})
+        msg = {**msg, "content": content if content is not None else ""}
+        if msg["role"] == "assistant" and msg.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_tool_calls(msg["tool_calls"], i)
+            if not msg["tool_calls"]:
+                del msg["tool_calls"]  # none: the template's plain assistant turn
+        out.append(msg)
+    return out
+
+
+def _template_tool_calls(calls, i: int) -> list[dict]:
+    """An assistant's tool calls as chat templates take them (vLLM's rule, after transformers'):
+    `arguments` a mapping, not OpenAI's JSON text, so a template can iterate it (Qwen3-Coder's) or
+    write it once as JSON (Llama 3's), not as an escaped string. Arguments that are not a JSON
+    object become {} with a warning: they stay in the conversation's history, and a 400 would fail
+    every later turn of it."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be an array", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                              "{\"name\", \"arguments\"}}", "messages")
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            logger.warning("messages[%d].tool_calls[%d] (%.100r): arguments are not a JSON object; the template "
+                           "gets {}", i, j, fn.get("name"))
+            arguments = {}
+        out.append({**call, "function": {**fn, "arguments": arguments}})
     return out
 
 
@@ -506,8 +543,8 @@ def parse_chat(body, model: ServedModel, limits: RequestLimits) -> ParsedRequest
     parser = model.reasoning_parser
     knobs = _knobs(b, model, tools.schema(b.get("parallel_tool_calls", "bool", True)) if tools else None)
     knobs["logprobs"] = logprobs
-    if tools is not None and tools.mode == "auto" and tools.parser == "mistral":
-        knobs["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: its text must show
+    if tools is not None and tools.mode == "auto" and tools.parser in KEEPS_SPECIAL_TOKENS:
+        knobs["skip_special_tokens"] = False  # the calls' markers are special tokens: their text must show
     reasoning_starts = _reasoning_starts(parser, prompt_text, knobs, model)
     knobs = _with_thinking_budget(knobs, _thinking_budget(b, model), model, prompt_text)
     stream, include_usage, continuous_usage = _stream_flags(b)

@@ -15,6 +15,20 @@ by the router's --tool-call-parser (vLLM's names):
   output from `[TOOL_CALLS]` on is calls, `name[ARGS]{...}` per `[TOOL_CALLS]` (tokenizer v11 and
   later) or one JSON array of `{"name", "arguments"}` (earlier); the text before it is content.
   `[TOOL_CALLS]` is a special token there, so such requests keep special tokens in their text.
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call><function=NAME><parameter=KEY>value
+  </parameter>...</function></tool_call>` blocks; `glm45` (GLM-4.5 to 4.7):
+  `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>`. Their values
+  are text: each is read as its parameter's JSON schema type (integer, number, boolean, object,
+  array, null; a string, or a parameter without a type, stays text).
+- `deepseek_v3` (DeepSeek-V3, R1-0528): `<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence;
+  `deepseek_v31` (DeepSeek-V3.1 and later): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`;
+  `kimi_k2` (Kimi K2): `<|tool_calls_section_begin|>` then per call
+  `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}<|tool_call_end|>`, the
+  header being the call's id (Kimi's templates take it back). Their markers are special tokens
+  in some of these tokenizers: requests with tools keep special tokens in their text.
+  Under these five, the text before the first call is content, a call that does not parse is
+  left out, and an output with none is all content.
 """
 from __future__ import annotations
 
@@ -32,10 +46,21 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TO
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "glm45", "deepseek_v3",
+                     "deepseek_v31", "kimi_k2")
 MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+DEEPSEEK_CALLS, DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = (
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
+KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
+    "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 # Parsers whose calls follow an opening tag, the content before it: the tag a stream holds back at.
-_TAGGED = {"hermes": TOOL_CALL_OPEN, "mistral": MISTRAL_TAG}
+_TAGGED = {"hermes": TOOL_CALL_OPEN, "mistral": MISTRAL_TAG, "qwen3_coder": TOOL_CALL_OPEN, "glm45": TOOL_CALL_OPEN,
+           "deepseek_v3": DEEPSEEK_CALLS, "deepseek_v31": DEEPSEEK_CALLS, "kimi_k2": KIMI_SECTION}
+# Parsers whose markers are special tokens in their models' tokenizers (some of them): a request
+# with tools keeps special tokens in its text, as vLLM's parsers for them ask.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v3", "deepseek_v31", "kimi_k2"})
+# Parsers whose argument values are text, read by the tools' parameter schemas.
+_TYPED = frozenset({"qwen3_coder", "glm45"})
 # What a whole-output parser's calls may begin with (after whitespace and the model's special
 # tag, which detokenization usually drops): until an output shows it does or does not, it is held.
 _OPENERS = {"llama3_json": ("<|python_tag|>", "{"), "pythonic": ("<|python_start|>", "[")}
@@ -87,7 +112,7 @@ class ToolPlan:
             except ValueError:
                 return text, []
             return None, [make_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-        return PARSE[self.parser](text)
+        return parse_auto(self.parser, text, self.tools)
 
 
 def parse_tools(body: dict, parser: str = "hermes", auto: bool = True) -> ToolPlan | None:
@@ -277,14 +302,197 @@ def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
+def _schema_types(schema) -> list[str]:
+    """The JSON types a parameter's schema allows: `type` (one or a list), its enum values' types,
+    and those of anyOf / oneOf / allOf; none known: []."""
+    if not isinstance(schema, dict):
+        return []
+    kinds = schema.get("type")
+    types = [kinds] if isinstance(kinds, str) else [t for t in kinds if isinstance(t, str)] \
+        if isinstance(kinds, list) else []
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+             type(None): "null"}
+    for value in schema.get("enum") or () if isinstance(schema.get("enum"), list) else ():
+        types.append(names.get(type(value), "string"))
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or () if isinstance(schema.get(key), list) else ():
+            types += _schema_types(sub)
+    return types
+
+
+def _finite(value) -> bool:
+    """No NaN or infinity anywhere (JSON has none)."""
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def typed_value(text: str, schema):
+    """A parameter's value written as text, read as its schema's type: null, then integer,
+    number, boolean, object, array, in that order, the first that reads; otherwise (a string, no
+    type, or nothing reads) the text."""
+    types = set(_schema_types(schema))
+    s = text.strip()
+    if "null" in types and s.lower() == "null":
+        return None
+    if "integer" in types and re.fullmatch(r"[-+]?\d+", s):
+        return int(s)
+    if "number" in types and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", s):
+        number = float(s)
+        if _finite(number):
+            return int(number) if number.is_integer() and re.fullmatch(r"[-+]?\d+", s) else number
+    if "boolean" in types and s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    for kind, cls in (("object", dict), ("array", list)):
+        if kind in types:
+            try:
+                value = json.loads(s)
+            except ValueError:
+                continue
+            if isinstance(value, cls) and _finite(value):
+                return value
+    return text
+
+
+def _properties(tools, name: str) -> dict:
+    for tool in tools:
+        fn = tool.get("function") or {}
+        if fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties")
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _one_newline_off(value: str) -> str:
+    """A value between tags, less the one newline each side the templates write around it."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed_call(tools, name: str, pairs: list[tuple[str, str]]) -> dict:
+    props = _properties(tools, name)
+    args = {key: typed_value(value, props.get(key)) for key, value in pairs}
+    return make_call(name, json.dumps(args, ensure_ascii=False))
+
+
+def _tagged_calls(text: str, tag: str, parse_one) -> tuple[str | None, list[dict]]:
+    """Blocks after `tag` (the last may be cut off): the text before the first is content, each
+    block `parse_one(body)` -> a call or None (left out). No call at all: the output is content."""
+    at = text.find(tag)
+    if at < 0:
+        return text, []
+    calls = [call for call in (parse_one(part) for part in text[at:].split(tag)[1:]) if call is not None]
+    if not calls:
+        return text, []
+    return (text[:at].strip() or None), calls
+
+
+_QWEN_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+
+
+def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
+    """Qwen3-Coder's XML calls: `<tool_call><function=NAME><parameter=KEY>value</parameter>...
+    </function></tool_call>`; values read by the parameters' schema types."""
+    def one(block: str) -> dict | None:
+        m = _QWEN_FUNCTION.search(block.split(TOOL_CALL_CLOSE, 1)[0])
+        if m is None or not m.group(1).strip():
+            return None
+        pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(m.group(2))]
+        return _typed_call(tools, m.group(1).strip(), pairs)
+    return _tagged_calls(text, TOOL_CALL_OPEN, one)
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+
+def parse_glm45(text: str, tools=()) -> tuple[str | None, list[dict]]:
+    """GLM-4.5's calls: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...
+    </tool_call>` (a newline may follow the name and each pair); values read by the schema types."""
+    def one(block: str) -> dict | None:
+        body = block.split(TOOL_CALL_CLOSE, 1)[0]
+        name = body.split("<arg_key>", 1)[0].strip()
+        if not name or "<" in name or "\n" in name:
+            return None
+        return _typed_call(tools, name, [(k.strip(), v) for k, v in _GLM_ARG.findall(body)])
+    return _tagged_calls(text, TOOL_CALL_OPEN, one)
+
+
+def _json_object(text: str) -> str | None:
+    """The arguments as JSON text when they are one JSON object (and nothing after it), else None."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(text.strip())
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or text.strip()[end:].strip():
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _calls_between(text: str, section: str, call: str, parse_one) -> tuple[str | None, list[dict]]:
+    """DeepSeek / Kimi: a section marker, then calls each opened by `call`."""
+    at = text.find(section)
+    if at < 0:
+        return text, []
+    calls = [c for c in (parse_one(part) for part in text[at + len(section):].split(call)[1:]) if c is not None]
+    if not calls:
+        return text, []
+    return (text[:at].strip() or None), calls
+
+
+def parse_deepseek_v3(text: str) -> tuple[str | None, list[dict]]:
+    """DeepSeek-V3's calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+    <｜tool▁call▁end｜>` after `<｜tool▁calls▁begin｜>`."""
+    def one(part: str) -> dict | None:
+        _, sep, rest = part.split(DEEPSEEK_CALL_END, 1)[0].partition(DEEPSEEK_SEP)
+        name, _, fenced = rest.partition("\n")
+        m = re.fullmatch(r"\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", fenced, re.S)
+        arguments = _json_object(m.group(1)) if m else None
+        return make_call(name.strip(), arguments) if sep and name.strip() and arguments is not None else None
+    return _calls_between(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
+
+
+def parse_deepseek_v31(text: str) -> tuple[str | None, list[dict]]:
+    """DeepSeek-V3.1's calls: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
+    def one(part: str) -> dict | None:
+        name, sep, rest = part.split(DEEPSEEK_CALL_END, 1)[0].partition(DEEPSEEK_SEP)
+        arguments = _json_object(rest)
+        return make_call(name.strip(), arguments) if sep and name.strip() and arguments is not None else None
+    return _calls_between(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
+
+
+def parse_kimi_k2(text: str) -> tuple[str | None, list[dict]]:
+    """Kimi K2's calls: `<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}
+    <|tool_call_end|>` after `<|tool_calls_section_begin|>`; the header is the call's id."""
+    def one(part: str) -> dict | None:
+        header, sep, rest = part.split(KIMI_CALL_END, 1)[0].partition(KIMI_ARGS)
+        header = header.strip()
+        m = re.fullmatch(r"(?:functions\.)?(.+):\d+", header)
+        arguments = _json_object(rest)
+        if not sep or m is None or arguments is None:
+            return None
+        return make_call(m.group(1), arguments, header)
+    return _calls_between(text, KIMI_SECTION, KIMI_CALL, one)
+
+
 PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "pythonic": parse_pythonic,
-         "mistral": parse_mistral}
+         "mistral": parse_mistral, "qwen3_coder": parse_qwen3_coder, "glm45": parse_glm45,
+         "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31, "kimi_k2": parse_kimi_k2}
+
+
+def parse_auto(parser: str, text: str, tools=()) -> tuple[str | None, list[dict]]:
+    """(content, calls) of an answer to tool_choice "auto" under `parser`."""
+    return PARSE[parser](text, tools) if parser in _TYPED else PARSE[parser](text)
 
 
 class ToolCallStream:
     """Streaming: the text a choice may show as content now, and the calls once the output is
-    complete. Constrained: no content. auto under `hermes` or `mistral`: what comes before the
-    first `<tool_call>` (`[TOOL_CALLS]`), holding back a tail that may be the tag's start. auto under `llama3_json` or
+    complete. Constrained: no content. auto under a tagged parser (`hermes`, `mistral`, ...): what
+    comes before the first call's tag, holding back a tail that may be the tag's start. auto under `llama3_json` or
     `pythonic`: the output is held until its first characters show whether it opens calls (then
     all of it is read at the end) or is content (then it streams)."""
 
@@ -343,5 +551,5 @@ class ToolCallStream:
         if self.first_call < 0:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
-        content, calls = PARSE[self.plan.parser](self.text[self.first_call:])
+        content, calls = parse_auto(self.plan.parser, self.text[self.first_call:], self.plan.tools)
         return self.text[self.shown:self.first_call] + (content or ""), calls

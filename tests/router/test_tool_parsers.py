@@ -1,0 +1,155 @@
+"""The tool call formats of Qwen3-Coder, GLM-4.5, DeepSeek-V3 / V3.1 and Kimi K2 (vLLM's
+`--tool-call-parser` names): outputs -> calls and content, whole and streamed, through the router;
+and an assistant's tool calls reaching the chat template as templates read them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.router.tool_calls import ToolCallStream, ToolPlan, parse_auto, typed_value
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "ratio": {"type": "number"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+    "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "level": {"enum": [1, 2, 3]}}}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = (WEATHER, NOW)
+
+QWEN = ("Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+GLM = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+       "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>false</arg_value>\n"
+       "</tool_call><tool_call>now</tool_call>")
+DEEPSEEK_V3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+               '{"city": "New York", "days": 3, "metric": false}\n```<｜tool▁call▁end｜>'
+               "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DEEPSEEK_V31 = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "New York", '
+                '"days": 3, "metric": false}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+                "<｜tool▁calls▁end｜>")
+KIMI = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "New York", "days": 3, "metric": false}<|tool_call_end|><|tool_call_begin|>functions.now:1'
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+FORMATS = {"qwen3_coder": QWEN, "glm45": GLM, "deepseek_v3": DEEPSEEK_V3, "deepseek_v31": DEEPSEEK_V31,
+           "kimi_k2": KIMI}
+WANT = [("get_weather", {"city": "New York", "days": 3, "metric": False}), ("now", {})]
+MARKERS = {"qwen3_coder": "<", "glm45": "<", "deepseek_v3": "<｜", "deepseek_v31": "<｜", "kimi_k2": "<|"}
+
+
+def calls_of(calls) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("parser", FORMATS)
+def test_each_format_is_calls_after_its_content(parser):
+    content, calls = parse_auto(parser, FORMATS[parser], TOOLS)
+    assert content == "Let me check." and calls_of(calls) == WANT
+    if parser == "kimi_k2":  # Kimi's header is the call's id (its template writes it back)
+        assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.now:1"]
+    # Cut off inside its first call (max_tokens): JSON arguments cut short are no call, so the
+    # output is all content; XML ones are read as far as they go (vLLM's rule for both).
+    cut = FORMATS[parser][:FORMATS[parser].index("New York")]
+    content, calls = parse_auto(parser, cut, TOOLS)
+    if parser in ("qwen3_coder", "glm45"):
+        assert content == "Let me check." and calls_of(calls) == [("get_weather", {"city": ""})]
+    else:
+        assert (content, calls) == (cut, [])
+    assert parse_auto(parser, "Just words.", TOOLS) == ("Just words.", [])
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": \n```"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1, 2]<｜tool▁call▁end｜>"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{x}"),
+    ("qwen3_coder", "<tool_call>\n<parameter=x>1</parameter>\n</tool_call>"),
+    ("glm45", "<tool_call>\n<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"),
+])
+def test_calls_that_do_not_parse_leave_the_output_as_content(parser, text):
+    assert parse_auto(parser, text, TOOLS) == (text, [])
+
+
+@pytest.mark.parametrize("text, schema, want", [
+    ("3", {"type": "integer"}, 3), ("-12", {"type": "integer"}, -12), ("3.5", {"type": "number"}, 3.5),
+    ("4", {"type": "number"}, 4), ("1e3", {"type": "number"}, 1000.0), ("nan", {"type": "number"}, "nan"),
+    ("TRUE", {"type": "boolean"}, True), ("yes", {"type": "boolean"}, "yes"),
+    ('{"a": [1]}', {"type": "object"}, {"a": [1]}), ("[1, 2]", {"type": "array"}, [1, 2]),
+    ("[1, 2]", {"type": "object"}, "[1, 2]"), ("null", {"type": ["integer", "null"]}, None),
+    ("7", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7), ("2", {"enum": [1, 2]}, 2),
+    ("007", {"type": "string"}, "007"), ("42", None, "42"), ("3", {"type": ["string", "integer"]}, 3),
+])
+def test_text_values_read_as_their_schema_types(text, schema, want):
+    got = typed_value(text, schema)
+    assert got == want and type(got) is type(want)
+
+
+def test_xml_values_keep_their_text_but_the_template_newlines():
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n  two\nlines \n</parameter>\n"
+            "<parameter=unknown>\n5\n</parameter>\n<parameter=limit>\nnull\n</parameter>\n</function>\n</tool_call>")
+    _, calls = parse_auto("qwen3_coder", text, TOOLS)
+    assert calls_of(calls) == [("get_weather", {"city": "  two\nlines ", "unknown": "5", "limit": None})]
+    # A last call cut off at the end still counts, with the parameters it finished.
+    _, calls = parse_auto("qwen3_coder", "<tool_call>\n<function=now>\n", TOOLS)
+    assert calls_of(calls) == [("now", {})]
+
+
+@pytest.mark.parametrize("parser", FORMATS)
+def test_a_stream_shows_the_content_and_holds_back_the_calls(parser):
+    stream, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), ""
+    text = FORMATS[parser]
+    for i in range(0, len(text), 3):
+        shown += stream.feed(text[i:i + 3])
+        assert MARKERS[parser] not in shown
+    rest, calls = stream.finish()
+    assert shown + rest == "Let me check." and calls_of(calls) == WANT
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "kimi_k2"])
+def test_through_the_router_whole_and_streamed(make_stack, tokenizer, parser):
+    script = tokenizer.encode(FORMATS[parser], add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, tool_call_parser=parser, prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    body = {"messages": [{"role": "user", "content": "Weather in New York?"}], "tools": list(TOOLS),
+            "max_tokens": 400}
+    status, _, out = stack.post("/v1/chat/completions", body)
+    assert status == 200, out
+    message = out["choices"][0]["message"]
+    assert message["content"] == "Let me check." and out["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == WANT
+    # Kimi's markers are special tokens in its tokenizer: the engines keep special tokens' text.
+    assert stack.decodes[0].engine.requests[-1].sampling.skip_special_tokens is (parser != "kimi_k2")
+    events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Let me check."
+    streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in streamed] == ["get_weather", "now"]
+
+
+TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+            "[{{ c.function.name }}{% for k, v in c.function.arguments | items %} {{ k }}={{ v }}{% endfor %}]"
+            "{% endfor %};{% endfor %}")
+
+
+def test_an_assistants_tool_calls_reach_the_template_as_mappings(make_stack, tokenizer):
+    """vLLM's rule: OpenAI's `arguments` JSON text becomes a mapping for the template (which
+    Qwen3-Coder's iterates); arguments that are not a JSON object become {} (the turn still
+    renders)."""
+    stack = make_stack(prefill=1, decode=1, trust_request_chat_template=True)
+
+    def rendered(arguments) -> str:
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+        status, _, out = stack.post("/tokenize", {"messages": messages, "chat_template": TEMPLATE,
+                                                  "add_generation_prompt": False})
+        assert status == 200, out
+        return tokenizer.decode(out["tokens"])
+
+    assert rendered('{"city": "Paris", "days": 3}') == "user:hi;assistant:[f city=Paris days=3];tool:ok;"
+    assert rendered({"city": "Paris"}) == "user:hi;assistant:[f city=Paris];tool:ok;"
+    for broken in ("{not json", "[1, 2]", "", None):
+        assert rendered(broken) == "user:hi;assistant:[f];tool:ok;"
+    status, _, err = stack.post("/tokenize", {"messages": [{"role": "assistant", "content": "", "tool_calls": "f"}]})
+    assert status == 400 and "tool_calls must be an array" in err["error"]["message"]
