@@ -14,6 +14,7 @@ from services.router.config import RouterConfig, parse_addresses
 from services.router.cors import CorsPolicy
 from services.router.discovery import pod_namespace
 from services.router.policy import OVERLAP_WEIGHT
+from services.router.reasoning import PARSERS as REASONING_PARSERS
 from services.router.tls import FrontTls
 from services.router.tool_calls import TOOL_CALL_PARSERS
 
@@ -149,8 +150,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "end). A decode lost mid-request then loses up to this many - 1 tokens the new one recomputes; "
           "1: a message every step", default=64, type=int)
     _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
-          "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 (it always thinks first) or "
-          "qwen3 (it thinks when it or its template opens <think>)", choices=["deepseek_r1", "qwen3"])
+          "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 or minimax_m2 (the model always "
+          "thinks first), qwen3, deepseek_v3 (V3.1 and later), glm45 or kimi_k2 (it thinks when it or its "
+          "template opens <think>)", choices=list(REASONING_PARSERS))
     _flag(p, "--reasoning-end-str", "what the engine forces when a request's thinking budget "
           "(thinking_token_budget, or Messages' thinking.budget_tokens) is spent, ending with </think> "
           "(vLLM's reasoning_end_str), e.g. \"Time is up, so I answer now.</think>\"; default: </think> alone")

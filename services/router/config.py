@@ -88,7 +88,7 @@ class RouterConfig:
     # tokens at least this many a message (SamplingParams.stream_interval); 1: every step.
     non_streaming_interval: int = 64
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id and GET; 0: none
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1 | qwen3
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: deepseek_r1, qwen3, glm45, ...
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: hermes | llama3_json | pythonic
     enable_auto_tool_choice: bool = True  # vLLM's flag (on here by default): tool_choice "auto" is served
     # Requests' sampling defaults (vLLM's --generation-config): "auto" (the model's

@@ -1,9 +1,12 @@
 """Reasoning output (vLLM's --reasoning-parser): a thinking model's `<think>...</think>` text goes to
 the chat message's `reasoning` field, the rest to `content`.
 
-Parsers: `deepseek_r1` (DeepSeek-R1 and its distills: the model thinks first, whether or not its
-template opened the `<think>`) and `qwen3` (Qwen3: it thinks only when it opens `<think>` itself,
-or its template did; with `enable_thinking: false` the template closes the block before the answer).
+Parsers (vLLM's names): those whose model thinks first, whether or not its template opened the
+`<think>`: `deepseek_r1` (DeepSeek-R1 and its distills) and `minimax_m2` (MiniMax-M2); those
+whose model thinks only when it opens `<think>` itself or its template did (with thinking off,
+`enable_thinking: false` or `thinking: false`, the template closes the block before the answer):
+`qwen3` (Qwen3), `deepseek_v3` (DeepSeek-V3.1 and later, thinking per request), `glm45`
+(GLM-4.5 to 4.7) and `kimi_k2` (Kimi K2 Thinking).
 Where the output starts is read from the prompt's text: after an unclosed `<think>` it starts in
 reasoning, after a `</think>` in content, and with neither as the parser says. The markers are
 matched on the text, so a tokenizer that splits them into several tokens works too; a streamed
@@ -103,7 +106,9 @@ def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool,
     return max(0, min(last, n) - opened)
 
 
-PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("minimax_m2", True),
+                                ReasoningParser("qwen3", False), ReasoningParser("deepseek_v3", False),
+                                ReasoningParser("glm45", False), ReasoningParser("kimi_k2", False))}
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:

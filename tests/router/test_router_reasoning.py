@@ -54,6 +54,30 @@ def test_where_the_output_starts_comes_from_the_prompt():
         reasoning_parser("o1")
 
 
+@pytest.mark.parametrize("name, prompt, opened, closed, thinks_unprompted", [
+    # MiniMax-M2 thinks first, as DeepSeek-R1 does.
+    ("minimax_m2", "]~b]user\nhi[e~[\n]~b]ai\n", None, None, True),
+    # DeepSeek-V3.1's template opens <think> with thinking on, closes it with thinking off.
+    ("deepseek_v3", "<｜User｜>hi<｜Assistant｜>", f"<｜User｜>hi<｜Assistant｜>{START}",
+     f"<｜User｜>hi<｜Assistant｜>{END}", False),
+    # GLM-4.5 opens its own <think>; /nothink's template writes an empty block.
+    ("glm45", "<|user|>\nhi<|assistant|>", None, f"<|user|>\nhi<|assistant|>\n{START}{END}", False),
+    ("kimi_k2", "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>", None,
+     f"<|im_assistant|>assistant<|im_middle|>{START}{END}", False),
+])
+def test_vllms_other_thinking_models(name, prompt, opened, closed, thinks_unprompted):
+    parser = reasoning_parser(name)
+    assert parser.starts_in_reasoning(prompt) is thinks_unprompted
+    if opened is not None:
+        assert parser.starts_in_reasoning(opened)
+    if closed is not None:
+        assert not parser.starts_in_reasoning(closed)
+    # Either way an output that opens its own <think> has its reasoning split out.
+    splitter = parser.splitter(prompt)
+    reasoning, content = splitter.feed(f"{START}Let me think.{END}The answer.")
+    assert (reasoning, content) == ("Let me think.", "The answer.")
+
+
 def test_a_tokenizer_that_drops_the_markers_is_refused():
     class Special:
         all_special_tokens = ["<s>", END]
