@@ -1,6 +1,7 @@
 """`pdserve up`: the whole stack on 127.0.0.1 (router + prefill and decode services)."""
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import logging
@@ -9,6 +10,7 @@ import random
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -100,13 +102,64 @@ def _grpc_serving(port: int, timeout: float = 1.0) -> bool:
     return health_serving(f"127.0.0.1:{port}", timeout)
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> bool:
     """A 200 from `url` (a health endpoint) within `timeout` seconds."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             return r.status == 200
     except OSError:
         return False
+
+
+@dataclass(frozen=True)
+class RouterFront:
+    """How `up` reaches the router it started, from the router flags it passes (--router-arg) and
+    the router's environment: HTTPS under --ssl-certfile (its certificate is not checked: it is
+    our own child on 127.0.0.1), an API key under --api-key, and no request at all where
+    --ssl-cert-reqs 2 demands a client certificate `up` does not have."""
+    certfile: str | None = None
+    client_certs_required: bool = False
+    api_key: str | None = None
+
+    @classmethod
+    def from_args(cls, router_args: list[str], env: dict) -> "RouterFront":
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--ssl-certfile")
+        p.add_argument("--ssl-cert-reqs", type=int)
+        p.add_argument("--api-key", nargs="+")
+        known, _ = p.parse_known_args(router_args)
+        certfile = known.ssl_certfile or env.get("PDSERVE_ROUTER_SSL_CERTFILE") or None
+        reqs = known.ssl_cert_reqs if known.ssl_cert_reqs is not None else int(
+            env.get("PDSERVE_ROUTER_SSL_CERT_REQS") or 0)
+        keys = known.api_key or [k for k in (env.get("PDSERVE_ROUTER_API_KEY") or env.get("PDSERVE_API_KEY")
+                                             or "").split(",") if k]
+        return cls(certfile, certfile is not None and reqs == 2, keys[0] if keys else None)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.certfile else "http"
+
+    @property
+    def context(self) -> ssl.SSLContext | None:
+        if not self.certfile:
+            return None
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def ready(self, port: int) -> bool:
+        if self.client_certs_required:  # listening is all `up` can see
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                return True
+            except OSError:
+                return False
+        return http_ok(f"{self.scheme}://127.0.0.1:{port}/health", 1.0, self.context)
 
 
 class Stack:
@@ -114,6 +167,7 @@ class Stack:
         self.args = args
         self.children: list[Child] = []
         self.stopping = False
+        self.front = RouterFront()
 
     def spawn(self, name: str, argv: list[str], env: dict, grpc_port: int | None = None) -> Child:
         cmd = [sys.executable, "-m", "services.cli", *argv]
@@ -156,8 +210,9 @@ class Stack:
             router += ["--prefill", ",".join(prefill)]
         router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
         self.spawn("router", [*router, *a.router_arg], env)
-        url = f"http://127.0.0.1:{http_port}"
-        return url if self._wait(lambda: http_ok(f"{url}/health", 1.0), "the router") else None
+        self.front = RouterFront.from_args(a.router_arg, env)
+        url = f"{self.front.scheme}://127.0.0.1:{http_port}"
+        return url if self._wait(lambda: self.front.ready(http_port), "the router") else None
 
     def _wait(self, ready, what: str) -> bool:
         deadline = time.monotonic() + self.args.startup_timeout
@@ -197,12 +252,13 @@ class Stack:
         logger.info("stack stopped")
 
 
-def demo_request(url: str, model: str, stopping=lambda: False) -> str:
+def demo_request(url: str, model: str, stopping=lambda: False, front: RouterFront = RouterFront()) -> str:
     body = json.dumps({"model": model, "prompt": "The old king", "max_tokens": 24, "temperature": 0,
                        "stream": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", **front.headers})
     text = []
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=120, context=front.context) as r:
         for line in r:
             if stopping():
                 break
@@ -216,18 +272,24 @@ def demo_request(url: str, model: str, stopping=lambda: False) -> str:
     return "".join(text)
 
 
-def announce(url: str, args, stopping) -> None:
+def announce(url: str, args, stopping, front: RouterFront = RouterFront()) -> None:
     """The URL, a curl to paste, and with --demo one streamed completion."""
     print(f"\npdserve is serving at {url}  (prefill x{args.prefill}, decode x{args.decode}, "
           f"transport {args.transport})", flush=True)
+    if front.client_certs_required:
+        print("the router demands client certificates (--ssl-cert-reqs 2): send requests with yours\n", flush=True)
+        return
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=front.headers),
+                                    timeout=10, context=front.context) as r:
             model = json.load(r)["data"][0]["id"]
-        print("try:\n  curl " + f"{url}/v1/completions -H 'Content-Type: application/json' -d "
+        options = (f"--cacert {front.certfile} " if front.certfile else "") + \
+            ("-H 'Authorization: Bearer <your --api-key>' " if front.api_key else "")
+        print("try:\n  curl " + options + f"{url}/v1/completions -H 'Content-Type: application/json' -d "
               + "'" + json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16}) + "'\n", flush=True)
         if args.demo:
             print("demo completion (streamed): The old king", end="", flush=True)
-            demo_request(url, model, stopping)
+            demo_request(url, model, stopping, front)
     except (OSError, http.client.HTTPException, ValueError) as e:  # a dead service is watch()'s call
         print(flush=True)
         logger.error("a request to the router failed: %s", e)
@@ -247,7 +309,7 @@ def run_up(args) -> int:
     try:
         url = stack.start()
         if url is not None:
-            announce(url, args, lambda: stack.stopping)
+            announce(url, args, lambda: stack.stopping, stack.front)
             if not stack.stopping:
                 print("serving; Ctrl-C to stop", flush=True)
             code = stack.watch()

@@ -170,20 +170,30 @@ def test_system_check_passes_quietly_when_everything_is_there(tmp_path):
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
 
 
-def test_ctrl_c_on_pdserve_up_prints_no_traceback(tiny_model_factory):
-    """Ctrl-C reaches the terminal's whole process group; here every process of the stack gets
-    SIGINT, as if each shared it (the launcher's children are in groups of their own)."""
-    model = tiny_model_factory("llama", max_position_embeddings=512)
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--port", "0"],
+def _up_serving(model: str, *argv: str) -> tuple[subprocess.Popen, list[str]]:
+    """`pdserve up` started in a session of its own, its output read until it says it serves."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--port", "0", *argv],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "serving; Ctrl-C to stop" in line:
+            if "serving; Ctrl-C to stop" in line or "Traceback" in line:
                 break
-        assert "serving; Ctrl-C to stop" in lines[-1], "".join(lines[-30:])
+        assert lines and "serving; Ctrl-C to stop" in lines[-1], "".join(lines[-30:])
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, lines
+
+
+def test_ctrl_c_on_pdserve_up_prints_no_traceback(tiny_model_factory):
+    """Ctrl-C reaches the terminal's whole process group; here every process of the stack gets
+    SIGINT, as if each shared it (the launcher's children are in groups of their own)."""
+    model = tiny_model_factory("llama", max_position_embeddings=512)
+    proc, lines = _up_serving(model)
+    try:
         stack = _descendants(proc.pid)
         assert len(stack) >= 5, "router, prefill, decode and their engine cores"
         os.killpg(proc.pid, signal.SIGINT)
@@ -199,6 +209,41 @@ def test_ctrl_c_on_pdserve_up_prints_no_traceback(tiny_model_factory):
     assert "stack stopped" in rest
     poll_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in stack), 15, interval=0.2)
     assert not [pid for pid in stack if os.path.exists(f"/proc/{pid}")], "processes outlived `pdserve up`"
+
+
+def test_pdserve_up_reaches_a_router_behind_https_and_an_api_key(tiny_model_factory, tmp_path):
+    """`up` passes the router its flags (--router-arg) and reaches it as they say: readiness over
+    HTTPS, the demo request with the API key, the URL and curl line announced as https."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    model = tiny_model_factory("llama", max_position_embeddings=512)
+    proc, lines = _up_serving(model, "--demo", f"--router-arg=--ssl-certfile={tmp_path / 'server.pem'}",
+                              f"--router-arg=--ssl-keyfile={tmp_path / 'server.key'}", "--router-arg=--api-key=k1")
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+    out = "".join(lines)
+    assert "pdserve is serving at https://127.0.0.1:" in out
+    assert f"curl --cacert {tmp_path / 'server.pem'} -H 'Authorization: Bearer <your --api-key>' https://" in out
+    demo = next(line for line in lines if line.startswith("demo completion (streamed): The old king"))
+    assert len(demo.strip()) > len("demo completion (streamed): The old king") + 5, demo
+    assert "a request to the router failed" not in out and "k1" not in out
+
+
+def test_up_reads_the_routers_tls_and_key_from_its_flags_or_environment():
+    from services.launcher import RouterFront
+
+    plain = RouterFront.from_args(["--reasoning-parser=qwen3"], {})
+    assert (plain.scheme, plain.context, plain.headers) == ("http", None, {})
+    tls = RouterFront.from_args(["--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem", "--api-key", "a", "b"], {})
+    assert tls.scheme == "https" and tls.context is not None and tls.headers == {"Authorization": "Bearer a"}
+    assert not tls.client_certs_required
+    env = RouterFront.from_args([], {"PDSERVE_ROUTER_SSL_CERTFILE": "c.pem", "PDSERVE_ROUTER_SSL_CERT_REQS": "2",
+                                     "PDSERVE_API_KEY": "x,y"})
+    assert env.scheme == "https" and env.client_certs_required and env.api_key == "x"
 
 
 def _descendants(pid: int) -> list[int]:
