@@ -115,3 +115,62 @@ def test_metrics_sources_are_configurable_and_the_planner_keeps_its_scrapes():
 
 def test_network_policies_can_be_turned_off():
     assert by_kind(rendered(**{"networkPolicy.enabled": False}), "NetworkPolicy") == {}
+
+
+def router_parts(docs: list[dict]) -> tuple[dict, dict, dict]:
+    """(the router's container, its pod spec, the helm test pod)."""
+    router = by_kind(docs, "Deployment")["pd-pdserve-router"]
+    [test_pod] = by_kind(docs, "Pod").values()
+    return container(router), router["spec"]["template"]["spec"], test_pod
+
+
+def test_the_router_serves_https_from_its_tls_secret():
+    plain, _, test_pod = router_parts(rendered())
+    assert not any(a.startswith("--ssl-") for a in plain["args"])
+    assert plain["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert test_pod["spec"]["containers"][0]["env"][0]["value"].startswith("http://")
+
+    docs = rendered(**{"router.tls.secretName": "router-cert"})
+    c, spec, test_pod = router_parts(docs)
+    ssl_args = [a for a in c["args"] if a.startswith("--ssl-")]
+    assert ssl_args == ["--ssl-certfile=/etc/pdserve/router-tls/tls.crt", "--ssl-keyfile=/etc/pdserve/router-tls/tls.key"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "router-tls")
+    assert volume["secret"]["secretName"] == "router-cert"
+    assert {"name": "router-tls", "mountPath": "/etc/pdserve/router-tls", "readOnly": True} in c["volumeMounts"]
+    # kubelet probes over HTTPS (it does not check the certificate); the Service says https.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+    http = next(p for p in by_kind(docs, "Service")["pd-pdserve-router"]["spec"]["ports"] if p["name"] == "http")
+    assert http["appProtocol"] == "https"
+    # helm test reaches it over HTTPS with the Secret mounted (its CA checks the chain).
+    test_c = test_pod["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in test_c["env"]}["ROUTER_URL"].startswith("https://pd-pdserve-router.")
+    assert test_pod["spec"]["volumes"][0]["secret"]["secretName"] == "router-cert"
+    assert "ca.crt" in test_c["command"][-1] and "context=context" in test_c["command"][-1]
+    # The engines' side is untouched: no router certificate there.
+    for role in ENGINES:
+        engine = by_kind(docs, "Deployment")[f"pd-pdserve-{role}"]
+        assert not any(v["name"] == "router-tls" for v in engine["spec"]["template"]["spec"]["volumes"])
+
+
+def test_client_certificates_optional_or_required():
+    c, _, _ = router_parts(rendered(**{"router.tls.secretName": "router-cert",
+                                       "router.tls.clientCertificates": "optional"}))
+    assert "--ssl-ca-certs=/etc/pdserve/router-tls/ca.crt" in c["args"] and "--ssl-cert-reqs=1" in c["args"]
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    c, _, test_pod = router_parts(rendered("router-tls"))
+    assert "--ssl-cert-reqs=2" in c["args"]
+    # kubelet presents no client certificate: the probes can only see the port listening.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["tcpSocket"] == {"port": "http"} and "httpGet" not in c[probe]
+    env = {e["name"]: e.get("value") for e in test_pod["spec"]["containers"][0]["env"]}
+    assert env["CLIENT_CERT"] == "1"  # helm test presents the Secret's own certificate
+
+
+def test_client_certificates_need_the_secret():
+    from chart_tools import template
+
+    result = template("3", None, {"router.tls.clientCertificates": "required"}, check=False)
+    assert result.returncode != 0 and "router.tls.secretName" in result.stderr
+    result = template("3", None, {"router.tls.clientCertificates": "sometimes"}, check=False)
+    assert result.returncode != 0 and "clientCertificates" in result.stderr

@@ -10,7 +10,7 @@ import trustme
 from chart_tools import by_kind, container, render
 
 
-TLS_MOUNT = "/etc/pdserve/tls"
+TLS_MOUNTS = ("/etc/pdserve/tls", "/etc/pdserve/router-tls")  # the engines' Secret, the router's
 
 
 def mounted_tls_secret(folder) -> dict[str, bytes]:
@@ -24,6 +24,12 @@ def mounted_tls_secret(folder) -> dict[str, bytes]:
     return files
 
 
+def _mounted(arg: str, folder) -> str:
+    for mount in TLS_MOUNTS:
+        arg = arg.replace(mount, str(folder))
+    return arg
+
+
 def parser(*hooks) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve")
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,7 +39,7 @@ def parser(*hooks) -> argparse.ArgumentParser:
 
 
 @pytest.mark.parametrize("value_set", [None, "gpu-ucx-rdma", "planner", "model-pvc", "cpu-only", "engine-mtls",
-                                       "kv-events", "tensor-parallel"],
+                                       "kv-events", "tensor-parallel", "router-tls"],
                          ids=lambda v: v or "defaults")
 def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
     from services.common.auth import ServerAuth
@@ -47,7 +53,7 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
     tls = mounted_tls_secret(tmp_path)
     for name, deployment in deployments.items():
         # The TLS Secret's files where the chart mounts them, here under tmp_path.
-        args = cli.parse_args([a.replace(TLS_MOUNT, str(tmp_path)) for a in container(deployment)["args"]])
+        args = cli.parse_args([_mounted(a, tmp_path) for a in container(deployment)["args"]])
         role = name.rsplit("-", 1)[1]
         assert args.command == role
         if role == "router":
@@ -55,6 +61,10 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
             assert config.disaggregated and config.discovery in ("dns", "kubernetes")
             assert config.engine_auth.ca_certs == (tls["ca.crt"] if value_set == "engine-mtls" else None)
             assert config.policy == ("kv_aware" if value_set == "kv-events" else "least_load")
+            if value_set == "router-tls":  # the files load, client certificates demanded
+                assert config.tls is not None and config.tls.cert_reqs == 2
+            else:
+                assert config.tls is None
         elif role == "planner":
             assert set(planner_config(args).roles) == {"prefill", "decode"}
         else:

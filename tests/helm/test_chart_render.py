@@ -10,7 +10,7 @@ from chart_tools import (KUBE_VERSIONS, NAMESPACE, by_kind, container, helm, lin
 
 HELMS = ("3", "4")
 VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc", "engine-mtls", "kv-events",
-              "tensor-parallel")
+              "tensor-parallel", "router-tls")
 ENGINES = ("pd-pdserve-prefill", "pd-pdserve-decode")
 
 

@@ -161,6 +161,9 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and .Values.engineAuth.tls.enabled (not .Values.engineAuth.tls.secretName) }}
 {{- fail "engineAuth.tls.enabled: name the Secret holding tls.crt, tls.key and ca.crt in engineAuth.tls.secretName" }}
 {{- end }}
+{{- if and (ne .Values.router.tls.clientCertificates "none") (not .Values.router.tls.secretName) }}
+{{- fail "router.tls.clientCertificates: name the Secret holding tls.crt, tls.key and ca.crt in router.tls.secretName" }}
+{{- end }}
 {{- if and .Values.engine.kvCacheMemoryGb .Values.engine.gpuMemoryUtilization }}
 {{- fail "engine.gpuMemoryUtilization: engine.kvCacheMemoryGb sizes the KV cache too: give one" }}
 {{- end }}
@@ -353,6 +356,11 @@ podAffinity:
   mountPath: /etc/pdserve/tls
   readOnly: true
 {{- end }}
+{{- if and (eq .role "router") .root.Values.router.tls.secretName }}
+- name: router-tls
+  mountPath: /etc/pdserve/router-tls
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{- define "pdserve.volumes" -}}
@@ -387,6 +395,14 @@ podAffinity:
 - name: engine-tls
   secret:
     secretName: {{ .secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- if eq .role "router" }}
+{{- with .root.Values.router.tls.secretName }}
+- name: router-tls
+  secret:
+    secretName: {{ . }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
@@ -443,8 +459,18 @@ restart routers. Engines: gRPC health, on the plaintext health port when the gRP
 {{- $live := "" }}
 {{- $ready := "" }}
 {{- if eq .role "router" }}
+{{- $tls := .root.Values.router.tls }}
+{{- if eq $tls.clientCertificates "required" }}
+{{- $live = dict "tcpSocket" (dict "port" "http") }}
+{{- $ready = $live }}
+{{- else }}
 {{- $live = dict "httpGet" (dict "path" "/livez" "port" "http") }}
 {{- $ready = dict "httpGet" (dict "path" "/readyz" "port" "http") }}
+{{- if $tls.secretName }}
+{{- $_ := set $live.httpGet "scheme" "HTTPS" }}
+{{- $_ := set $ready.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- end }}
 {{- else }}
 {{- $tls := .root.Values.engineAuth.tls }}
 {{- $live = dict "grpc" (dict "port" (int (ternary $tls.healthPort (include "pdserve.grpcPort" .) $tls.enabled))) }}
