@@ -6,7 +6,7 @@ import itertools
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, lora_names
 from engine.core_client import Abort, AddRequest, InprocClient, MPClient
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput, merge_delta
 from engine.processor import InputProcessor, load_tokenizer
@@ -121,7 +121,7 @@ class AsyncEngine:
                 InprocClient, self.config, self._threadsafe_on_core_outputs, kv_connector_factory,
                 lambda code: self.loop.call_soon_threadsafe(self._on_core_death, code))
         info = self.client.info
-        self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size, lora_names(self.config))
         sc = self.config.scheduler
         kv_tokens = info.num_blocks * self.config.cache.block_size
         self.max_inflight_requests = sc.max_num_seqs + (

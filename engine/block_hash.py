@@ -2,7 +2,8 @@
 
 A block's hash is `sha256(cbor((parent_hash, token_ids, extra_keys)))` with the first block's
 parent the fixed root `sha256(cbor("vllm-none-hash"))` and `extra_keys` either None or a tuple of
-tagged keys; the first block of a request with a `cache_salt` carries `(("cache_salt", salt),)`.
+tagged keys: every block of a request with a LoRA adapter carries `("lora", name, path)`, and the
+first block of a request with a `cache_salt` `("cache_salt", salt)` after it.
 This is exactly vLLM's default (prefix_caching_hash_algo=sha256_cbor, PYTHONHASHSEED unset), so
 the engines, the router's KV index and any outside indexer agree on a hash from token ids alone.
 docs/routing.md has a golden vector. Pure Python, no torch: the router imports it too.
@@ -74,21 +75,28 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     return sha256_cbor((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
-    """The extra keys of a request's block: the cache salt, on the first block only (the chain
-    carries it into every later block)."""
+def lora_key(name: str | None, paths: dict[str, str]) -> tuple | None:
+    """The prefix cache's extra key of a request's LoRA adapter (vLLM's ("lora", name, path), on
+    every block: a name re-pointed at another adapter never reuses its KV)."""
+    return ("lora", name, paths.get(name, "")) if name else None
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None, lora: tuple | None = None) -> tuple | None:
+    """The extra keys of a request's block, as vLLM orders them: its LoRA adapter's on every block,
+    then the cache salt on the first only (the chain carries it into every later block)."""
+    keys = (lora,) if lora else ()
     if block_index == 0 and cache_salt:
-        return (("cache_salt", cache_salt),)
-    return None
+        keys += (("cache_salt", cache_salt),)
+    return keys or None
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                        parent_hashes: list[BlockHash] | None = None) -> list[BlockHash]:
+                        parent_hashes: list[BlockHash] | None = None, lora: tuple | None = None) -> list[BlockHash]:
     """The hashes of every full block of `token_ids`, extending `parent_hashes` (already computed
-    for its first blocks) in place when given."""
+    for its first blocks) in place when given. `lora`: the adapter's key (engine.lora.lora_key)."""
     hashes = parent_hashes if parent_hashes is not None else []
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                        block_extra_keys(i, cache_salt)))
+                                        block_extra_keys(i, cache_salt, lora)))
     return hashes

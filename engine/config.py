@@ -15,6 +15,47 @@ _DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """The adapters an engine serves: (name, path) pairs, in --lora-modules order."""
+    modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16  # vLLM's default
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {sorted(names)}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+
+    @property
+    def paths(self) -> dict[str, str]:
+        return dict(self.modules)
+
+
+def parse_lora_modules(values) -> tuple[tuple[str, str], ...]:
+    """vLLM's --lora-modules forms: `name=path`, or JSON `{"name": ..., "path": ...}`
+    (`base_model_name` accepted and unused: one base model is served)."""
+    out = []
+    for value in values or ():
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            name, path = value
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {value!r}: JSON must be an object with name and path") from None
+        elif isinstance(value, str) and "=" in value:
+            name, path = value.split("=", 1)
+        else:
+            raise ValueError(f"--lora-modules {value!r}: give name=path or a JSON object with name and path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules {value!r}: the name and the path must be non-empty")
+        out.append((name, path))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str
     dtype: str = "float32"
@@ -144,6 +185,7 @@ class EngineConfig:
     # vLLM's and SGLang's --stream-interval. 1 sends every step's token at once.
     stream_interval: int = 1
     speculative: SpeculativeConfig | None = None  # vLLM's speculative_config; None: off
+    lora: LoRAConfig | None = None  # vLLM's --enable-lora / --lora-modules; None: off
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -152,6 +194,9 @@ class EngineConfig:
             # Step n+1 is queued with one input token per row before n's accepted run is known.
             raise ValueError("speculative decoding does not combine with async scheduling: "
                              "turn one of them off")
+        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor parallelism yet: "
+                             "--enable-lora needs --tensor-parallel-size 1")
 
     @classmethod
     def create(cls, model: str, **kwargs) -> "EngineConfig":
@@ -160,6 +205,7 @@ class EngineConfig:
                     "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         parts: dict[str, dict] = {name: {} for name in sections}
         top: dict = {}
+        lora: dict = {}
         for key, value in kwargs.items():
             for name, section in sections.items():
                 if key in {f.name for f in dataclasses.fields(section)}:
@@ -172,9 +218,21 @@ class EngineConfig:
                     top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))
                 elif key == "speculative_config":
                     top["speculative"] = SpeculativeConfig.parse(value)
+                elif key in ("enable_lora", "lora_modules", "max_lora_rank"):
+                    lora[key] = value
                 else:
                     raise TypeError(f"unknown engine argument {key!r}")
+        if lora.get("lora_modules") and not lora.get("enable_lora"):
+            raise ValueError("--lora-modules needs --enable-lora (vLLM's rule)")
+        if lora.get("enable_lora"):
+            top["lora"] = LoRAConfig(parse_lora_modules(lora.get("lora_modules")),
+                                     **({"max_lora_rank": lora["max_lora_rank"]} if lora.get("max_lora_rank") else {}))
         return cls(model=ModelConfig(path=model, **parts["model"]),
                    cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), **top)
+
+
+def lora_names(config: EngineConfig) -> tuple[str, ...]:
+    """The LoRA adapters an engine serves (none without --enable-lora)."""
+    return tuple(config.lora.paths) if config.lora is not None else ()

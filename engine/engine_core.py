@@ -98,7 +98,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
                                                enable_kv_cache_events=self.kv_event_publisher is not None,
-                                               medium="GPU" if self.runner.device.type == "cuda" else "CPU")
+                                               medium="GPU" if self.runner.device.type == "cuda" else "CPU",
+                                               lora_paths=config.lora.paths if config.lora is not None else None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    connector_scheduler, self.kv_event_publisher, config.speculative)
         # Speculative decoding: proposals for the next step, made once this one is settled.

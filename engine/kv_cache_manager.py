@@ -1,7 +1,7 @@
 """Per-request KV slots: prefix-cache lookup, allocation that returns None on shortage, free."""
 from __future__ import annotations
 
-from engine.block_hash import block_extra_keys, hash_request_tokens
+from engine.block_hash import block_extra_keys, hash_request_tokens, lora_key
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.kv_events import BlockStored
 from engine.request import Request
@@ -12,8 +12,10 @@ _NO_BLOCKS: list[int] = []  # shared, never mutated: "nothing new" on the fast p
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False, medium: str = "GPU") -> None:
+                 enable_kv_cache_events: bool = False, medium: str = "GPU",
+                 lora_paths: dict[str, str] | None = None) -> None:
         self.block_size = block_size
+        self.lora_paths = lora_paths or {}  # adapter name -> path: part of its blocks' hashes
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -29,8 +31,11 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> list[bytes]:
         """Extend request.block_hashes over every full block of its known tokens (engine.block_hash:
         the chained sha256 the router and outside indexers compute too)."""
-        return hash_request_tokens(request.all_token_ids, self.block_size,
-                                   request.sampling_params.cache_salt, request.block_hashes)
+        return hash_request_tokens(request.all_token_ids, self.block_size, request.sampling_params.cache_salt,
+                                   request.block_hashes, self._lora_key(request))
+
+    def _lora_key(self, request: Request) -> tuple | None:
+        return lora_key(request.sampling_params.lora_name, self.lora_paths)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix; always leaves at least one token to compute (for logits)."""
@@ -123,12 +128,14 @@ class KVCacheManager:
                 runs.append([i])
         for run in runs:
             first, end = run[0], run[-1] + 1
-            extra = [block_extra_keys(i, salt) for i in run]
+            lora = self._lora_key(request)
+            extra = [block_extra_keys(i, salt, lora) for i in run]
             self.block_pool.kv_event_queue.append(BlockStored(
                 block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None, lora_name=None,
-                medium=self.block_pool.medium,
-                extra_keys=[None if k is None else tuple(v for _, v in k) for k in extra] if any(extra) else None))
+                token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None,
+                lora_name=request.sampling_params.lora_name, medium=self.block_pool.medium,
+                extra_keys=[None if k is None else tuple(v for key in k for v in key[1:]) for k in extra]
+                if any(extra) else None))
 
     def take_events(self) -> list:
         """The KV events since the last call, in the order they happened."""

@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 from typing import Sequence
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, lora_names
 from engine.engine_core import EngineCore
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
@@ -23,7 +23,8 @@ class LLM:
         self.config = EngineConfig.create(model=model, **engine_kwargs)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config, show_progress)
-        self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
+                                        lora_names(self.config))
         self.output_processor = OutputProcessor(self.tokenizer, OutputKind.FINAL_ONLY)
         self._ids = itertools.count()
 

@@ -85,6 +85,11 @@ class ModelRunner:
         else:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
                                     self.device, show_progress, linear_backend=config.model.linear_backend)
+        self.lora = None
+        if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
+            from engine.lora import LoRAManager
+
+            self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device)
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
                                          self.block_size, self.dtype, self.device, tp_size, 0, arch.num_kv_heads)
         if connector is not None and self.tp is not None:
@@ -205,6 +210,8 @@ class ModelRunner:
             reason = "enforce_eager"
         elif config.parallel.tensor_parallel_size > 1:
             reason = "tensor parallelism"  # a graph would capture rank 0's launches only
+        elif config.lora is not None:
+            reason = "LoRA adapters"  # each step groups its rows by adapter: no fixed launches to capture
         elif self.device.type != "cuda":
             reason = "no CUDA device"
         elif self.kernels.name != "triton":
@@ -330,6 +337,8 @@ class ModelRunner:
             hidden, sample_rows = self._run_decode(so, prev)
         else:
             input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)
+            if self.lora is not None:
+                self.lora.set_batch(reqs, so.num_scheduled_tokens, len(input_ids))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if any(r.prompt_logprobs is not None for r in reqs):
                 step.prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
@@ -403,6 +412,8 @@ class ModelRunner:
             row_of = {r.request_id: i for i, r in enumerate(prev.requests)}
             prev_rows = np.fromiter((row_of[r.request_id] for r in reqs), dtype=np.int64, count=b)
         graphs = self.decode_graphs
+        if self.lora is not None:  # a row each, then the padding
+            self.lora.set_batch(reqs, [1] * b, padded)
         width = graphs.stage(b, padded, positions, input_ids, [self.block_ids[r.request_id] for r in reqs], prev_rows)
         hidden = graphs.run(b, padded, width, prev.sampled if prev is not None else None)
         # A row samples when it reaches its known tokens (a one-token prefill chunk may not).

@@ -119,10 +119,11 @@ class TokenizerCodec:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, lora_names=()) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.lora_names = frozenset(lora_names)  # the LoRA adapters the engine serves
 
     @property
     def eos_token_id(self) -> int | None:
@@ -158,6 +159,10 @@ class InputProcessor:
             raise InvalidRequestError(f"resumed_tokens ({params.resumed_tokens}) exceeds the prompt's "
                                       f"{len(token_ids)} tokens")
         validate_sampling(params, self.vocab_size)
+        if params.lora_name is not None and params.lora_name not in self.lora_names:
+            served = ", ".join(sorted(self.lora_names)) or "none (no --enable-lora)"
+            raise InvalidRequestError(f"lora_name {params.lora_name!r} is not an adapter this engine serves; "
+                                      f"it serves {served}")
 
 
 def validate_sampling(params: SamplingParams, vocab_size: int) -> None:

@@ -53,6 +53,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Prefix-cache isolation (vLLM's field): requests share cached blocks only with the same salt.
     cache_salt: str | None = None
+    # The LoRA adapter the request runs with (one of the engine's --lora-modules names; vLLM's
+    # LoRARequest, carried here so it travels with the request to every engine): None, the base model.
+    lora_name: str | None = None
     # OpenAI's penalties on the output so far (0: off), and HF's repetition penalty on prompt +
     # output (1: off; a positive logit is divided by it, a negative one multiplied).
     presence_penalty: float = 0.0
@@ -109,6 +112,8 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string if provided")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidRequestError("lora_name must be a non-empty string if provided")
         self._check_penalties()
         self._freeze_logit_bias()
         self._freeze_bad_words()

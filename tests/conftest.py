@@ -48,6 +48,39 @@ def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_factory(tmp_path_factory):
+    """make(base, seed, rank=8, targets=ALL_TARGETS, **LoraConfig kwargs) -> a PEFT adapter folder
+    (saved by peft's save_pretrained) of random weights: both A and B drawn, so it changes the
+    model's answers (PEFT starts B at zero). Cached per session."""
+    made: dict = {}
+
+    def make(base: str, seed: int, rank: int = 8, targets=ALL_TARGETS, **kwargs) -> str:
+        key = (base, seed, rank, tuple(targets), tuple(sorted(kwargs.items())))
+        if key not in made:
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            config = LoraConfig(r=rank, lora_alpha=kwargs.pop("lora_alpha", 2 * rank), target_modules=list(targets),
+                                lora_dropout=0.0, **kwargs)
+            peft_model = get_peft_model(model, config)
+            with torch.no_grad():
+                for name, param in peft_model.named_parameters():
+                    if "lora_" in name:
+                        param.normal_(0.0, 0.3)
+            path = str(tmp_path_factory.mktemp(f"lora-{seed}"))
+            peft_model.save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def e2e_model(tiny_model_factory) -> str:
     """The model of every end-to-end stack: small and fast, with a 512-token context."""

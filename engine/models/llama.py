@@ -88,7 +88,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """With tp: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
-    row-parallel, its partial sums all-reduced."""
+    row-parallel, its partial sums all-reduced. `*_lora`: LoRA adapters (engine.lora), when served."""
+    qkv_lora = o_lora = None
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
@@ -110,7 +111,10 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_lora is not None:
+            self.qkv_lora(x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -124,12 +128,16 @@ class Attention(nn.Module):
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                              meta.block_tables, self.scale)
-        out = self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        out = self.o_proj(o)
+        if self.o_lora is not None:
+            self.o_lora(o, out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
     """With tp: gate_up column-parallel, down_proj row-parallel (all-reduced)."""
+    gate_up_lora = down_lora = None
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
@@ -141,7 +149,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is None:
+            out = self.down_proj(self.kernels.silu_and_mul(gate_up))
+        else:
+            self.gate_up_lora(x, gate_up)
+            h = self.kernels.silu_and_mul(gate_up)
+            out = self.down_proj(h)
+            self.down_lora(h, out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -1,0 +1,122 @@
+"""LoRA adapters (vLLM's --enable-lora / --lora-modules): greedy outputs token-exact against
+transformers + PEFT, adapters and the base model mixed in one batch, prefix caches kept apart per
+adapter, and what cannot be served refused at start, by name."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.block_hash import hash_request_tokens, lora_key
+from engine.request import InvalidRequestError
+
+PROMPTS = [list(range(5, 25)), list(range(30, 41)), [7, 3, 9, 11, 400, 2, 18, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99]]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tiny_lora_factory) -> dict[str, str]:
+    """Every projection at rank 8; q and v only at rank 4 with rsLoRA's scaling."""
+    return {"all": tiny_lora_factory(tiny_llama, 1),
+            "qv": tiny_lora_factory(tiny_llama, 2, rank=4, targets=("q_proj", "v_proj"), use_rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, adapters) -> dict:
+    """transformers (+ PEFT) greedy: {(adapter or None, prompt index): token ids}."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name in (None, *adapters):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        model.eval()
+        for i, ids in enumerate(PROMPTS):
+            with torch.no_grad():
+                ids_t = torch.tensor([ids])  # no token is padding (generate would guess from pad_token_id)
+                gen = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=MAX_TOKENS,
+                                     min_new_tokens=MAX_TOKENS, do_sample=False)
+            out[(name, i)] = gen[0, len(ids):].tolist()
+    return out
+
+
+def greedy(name: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora_name=name)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_is_token_exact_against_peft_mixed_in_one_batch(tiny_llama, adapters, reference, async_scheduling):
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
+              async_scheduling=async_scheduling)
+    # Every prompt under every adapter and none, all in one generate: one batch.
+    cases = [(name, i) for name in (None, *adapters) for i in range(len(PROMPTS))]
+    outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+    for (name, i), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == reference[(name, i)], (name, i)
+    # The adapters change the answers (a test of nothing otherwise).
+    assert len({tuple(reference[(name, 0)]) for name in (None, *adapters)}) == 3
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_prefix_caches_are_kept_apart_per_adapter(tiny_llama, adapters):
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], block_size=4)
+    prompt = list(range(100, 140))
+    first = llm.generate([prompt], greedy("all"))[0]
+    again = llm.generate([prompt], greedy("all"))[0]
+    base = llm.generate([prompt], greedy(None))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0  # its own blocks, reused
+    assert base.num_cached_tokens == 0  # the base model never reads the adapter's KV
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # The blocks' hashes carry vLLM's ("lora", name, path) key on every block.
+    key = lora_key("all", {"all": adapters["all"]})
+    assert key == ("lora", "all", adapters["all"])
+    assert hash_request_tokens(prompt, 4, lora=key) != hash_request_tokens(prompt, 4)
+    assert hash_request_tokens(prompt, 4, lora=key)[1:] != hash_request_tokens(prompt, 4)[1:]
+
+
+def test_requests_for_adapters_the_engine_does_not_serve_are_refused(tiny_llama, adapters):
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"])
+    with pytest.raises(InvalidRequestError, match="'other' is not an adapter this engine serves; it serves all"):
+        llm.generate([PROMPTS[0]], greedy("other"))
+    plain = LLM(tiny_llama)
+    with pytest.raises(InvalidRequestError, match="no --enable-lora"):
+        plain.generate([PROMPTS[0]], greedy("all"))
+    with pytest.raises(InvalidRequestError, match="lora_name must be a non-empty string"):
+        SamplingParams(lora_name="")
+
+
+def test_what_cannot_be_served_is_refused_at_start(tiny_llama, adapters, tiny_lora_factory, tmp_path):
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        LLM(tiny_llama, lora_modules=[f"all={adapters['all']}"])
+    with pytest.raises(ValueError, match=r"rank 8 is outside \[1, --max-lora-rank 4\]"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], max_lora_rank=4)
+    with pytest.raises(ValueError, match="names an adapter twice"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"a={adapters['all']}", f"a={adapters['qv']}"])
+    with pytest.raises(ValueError, match="cannot read adapter_config.json"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"x={tmp_path}"])
+    embed = tiny_lora_factory(tiny_llama, 3, targets=("q_proj", "embed_tokens"))
+    with pytest.raises(ValueError, match="embed_tokens.*not served on here"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"e={embed}"])
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["qv"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora adapters are not served"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"d={dora}"])
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="give name=path"):
+        LLM(tiny_llama, enable_lora=True, lora_modules=["no-path"])
+    assert os.path.isdir(adapters["all"])  # nothing above touched the good ones
+
+
+def test_vllms_json_form_of_lora_modules(tiny_llama, adapters, reference):
+    spec = json.dumps({"name": "qv", "path": adapters["qv"], "base_model_name": "tiny"})
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[spec])
+    assert llm.generate([PROMPTS[1]], greedy("qv"))[0].outputs[0].token_ids == reference[("qv", 1)]
