@@ -30,7 +30,7 @@ def sampling_kwargs(p: pb.SamplingParams) -> dict:
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens, cache_salt=p.cache_salt or None,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        lora_name=p.lora_name or None, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(p.logit_bias), bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words_token_ids),
         resumed_tokens=p.resumed_tokens,
@@ -130,6 +130,8 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.prompt_logprobs = s.prompt_logprobs
     if s.cache_salt is not None:
         p.cache_salt = s.cache_salt
+    if s.lora_name is not None:
+        p.lora_name = s.lora_name
     if s.repetition_penalty != 1.0:
         p.repetition_penalty = s.repetition_penalty
     p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty

@@ -54,6 +54,14 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the KV cache's dtype (vLLM's flag): auto, the model's; fp8 caches are not supported yet (an "
              "error at start, not a silent full-precision cache)")
+    add(p, "--enable-lora", action="store_true",
+        help="serve LoRA adapters (vLLM's flag): --lora-modules' PEFT checkpoints, one per request by its model "
+             "name at the router, mixed with the base model in a batch (no CUDA graphs, tensor parallel size 1)")
+    add(p, "--lora-modules", nargs="+", default=None,
+        help="the adapters (vLLM's flag): name=path or JSON {\"name\": ..., \"path\": ...}, each a PEFT "
+             "folder (adapter_config.json, adapter_model.safetensors); the environment variable "
+             "whitespace-separated")
+    add(p, "--max-lora-rank", type=int, default=16, help="the largest adapter rank served (vLLM's flag)")
     add(p, "--stream-interval", type=int, default=1,
         help="tokens a streamed request's updates carry at least after its first, as vLLM's and SGLang's flag: "
              "fewer gRPC, router and HTTP messages per token, each update later by up to N - 1 steps")

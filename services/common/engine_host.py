@@ -113,7 +113,17 @@ def engine_kwargs(args) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size,
                 kv_cache_memory_bytes=(None if args.kv_cache_memory_gb is None
                                        else int(args.kv_cache_memory_gb * (1 << 30))),
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization, **_lora_kwargs(args))
+
+
+def _lora_kwargs(args) -> dict:
+    """--enable-lora's adapters (none without it; --lora-modules alone is the config's error)."""
+    modules, rank = args.lora_modules, args.max_lora_rank
+    if isinstance(modules, str):  # from the environment
+        modules = modules.split()
+    if not args.enable_lora and not modules:
+        return {}
+    return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank)
 
 
 _DEAD_CORE_EXIT_S = 20.0

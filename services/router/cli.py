@@ -141,6 +141,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--max-stop-sequences", "stop strings per request; beyond it 400", default=64, type=int)
     _flag(p, "--max-n", "n and best_of of one request (each sample is an engine request; prompts x best_of "
           "counts against --max-prompts-per-request too); beyond it 400", default=16, type=int)
+    _flag(p, "--lora-modules", "the engines' LoRA adapters (vLLM's flag, as the engines got it): name=path or "
+          "JSON {\"name\": ..., \"path\": ...}; a request's model naming one runs with it, /v1/models lists "
+          "them (the environment variable whitespace-separated)", nargs="+", default=None)
     _flag(p, "--max-logprobs", "vLLM's flag: the top-n logprobs a request may ask for per token (logprobs, "
           "top_logprobs, prompt_logprobs; a request's -1 is the whole vocabulary); beyond it 400. -1: no cap "
           "(the whole vocabulary per token: large answers)", default=20, type=int)
@@ -207,6 +210,12 @@ def served_names(args) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names)) or (args.model,)
 
 
+def _lora_modules(value) -> tuple[tuple[str, str], ...]:
+    from engine.config import parse_lora_modules
+
+    return parse_lora_modules(value.split() if isinstance(value, str) else value)
+
+
 def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         model=args.model, served_model_name=served_names(args)[0], served_model_aliases=served_names(args)[1:],
@@ -233,7 +242,8 @@ def config_from_args(args) -> RouterConfig:
         tls=FrontTls.from_flags(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs),
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials),
-        max_n=args.max_n, max_logprobs=args.max_logprobs, non_streaming_interval=args.non_streaming_interval,
+        max_n=args.max_n, max_logprobs=args.max_logprobs, lora_modules=_lora_modules(args.lora_modules),
+        non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

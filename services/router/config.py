@@ -80,6 +80,9 @@ class RouterConfig:
     max_stop_sequences: int = 64
     max_n: int = 16  # n and best_of of one request (each sample is an engine request)
     max_logprobs: int = 20  # vLLM's --max-logprobs: top-n logprobs per token at most; -1: the vocabulary
+    # vLLM's --lora-modules, as the engines got them: (name, path); a request's model names one to
+    # run with it (the path keys its prefix-cache blocks, for KV-aware routing).
+    lora_modules: tuple[tuple[str, str], ...] = ()
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
@@ -139,6 +142,11 @@ class RouterConfig:
                      "non_streaming_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        names = [n for n, _ in self.lora_modules]
+        clash = set(names) & {self.served_model_name, *self.served_model_aliases}
+        if len(set(names)) != len(names) or clash:
+            raise ValueError(f"--lora-modules: each adapter needs a name of its own, not a served model's; "
+                             f"got {names}")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
         if self.responses_store_size < 0:

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.block_hash import lora_key
 from services.api.pdserve.v1 import pdserve_pb2 as pb
 from services.router.errors import RouterError, overloaded
 from services.router.instances import Instance, InstancePool
@@ -79,8 +80,10 @@ def _refuse_abort(inst: Instance, finish_reason: str | None) -> None:
 class Dispatcher:
     def __init__(self, pool: InstancePool, policy: RoutingPolicy, metrics, *, disaggregated: bool,
                  request_timeout_s: float, prefill_timeout_s: float, max_attempts: int,
-                 migration_limit: int = 0, pd_policy: "PdPolicy | None" = None) -> None:
+                 migration_limit: int = 0, pd_policy: "PdPolicy | None" = None,
+                 lora_paths: dict[str, str] | None = None) -> None:
         self.pool = pool
+        self.lora_paths = lora_paths or {}  # adapter name -> path: its prefix-cache key for routing
         self.policy = policy
         self.pd_policy = pd_policy  # disaggregated mode: prefill remotely, or on the decode itself
         self.metrics = metrics
@@ -90,6 +93,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.migration_limit = migration_limit
         self._background: set[asyncio.Task] = set()
+
+    def _lora_key(self, sampling: pb.SamplingParams) -> tuple | None:
+        return lora_key(sampling.lora_name or None, self.lora_paths)
 
     def check_available(self) -> None:
         """503 up front, before anything is streamed, when a role has no healthy instance, or no
@@ -215,7 +221,7 @@ class Dispatcher:
         """One upstream request: prefill (when disaggregated) then a decode stream; raises
         StreamLost when the decode instance is lost after it began."""
         decode_route = RouteRequest(request_id, "decode", prompt_token_ids, sampling.cache_salt or None,
-                                    max_new_tokens=sampling.max_tokens)
+                                    max_new_tokens=sampling.max_tokens, lora=self._lora_key(sampling))
         local = not self.disaggregated
         if not local and self.pd_policy is not None:
             decision = self.pd_policy.decide(decode_route, lost)
@@ -261,7 +267,7 @@ class Dispatcher:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                 sampling=sampling, publish_kv=True, priority=priority)
         route = RouteRequest(request_id, "prefill", prompt_token_ids, sampling.cache_salt or None,
-                             max_new_tokens=1)
+                             max_new_tokens=1, lora=self._lora_key(sampling))
         tried: list[Instance] = []
         failures: list[str] = []
         codes: set[grpc.StatusCode] = set()

@@ -66,6 +66,7 @@ class GenerateService(pb_grpc.GenerateServicer):
             check_structured_outputs(knobs["structured_outputs"], "structured_outputs")
         if s.bad_words:  # text: tokenized here, as the HTTP gateway does
             knobs["bad_words_token_ids"] += bad_words_token_ids(self.model, list(s.bad_words))
+        knobs["lora_name"] = self.model.lora_of(request.model or None)
         max_tokens = knobs.pop("max_tokens")
         return prepare(self.model, ids, knobs, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
                        limits=self.limits, text=text, priority=request.priority)

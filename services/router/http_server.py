@@ -222,16 +222,21 @@ class HttpGateway:
         return await self._answer(request, lambda body: detokenize(body, self.model))
 
     def _card(self, name: str) -> dict:
+        """A served name's card; a LoRA adapter's as vLLM writes it: its path as root, the base
+        model's name as parent."""
         m = self.model
+        adapter = name in m.lora_modules
         return {"id": name, "object": "model", "created": m.created, "owned_by": "pdserve",
-                "root": m.path, "parent": None, "max_model_len": m.max_model_len, "permission": []}
+                "root": m.lora_modules[name] if adapter else m.path, "parent": m.name if adapter else None,
+                "max_model_len": m.max_model_len, "permission": []}
 
     @staticmethod
     def _json_response(obj) -> web.Response:
         return web.Response(body=_encode(obj), content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
-        return self._json_response({"object": "list", "data": [self._card(n) for n in self.model.names]})
+        names = (*self.model.names, *self.model.lora_modules)
+        return self._json_response({"object": "list", "data": [self._card(n) for n in names]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]

@@ -88,9 +88,10 @@ class Body:
 
 
 def _check_model(model: ServedModel, b: Body) -> str:
-    """The name answers carry: the first served name, whichever of them the client sent (vLLM's rule)."""
-    model.require_name(b.get("model", "str", model.name))
-    return model.name
+    """The name answers carry (ServedModel.answer_name); 404 for a model not served."""
+    name = b.get("model", "str", model.name)
+    model.require_name(name)
+    return model.answer_name(name)
 
 
 def _unsupported_features(b: Body) -> None:
@@ -180,7 +181,7 @@ def _knobs(b: Body, model: ServedModel, tool_schema: str | None = None) -> dict:
                  ignore_eos=b.get("ignore_eos", "bool", False), min_tokens=b.get("min_tokens", "int", 0),
                  include_stop_str_in_output=b.get("include_stop_str_in_output", "bool", False),
                  skip_special_tokens=b.get("skip_special_tokens", "bool", True),
-                 cache_salt=b.get("cache_salt", "str"),
+                 cache_salt=b.get("cache_salt", "str"), lora_name=model.lora_of(b.get("model", "str")),
                  presence_penalty=b.get("presence_penalty", "number", d.get("presence_penalty", 0.0)),
                  frequency_penalty=b.get("frequency_penalty", "number", d.get("frequency_penalty", 0.0)),
                  repetition_penalty=b.get("repetition_penalty", "number", d.get("repetition_penalty", 1.0)),

@@ -23,6 +23,7 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     cache_salt: str | None = None
     prefer: str | None = None  # an instance address
+    lora: tuple | None = None  # the LoRA adapter's prefix-cache key (engine.block_hash.lora_key)
     # Tokens the request may generate on the instance (max_tokens; one on a prefill instance):
     # an engine's outstanding tokens count them, so the load added until its next report does.
     max_new_tokens: int = 0
@@ -124,7 +125,7 @@ class KvAware(RoutingPolicy):
         block_size = self.index.block_size(inst.address)
         if not block_size:
             return None
-        hashes = hash_request_tokens(request.prompt_token_ids, block_size, request.cache_salt)
+        hashes = hash_request_tokens(request.prompt_token_ids, block_size, request.cache_salt, lora=request.lora)
         return max(0, round(n - self.index.matched_tokens(inst.address, hashes)))
 
     def added_load(self, inst: Instance, request: RouteRequest) -> int:
@@ -141,7 +142,7 @@ class KvAware(RoutingPolicy):
             if block_size:
                 if block_size not in hashes_by_size:
                     hashes_by_size[block_size] = hash_request_tokens(request.prompt_token_ids, block_size,
-                                                                     request.cache_salt)
+                                                                     request.cache_salt, lora=request.lora)
                 matched = self.index.matched_tokens(inst.address, hashes_by_size[block_size])
             out.append(self.overlap_weight * (n - matched) + inst.load_score)
         return out

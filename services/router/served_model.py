@@ -69,6 +69,7 @@ class ServedModel:
         self.path = path
         self.name = name
         self.names = (name, *(a for a in aliases if a != name))  # every name clients may send
+        self.lora_modules: dict[str, str] = {}  # --lora-modules: adapter name -> path (model names too)
         self.created = int(time.time())
         # Without transformers when the checkpoint has a tokenizer.json: the router imports no torch.
         self.tokenizer = tokenizer if tokenizer is not None else load_light_tokenizer(path)
@@ -181,9 +182,19 @@ class ServedModel:
         return text
 
     def require_name(self, name: str) -> None:
-        """404 (OpenAI's model_not_found) unless clients may send `name` (one of --served-model-name's)."""
-        if name not in self.names:
+        """404 (OpenAI's model_not_found) unless clients may send `name` (one of --served-model-name's,
+        or a LoRA adapter's)."""
+        if name not in self.names and name not in self.lora_modules:
             raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def answer_name(self, name: str) -> str:
+        """The model name answers carry: an adapter's own; for the base model the first served name,
+        whichever of them the client sent (vLLM's rule)."""
+        return name if name in self.lora_modules else self.name
+
+    def lora_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's model name asks for (None: the base model)."""
+        return name if name in self.lora_modules else None
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own strings for the ids (byte-level pieces such as "Ġhello")."""

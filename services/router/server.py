@@ -48,6 +48,7 @@ class Router:
         self.model.sampling_defaults = sampling_defaults(self.model.path, config.generation_config,
                                                          config.override_generation_config)
         self.model.auto_tool_choice = config.enable_auto_tool_choice
+        self.model.lora_modules = dict(config.lora_modules)
         if config.chat_template is not None:
             self.model.use_chat_template(load_chat_template(config.chat_template))
         self.kv_index = KvIndex(low_confidence_weight=config.kv_low_confidence_weight)
@@ -67,6 +68,7 @@ class Router:
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             max_attempts=config.max_attempts, migration_limit=config.migration_limit,
+            lora_paths=dict(config.lora_modules),
             pd_policy=PdPolicy(config.pd_policy, self.policy, self.pool, self.metrics,
                                max_local_prefill_tokens=config.max_local_prefill_length,
                                max_prefill_queue_tokens=config.max_prefill_queue_tokens)
