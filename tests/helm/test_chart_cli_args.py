@@ -61,6 +61,8 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
             assert config.disaggregated and config.discovery in ("dns", "kubernetes")
             assert config.engine_auth.ca_certs == (tls["ca.crt"] if value_set == "engine-mtls" else None)
             assert config.policy == ("kv_aware" if value_set == "kv-events" else "least_load")
+            assert [n for n, _ in config.lora_modules] == (["qwen-sql", "qwen-support"] if value_set == "model-pvc"
+                                                           else [])
             if value_set == "router-tls":  # the files load, client certificates demanded
                 assert config.tls is not None and config.tls.cert_reqs == 2
             else:
@@ -72,6 +74,11 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
                                                                else "tcp")
             assert args.tensor_parallel_size == ({"prefill": 2, "decode": 4}[role] if value_set == "tensor-parallel"
                                                  else 1)
+            from services.common.engine_host import engine_kwargs
+
+            lora = engine_kwargs(args).get("lora_modules")
+            assert lora == (["qwen-sql=/models/adapters/sql", "qwen-support=/models/adapters/support"]
+                            if value_set == "model-pvc" else None)
             auth = ServerAuth.from_args(args)
             assert auth.describe() == ("mutual TLS" if value_set == "engine-mtls" else "none")
             events = args.kv_events_config  # parsed by the engines' own --kv-events-config type

@@ -6,7 +6,8 @@ import functools
 
 import pytest
 
-from chart_tools import (KUBE_VERSIONS, NAMESPACE, by_kind, container, helm, lint, render, validate, CHART)
+from chart_tools import (KUBE_VERSIONS, NAMESPACE, by_kind, container, helm, lint, render, template, validate,
+                         CHART)
 
 HELMS = ("3", "4")
 VALUE_SETS = (None, "cpu-only", "gpu-ucx-rdma", "hpa", "planner", "ingress", "model-pvc", "engine-mtls", "kv-events",
@@ -191,6 +192,21 @@ def test_ingress_routes_to_the_router_service():
     assert service["spec"]["type"] == "LoadBalancer" and ingress["spec"]["tls"][0]["secretName"] == "llm-example-tls"
     env = {e["name"]: e for e in container(by_kind(docs, "Deployment")["pd-pdserve-router"])["env"]}
     assert env["PDSERVE_ROUTER_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-api-key"
+
+
+def test_lora_adapters_reach_both_engines_and_the_router():
+    deployments = by_kind(rendered("model-pvc"), "Deployment")
+    pairs = ["qwen-sql=/models/adapters/sql", "qwen-support=/models/adapters/support"]
+    for role in ("prefill", "decode"):
+        args = container(deployments[f"pd-pdserve-{role}"])["args"]
+        at = args.index("--lora-modules")
+        assert "--enable-lora" in args and "--max-lora-rank=32" in args and args[at + 1:at + 3] == pairs
+    args = container(deployments["pd-pdserve-router"])["args"]
+    at = args.index("--lora-modules")
+    assert args[at + 1:at + 3] == pairs and "--enable-lora" not in args
+    assert not any("lora" in a for a in container(by_kind(rendered(None), "Deployment")["pd-pdserve-decode"])["args"])
+    result = template("3", "model-pvc", {"decode.tensorParallelSize": 2}, check=False)
+    assert result.returncode != 0 and "not served with tensor parallelism" in result.stderr
 
 
 def test_model_from_a_pvc_is_mounted_read_only_and_nothing_is_downloaded():

@@ -164,6 +164,13 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and (ne .Values.router.tls.clientCertificates "none") (not .Values.router.tls.secretName) }}
 {{- fail "router.tls.clientCertificates: name the Secret holding tls.crt, tls.key and ca.crt in router.tls.secretName" }}
 {{- end }}
+{{- if .Values.engine.lora.modules }}
+{{- range $role := list "prefill" "decode" }}
+{{- if gt (int (include "pdserve.tensorParallelSize" (dict "v" (index $.Values $role)))) 1 }}
+{{- fail (printf "engine.lora: LoRA adapters are not served with tensor parallelism yet (%s.tensorParallelSize)" $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.engine.kvCacheMemoryGb .Values.engine.gpuMemoryUtilization }}
 {{- fail "engine.gpuMemoryUtilization: engine.kvCacheMemoryGb sizes the KV cache too: give one" }}
 {{- end }}
