@@ -142,6 +142,30 @@ def ensure_checkpoint(python: str) -> str:
     return path
 
 
+def ensure_adapters(model: str, count: int, rank: int) -> list[str]:
+    """`--lora N`: N random PEFT adapters of the checkpoint (every attention and MLP projection at
+    `rank`, A and B drawn so they change the answers), written once by peft's save_pretrained."""
+    root = os.path.join(BENCH_DIR, f"lora-{os.path.basename(model)}-r{rank}")
+    paths = [os.path.join(root, f"a{i}") for i in range(count)]
+    missing = [(i, p) for i, p in enumerate(paths) if not os.path.isfile(os.path.join(p, "adapter_config.json"))]
+    if missing:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        for i, path in missing:
+            torch.manual_seed(1000 + i)
+            peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), LoraConfig(
+                r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                              "gate_proj", "up_proj", "down_proj"]))
+            with torch.no_grad():
+                for name, param in peft_model.named_parameters():
+                    if "lora_" in name:
+                        param.normal_(0.0, 0.02)
+            peft_model.save_pretrained(path)
+    return paths
+
+
 def length_range(text: str) -> tuple[int, int]:
     """"32:512" -> (32, 512); "128" -> (128, 128)."""
     lo, _, hi = text.partition(":")
@@ -174,10 +198,13 @@ def pdserve_worker(spec: dict) -> None:
     with open(spec["workload"]) as f:
         workload = json.load(f)
     prompts = [r["prompt_token_ids"] for r in workload]
+    adapters = spec.get("lora") or []
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], min_tokens=r["output_len"],
-                             ignore_eos=True) for r in workload]
+                             ignore_eos=True, lora_name=f"a{r['lora']}" if adapters else None) for r in workload]
+    lora = dict(enable_lora=True, lora_modules=[f"a{i}={path}" for i, path in enumerate(adapters)],
+                max_lora_rank=spec["lora_rank"]) if adapters else {}
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", num_threads=spec["threads"], **spec["engine_kwargs"])
+    llm = LLM(model=spec["model"], dtype="float32", num_threads=spec["threads"], **spec["engine_kwargs"], **lora)
     load_s = time.perf_counter() - t0
 
     def run_pass():
@@ -277,6 +304,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="leave prefix caching on in pdserve and vLLM: every pass repeats the same "
                         "prompts, so passes after the warm-up skip nearly all prefill")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="N random LoRA adapters (every projection), request i runs with adapter i %% N, in "
+                        "pdserve and vLLM alike (transformers is not run)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine subprocess")
     p.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -362,10 +393,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model, vocab_size = checkpoint(args.model)
     workload = make_workload(num_requests, prompt_len, output_len, vocab_size, seed=0)
+    adapters = ensure_adapters(model, args.lora, args.lora_rank) if args.lora > 0 else []
+    for i, r in enumerate(workload):
+        r["lora"] = i % len(adapters) if adapters else None
+    if adapters:
+        engines = [e for e in engines if e != "hf"]
     workload_path = os.path.join(BENCH_DIR, "workload.json")
     with open(workload_path, "w") as f:
         json.dump(workload, f)
-    spec = dict(model=model, workload=workload_path, passes=passes, cpus=args.cpus, threads=threads)
+    spec = dict(model=model, workload=workload_path, passes=passes, cpus=args.cpus, threads=threads,
+                lora=adapters, lora_rank=args.lora_rank)
     pd_env = dict(os.environ, PYTHONPATH=REPO)
 
     if args.profile:
@@ -381,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine benchmark: {num_requests} requests, prompt lengths {prompt_len[0]}..{prompt_len[1]}, "
           f"output lengths {output_len[0]}..{output_len[1]} ({total_out} output tokens), fixed seeds, "
           f"token-id prompts, every request generates exactly its output length")
+    if adapters:
+        print(f"LoRA: {len(adapters)} adapters of rank {args.lora_rank} on every projection, request i runs with "
+              f"adapter i % {len(adapters)} (pdserve: --enable-lora; vLLM: enable_lora, max_loras={len(adapters)})")
     if args.model is None:
         m = MODEL_SPEC
         print(f"model: random Llama (vocab {m['vocab_size']}, hidden {m['hidden_size']}, intermediate "

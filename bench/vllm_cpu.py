@@ -108,13 +108,22 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r["output_len"], min_tokens=r["output_len"],
                              ignore_eos=True) for r in workload]
+    adapters = spec.get("lora") or []
+    lora, requests = {}, None
+    if adapters:
+        from vllm.lora.request import LoRARequest
+
+        lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=spec["lora_rank"])
+        known = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+        requests = [known[r["lora"]] for r in workload]
     t0 = time.perf_counter()
     # engine_kwargs carries enable_prefix_caching (off unless --prefix-caching) and any --vllm-arg.
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, **spec["engine_kwargs"])
+    llm = LLM(model=spec["model"], dtype="float32", seed=0, **spec["engine_kwargs"], **lora)
     load_s = time.perf_counter() - t0
 
     def run_pass():
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False, lora_request=requests)]
 
     walls, outputs = timed_passes(run_pass, spec["passes"], warmup=run_pass)
     write_result(spec, {"pass_wall_s": walls, "outputs": outputs, "load_s": load_s,

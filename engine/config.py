@@ -19,6 +19,9 @@ class LoRAConfig:
     """The adapters an engine serves: (name, path) pairs, in --lora-modules order."""
     modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # vLLM's default
+    # vLLM's --max-loras: distinct adapters among the running requests at most (a request for
+    # another waits, in order); None: no cap (every adapter is resident here, unlike vLLM's slots).
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.modules]
@@ -26,6 +29,8 @@ class LoRAConfig:
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(names)}")
         if self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
 
     @property
     def paths(self) -> dict[str, str]:
@@ -218,7 +223,7 @@ class EngineConfig:
                     top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))
                 elif key == "speculative_config":
                     top["speculative"] = SpeculativeConfig.parse(value)
-                elif key in ("enable_lora", "lora_modules", "max_lora_rank"):
+                elif key in ("enable_lora", "lora_modules", "max_lora_rank", "max_loras"):
                     lora[key] = value
                 else:
                     raise TypeError(f"unknown engine argument {key!r}")
@@ -226,7 +231,8 @@ class EngineConfig:
             raise ValueError("--lora-modules needs --enable-lora (vLLM's rule)")
         if lora.get("enable_lora"):
             top["lora"] = LoRAConfig(parse_lora_modules(lora.get("lora_modules")),
-                                     **({"max_lora_rank": lora["max_lora_rank"]} if lora.get("max_lora_rank") else {}))
+                                     **({"max_lora_rank": lora["max_lora_rank"]} if lora.get("max_lora_rank") else {}),
+                                     max_loras=lora.get("max_loras"))
         return cls(model=ModelConfig(path=model, **parts["model"]),
                    cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),

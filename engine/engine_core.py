@@ -101,7 +101,8 @@ class EngineCore:
                                                medium="GPU" if self.runner.device.type == "cuda" else "CPU",
                                                lora_paths=config.lora.paths if config.lora is not None else None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   connector_scheduler, self.kv_event_publisher, config.speculative)
+                                   connector_scheduler, self.kv_event_publisher, config.speculative,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)
         # Speculative decoding: proposals for the next step, made once this one is settled.
         self.proposer = make_proposer(config.speculative, self.max_model_len, self.runner,
                                       self.kv_cache_manager.get_block_ids)

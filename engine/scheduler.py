@@ -41,8 +41,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
                  connector: "KVConnectorScheduler | None" = None,
                  kv_event_publisher: "ZmqEventPublisher | None" = None,
-                 speculative: "SpeculativeConfig | None" = None) -> None:
+                 speculative: "SpeculativeConfig | None" = None, max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras  # --max-loras: distinct LoRA adapters among the running at most
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.connector = connector
@@ -189,6 +190,8 @@ class Scheduler:
         cfg = self.config
         while len(self.waiting) and budget > 0 and self.num_seats_taken < cfg.max_num_seqs:
             request = self.waiting.peek()
+            if self._adapter_waits(request):
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 admitted = self._admit_remote(request, hits, num_hit_tokens)
@@ -213,6 +216,17 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, n)
             budget -= n
+
+    def _adapter_waits(self, request: Request) -> bool:
+        """--max-loras: a request whose adapter would be one too many among those running waits
+        (in order: those behind it wait too) until one of them has no request left."""
+        name = request.sampling_params.lora_name
+        if self.max_loras is None or name is None:
+            return False
+        active = {r.sampling_params.lora_name for r in self.running}
+        active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
+        active.discard(None)
+        return name not in active and len(active) >= self.max_loras
 
     def _admit_remote(self, request: Request, hits, num_hit_tokens: int) -> bool | None:
         """Pull model: admit only with room for the whole prompt; no compute budget used.

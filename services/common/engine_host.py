@@ -118,12 +118,12 @@ def engine_kwargs(args) -> dict:
 
 def _lora_kwargs(args) -> dict:
     """--enable-lora's adapters (none without it; --lora-modules alone is the config's error)."""
-    modules, rank = args.lora_modules, args.max_lora_rank
+    modules, rank, cap = args.lora_modules, args.max_lora_rank, args.max_loras
     if isinstance(modules, str):  # from the environment
         modules = modules.split()
     if not args.enable_lora and not modules:
         return {}
-    return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank)
+    return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank, max_loras=cap)
 
 
 _DEAD_CORE_EXIT_S = 20.0

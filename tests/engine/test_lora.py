@@ -120,3 +120,34 @@ def test_vllms_json_form_of_lora_modules(tiny_llama, adapters, reference):
     spec = json.dumps({"name": "qv", "path": adapters["qv"], "base_model_name": "tiny"})
     llm = LLM(tiny_llama, enable_lora=True, lora_modules=[spec])
     assert llm.generate([PROMPTS[1]], greedy("qv"))[0].outputs[0].token_ids == reference[("qv", 1)]
+
+
+def test_max_loras_caps_the_adapters_a_step_runs(tiny_llama, adapters, reference):
+    """vLLM's --max-loras: a request for one adapter too many waits, in order, until the running
+    requests of another have all finished; answers are the same."""
+    from engine.config import SchedulerConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request
+    from engine.scheduler import ModelOutput, Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), KVCacheManager(num_blocks=64, block_size=16),
+                          max_model_len=512, max_loras=1)
+    names = ["all", "qv", None, "all", "qv"]
+    for i, name in enumerate(names):
+        scheduler.add_request(Request(str(i), list(range(10, 20)), SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                                  lora_name=name)))
+    seen = []
+    while scheduler.requests:
+        out = scheduler.schedule()
+        adapters_in_step = {r.sampling_params.lora_name for r in out.scheduled} - {None}
+        assert len(adapters_in_step) <= 1, adapters_in_step
+        seen.append([r.request_id for r in out.scheduled])
+        sampled = [5] * sum(1 for r, n in zip(out.scheduled, out.num_scheduled_tokens)
+                            if r.num_computed_tokens + n >= r.num_tokens)
+        scheduler.update_from_output(out, ModelOutput(sampled))
+    assert seen[0] == ["0"]  # "qv" (request 1) waits behind "all", and the rest behind it, in order
+    assert any("2" in step and "1" in step for step in seen)  # the base model runs beside any adapter
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()], max_loras=1)
+    cases = [(name, i) for name in ("all", "qv", None) for i in range(len(PROMPTS))]
+    outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
