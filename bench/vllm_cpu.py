@@ -113,7 +113,9 @@ def main() -> None:
     if adapters:
         from vllm.lora.request import LoRARequest
 
-        lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=spec["lora_rank"])
+        # vLLM takes a max_lora_rank from a fixed set: the smallest that holds the adapters' rank.
+        ranks = [r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= spec["lora_rank"]]
+        lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=ranks[0] if ranks else spec["lora_rank"])
         known = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
         requests = [known[r["lora"]] for r in workload]
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ class LoRAConfig:
     modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # vLLM's default
     # vLLM's --max-loras: distinct adapters among the running requests at most (a request for
-    # another waits, in order); None: no cap (every adapter is resident here, unlike vLLM's slots).
+    # another is passed over, keeping its place); None: no cap (every adapter is resident here).
     max_loras: int | None = None
 
     def __post_init__(self) -> None:

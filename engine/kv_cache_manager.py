@@ -134,8 +134,8 @@ class KVCacheManager:
                 block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
                 token_ids=request.all_token_ids[first * bs:end * bs], block_size=bs, lora_id=None,
                 lora_name=request.sampling_params.lora_name, medium=self.block_pool.medium,
-                extra_keys=[None if k is None else tuple(v for key in k for v in key[1:]) for k in extra]
-                if any(extra) else None))
+                # untagged as vLLM publishes them: the bare adapter name, the bare salt
+                extra_keys=[None if k is None else tuple(key[1] for key in k) for k in extra] if any(extra) else None))
 
     def take_events(self) -> list:
         """The KV events since the last call, in the order they happened."""

@@ -42,8 +42,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None  # required, as in vLLM (its decoders need the key)
-    # Per block, the extra keys its hash used, untagged as vLLM publishes them: (cache_salt,) on a
-    # salted request's first block, None elsewhere; None when no block had any.
+    # Per block, the extra keys its hash used, untagged as vLLM publishes them: the LoRA adapter's
+    # name on every block of an adapter's request, then the cache_salt on a salted request's first
+    # block; None for a block with neither; None when no block had any.
     extra_keys: list[tuple | None] | None = None
 
 

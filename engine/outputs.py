@@ -91,6 +91,21 @@ class RequestState:
         self.interval = 1  # this request's stream interval (the processor sets it)
 
 
+# Logprob entries (a token's and each of its top-n) one update may carry: updates travel as single
+# gRPC messages (64 MiB; an entry is about 11 bytes on the wire), so a request asking for a wide
+# top-n gets its tokens a few an update whatever the stream interval (prompt logprobs, sent whole
+# with the first, are bounded by the router).
+MAX_LOGPROB_ENTRIES_PER_MESSAGE = 4 << 20
+
+
+def logprobs_interval(interval: int, n: int | None) -> int:
+    """Tokens per update for a request with top-n logprobs: `interval` unless so many tokens'
+    logprobs would not fit in one message."""
+    if n is None:
+        return interval
+    return max(1, min(interval, MAX_LOGPROB_ENTRIES_PER_MESSAGE // (n + 1)))
+
+
 class OutputProcessor:
     """Detokenizes core outputs; finds stop strings (the core must then be told to stop).
 
@@ -127,7 +142,8 @@ class OutputProcessor:
         if state.detokenizer is not None and output_prefix:
             state.detokenizer.add_prefix(list(output_prefix))
         if self.kind is OutputKind.DELTA:
-            state.interval = max(self.stream_interval, params.stream_interval or 1)
+            state.interval = logprobs_interval(max(self.stream_interval, params.stream_interval or 1),
+                                               params.logprobs)
         self.states[request_id] = state
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -188,10 +188,12 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
+        skipped: list[Request] = []  # --max-loras: for an adapter too many, passed over this step
         while len(self.waiting) and budget > 0 and self.num_seats_taken < cfg.max_num_seqs:
             request = self.waiting.peek()
             if self._adapter_waits(request):
-                break
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 admitted = self._admit_remote(request, hits, num_hit_tokens)
@@ -216,10 +218,12 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, n)
             budget -= n
+        for request in reversed(skipped):  # back where they were, ahead of the rest
+            self.waiting.add(request, front=True)
 
     def _adapter_waits(self, request: Request) -> bool:
-        """--max-loras: a request whose adapter would be one too many among those running waits
-        (in order: those behind it wait too) until one of them has no request left."""
+        """--max-loras (vLLM's rule): a request whose adapter would be one too many among those
+        running is passed over this step, keeping its place; the requests behind it go on."""
         name = request.sampling_params.lora_name
         if self.max_loras is None or name is None:
             return False

@@ -17,7 +17,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.flags import env_name
 from services.common.grpc_server import health_serving
+from services.router.cli import ENV_PREFIX as ROUTER_ENV_PREFIX
 
 logger = logging.getLogger("pdserve.up")
 
@@ -128,11 +130,19 @@ class RouterFront:
         p.add_argument("--ssl-cert-reqs", type=int)
         p.add_argument("--api-key", nargs="+")
         known, _ = p.parse_known_args(router_args)
-        certfile = known.ssl_certfile or env.get("PDSERVE_ROUTER_SSL_CERTFILE") or None
-        reqs = known.ssl_cert_reqs if known.ssl_cert_reqs is not None else int(
-            env.get("PDSERVE_ROUTER_SSL_CERT_REQS") or 0)
-        keys = known.api_key or [k for k in (env.get("PDSERVE_ROUTER_API_KEY") or env.get("PDSERVE_API_KEY")
-                                             or "").split(",") if k]
+
+        def from_env(flag: str) -> str | None:  # the router's own variables (services.router.cli)
+            return env.get(env_name(ROUTER_ENV_PREFIX, flag)) or None
+
+        certfile = known.ssl_certfile or from_env("--ssl-certfile")
+        reqs = known.ssl_cert_reqs
+        if reqs is None:
+            try:
+                reqs = int(from_env("--ssl-cert-reqs") or 0)
+            except ValueError:  # the router refuses it at start, and `up` reports its exit
+                reqs = 0
+        keys = known.api_key or [k for k in (from_env("--api-key") or env.get("PDSERVE_API_KEY") or "").split(",")
+                                 if k]
         return cls(certfile, certfile is not None and reqs == 2, keys[0] if keys else None)
 
     @property

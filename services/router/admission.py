@@ -16,6 +16,26 @@ RETRY_AFTER_S = 1
 INLINE_BYTES = 16 << 10
 
 
+class Slot:
+    """One place among the requests in flight, released once."""
+
+    def __init__(self, admission: "Admission") -> None:
+        self._admission = admission
+        self._held = True
+        self.taken = False  # handed over: whoever took it releases it
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission.in_flight -= 1
+
+    def take(self):
+        """The slot stays held past its request (the admit block no longer releases it); returns
+        the release for whoever holds it now."""
+        self.taken = True
+        return self.release
+
+
 class Admission:
     """Shared by the HTTP gateway and the gRPC Generate front."""
 
@@ -30,28 +50,18 @@ class Admission:
 
     @contextlib.contextmanager
     def admit(self):
-        """One request in flight for the block; 429 (Retry-After) when the router is at its cap."""
+        """One request in flight for the block; 429 (Retry-After) when the router is at its cap.
+        Yields its Slot: work that outlives the block (a background response) takes it over."""
         if self.in_flight >= self.limit:
             raise RouterError(429, f"the router is at capacity ({self.limit} requests in flight); retry later",
                               code="router_at_capacity", retry_after_s=RETRY_AFTER_S)
         self.in_flight += 1
+        slot = Slot(self)
         try:
-            yield
+            yield slot
         finally:
-            self.in_flight -= 1
-
-    def hold(self):
-        """One more place in flight, for work that outlives the request admitted (a background
-        response): taken inside admit(), so never past the cap; returns its release (once)."""
-        self.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.in_flight -= 1
-        return release
+            if not slot.taken:
+                slot.release()
 
     async def run(self, size: int, fn, *args):
         """fn(*args), its input `size` bytes: on a worker thread unless small (exceptions raised here)."""

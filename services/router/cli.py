@@ -153,8 +153,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "end). A decode lost mid-request then loses up to this many - 1 tokens the new one recomputes; "
           "1: a message every step", default=64, type=int)
     _flag(p, "--reasoning-parser", "a thinking model's <think>...</think> text goes to the chat message's "
-          "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1 or minimax_m2 (the model always "
-          "thinks first), qwen3, deepseek_v3 (V3.1 and later), glm45 or kimi_k2 (it thinks when it or its "
+          "`reasoning` field, the rest to `content` (vLLM's flag): deepseek_r1, minimax_m2, glm45 or kimi_k2 "
+          "(the output starts in reasoning), qwen3 or deepseek_v3 (V3.1 and later: it thinks when it or its "
           "template opens <think>)", choices=list(REASONING_PARSERS))
     _flag(p, "--reasoning-end-str", "what the engine forces when a request's thinking budget "
           "(thinking_token_budget, or Messages' thinking.budget_tokens) is spent, ending with </think> "

@@ -13,7 +13,7 @@ from services.router.generation import REQUEST_ID
 from services.router.messages_api import MessagesServing, count_tokens, parse_messages
 from services.router.messages_api import error_body as anthropic_error_body
 from services.router.openai_protocol import detokenize, parse_chat, parse_completion, tokenize
-from services.router.openai_serving import CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
+from services.router.openai_serving import ADMISSION_SLOT, CLIENT_CLOSED, STREAM_STATUS, OpenAIServing
 from services.router.responses import ResponsesServing
 from services.router.sampling import RequestLimits
 from services.version import version
@@ -42,8 +42,7 @@ class HttpGateway:
         self.model = router.model
         self.metrics = router.metrics
         self.serving = OpenAIServing(router.generator, router.model, router.config.max_concurrent_prompts)
-        self.responses_serving = ResponsesServing(router.generator, router.model, router.config.responses_store_size,
-                                                  router.admission)
+        self.responses_serving = ResponsesServing(router.generator, router.model, router.config.responses_store_size)
         router.responses_serving = self.responses_serving  # the router drains its background responses
         self.messages_serving = MessagesServing(router.generator, router.model)
         self.admission = router.admission
@@ -149,7 +148,8 @@ class HttpGateway:
         return given if REQUEST_ID.match(given) else self.router.generator.new_request_id(kind)
 
     async def _serve(self, request: web.Request, parse, prefix: str, chat: bool, respond=None) -> web.StreamResponse:
-        with self.admission.admit():
+        with self.admission.admit() as slot:
+            request[ADMISSION_SLOT] = slot  # a background response takes it over
             raw = await request.read()
             parsed = await self.admission.run(len(raw), self._parse, raw, parse, self.model, self.limits)
             self.router.dispatcher.check_available()
@@ -190,10 +190,12 @@ class HttpGateway:
         if stream == "false":
             return self._json_response(self.responses_serving.stored(response_id))
         after = request.query.get("starting_after")
-        if after is not None and not after.lstrip("-").isdigit():
-            raise bad_request("starting_after must be an integer (a sequence_number)", "starting_after")
-        return await self.responses_serving.replay(request, response_id, None if after is None else int(after),
-                                                   {"X-Request-Id": response_id})
+        if after is not None:
+            try:
+                after = int(after)
+            except ValueError:
+                raise bad_request("starting_after must be an integer (a sequence_number)", "starting_after") from None
+        return await self.responses_serving.replay(request, response_id, after, {"X-Request-Id": response_id})
 
     async def delete_response(self, request: web.Request) -> web.Response:
         return self._json_response(await self.responses_serving.delete(request.match_info["response_id"]))

@@ -24,6 +24,8 @@ _encode = msgspec.json.Encoder().encode
 CLIENT_CLOSED = 499  # nginx's code for a client that went away: what the metrics count
 # The status a streamed response ended with (its HTTP status is already 200), for logs and metrics.
 STREAM_STATUS = web.RequestKey("pdserve_stream_status", int)
+# The request's place among those in flight (admission.Slot), for work that outlives it.
+ADMISSION_SLOT = web.RequestKey("pdserve_admission_slot", object)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 

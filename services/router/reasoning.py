@@ -1,12 +1,14 @@
 """Reasoning output (vLLM's --reasoning-parser): a thinking model's `<think>...</think>` text goes to
 the chat message's `reasoning` field, the rest to `content`.
 
-Parsers (vLLM's names): those whose model thinks first, whether or not its template opened the
-`<think>`: `deepseek_r1` (DeepSeek-R1 and its distills) and `minimax_m2` (MiniMax-M2); those
-whose model thinks only when it opens `<think>` itself or its template did (with thinking off,
-`enable_thinking: false` or `thinking: false`, the template closes the block before the answer):
-`qwen3` (Qwen3), `deepseek_v3` (DeepSeek-V3.1 and later, thinking per request), `glm45`
-(GLM-4.5 to 4.7) and `kimi_k2` (Kimi K2 Thinking).
+Parsers (vLLM's names): those whose output starts in reasoning unless the prompt says otherwise,
+whether or not the model or its template opened the `<think>` (an opening marker it writes is
+dropped): `deepseek_r1` (DeepSeek-R1 and its distills), `minimax_m2` (MiniMax-M2), `glm45`
+(GLM-4.5 to 4.7) and `kimi_k2` (Kimi K2 Thinking), as vLLM's start them with thinking on; those
+whose model thinks only when it opens `<think>` itself or its template did: `qwen3` (Qwen3) and
+`deepseek_v3` (DeepSeek-V3.1 and later, thinking per request). With thinking off
+(`enable_thinking: false`, `thinking: false`) the templates close the block before the answer,
+so the output starts in content.
 Where the output starts is read from the prompt's text: after an unclosed `<think>` it starts in
 reasoning, after a `</think>` in content, and with neither as the parser says. The markers are
 matched on the text, so a tokenizer that splits them into several tokens works too; a streamed
@@ -107,8 +109,8 @@ def count_reasoning_tokens(decode, token_ids: list[int], in_reasoning: bool,
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("minimax_m2", True),
-                                ReasoningParser("qwen3", False), ReasoningParser("deepseek_v3", False),
-                                ReasoningParser("glm45", False), ReasoningParser("kimi_k2", False))}
+                                ReasoningParser("glm45", True), ReasoningParser("kimi_k2", True),
+                                ReasoningParser("qwen3", False), ReasoningParser("deepseek_v3", False))}
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:

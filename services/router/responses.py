@@ -38,7 +38,8 @@ from services.router.errors import RouterError, bad_request, unsupported
 from services.router.generation import TextChunk, TextGenerator
 from services.router.openai_format import chat_logprobs
 from services.router.openai_protocol import Body, parse_chat
-from services.router.openai_serving import CLIENT_CLOSED, SSE_HEADERS, STREAM_STATUS, Choice, sse_event, stream_events
+from services.router.openai_serving import (ADMISSION_SLOT, CLIENT_CLOSED, SSE_HEADERS, STREAM_STATUS, Choice,
+                                            sse_event, stream_events)
 from services.router.sampling import RequestLimits
 from services.router.served_model import ServedModel
 
@@ -128,6 +129,12 @@ class ResponseStore:
         if item is None:
             raise stored_response_not_found(response_id, param, stored=True)
         return item
+
+    def running(self, response_id: str) -> bool:
+        """A background response of this id is still being generated."""
+        with self._lock:
+            item = self._items.get(response_id)
+        return item is not None and item.run is not None and not item.run.done
 
     def delete(self, response_id: str) -> None:
         with self._lock:
@@ -548,11 +555,10 @@ class _Turn:
 
 
 class ResponsesServing:
-    def __init__(self, generator: TextGenerator, model: ServedModel, store_size: int = 0, admission=None) -> None:
+    def __init__(self, generator: TextGenerator, model: ServedModel, store_size: int = 0) -> None:
         self.generator = generator
         self.model = model
         self.store = ResponseStore(store_size) if store_size > 0 else None
-        self.admission = admission  # background responses hold a place among the requests in flight
         self._tasks: set[asyncio.Task] = set()
 
     def parse(self, body, model: ServedModel, limits: RequestLimits) -> ResponsesRequest:
@@ -638,6 +644,10 @@ class ResponsesServing:
 
     async def respond(self, request: web.Request, rr: ResponsesRequest, request_id: str,
                       headers: dict) -> web.StreamResponse:
+        if rr.conversation is not None and self.store.running(request_id):
+            raise RouterError(409, f"Response '{request_id:.100}' is still being generated in the background: "
+                                   "give this request another X-Request-Id", param="X-Request-Id",
+                              code="response_id_in_use")
         turn = _Turn(self, rr, request_id)
         chunks = self.generator.stream(request_id, turn.prompt)
         if rr.background:
@@ -677,7 +687,8 @@ class ResponsesServing:
         run = turn.run = BackgroundRun(turn.response("queued", []), [] if rr.stream else None)
         self.store.put(turn.id, StoredResponse(run.response, None, run))
         run.emit([turn.event("response.created", "queued"), turn.event("response.queued", "queued")])
-        release = self.admission.hold() if self.admission is not None else (lambda: None)
+        slot = request.get(ADMISSION_SLOT)  # this request's place in flight goes with the task
+        release = slot.take() if slot is not None else (lambda: None)
         run.task = asyncio.create_task(self._generate(turn, chunks, run), name=f"background-{turn.id}")
         self._tasks.add(run.task)
 

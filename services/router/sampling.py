@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine import outputs
 from engine.processor import MAX_BAD_WORDS, validate_sampling
 from engine.request import InvalidRequestError, SamplingParams
 
@@ -11,11 +12,6 @@ from services.convert import sampling_to_proto
 from services.router.errors import bad_request
 from services.router.served_model import ServedModel
 
-# Logprob entries (a token's and each of its top-n) one engine message may carry: the engines'
-# gRPC messages are bounded (64 MiB; an entry is about 11 bytes on the wire), so a request asking
-# for a wide top-n gets its tokens a few a message, and prompt logprobs that cannot fit in the one
-# message that carries them are refused.
-MAX_LOGPROB_ENTRIES_PER_MESSAGE = 4 << 20
 # A stop string longer than this is no stop string: each one is searched at every step.
 MAX_STOP_SEQUENCE_CHARS = 1024
 MAX_BAD_WORD_CHARS = 256
@@ -52,19 +48,16 @@ def logprobs_count(n: int, model: ServedModel, limits: RequestLimits, param: str
 
 
 def check_prompt_logprobs_size(num_prompt: int, n: int | None, param: str = "prompt_logprobs") -> None:
-    """Prompt logprobs come back in one engine message: refused (400) when they cannot fit in it."""
-    if n is not None and (num_prompt - 1) * (n + 1) > MAX_LOGPROB_ENTRIES_PER_MESSAGE:
+    """Prompt logprobs come back in one engine message (engine.outputs bounds the entries one
+    carries; a wide top-n of generated tokens the engines spread over several): refused (400)
+    when they cannot fit in it."""
+    limit = outputs.MAX_LOGPROB_ENTRIES_PER_MESSAGE
+    if n is not None and (num_prompt - 1) * (n + 1) > limit:
         raise bad_request(f"{param} of {n} for a prompt of {num_prompt} tokens is {(num_prompt - 1) * (n + 1)} "
-                          f"logprobs, more than one answer carries ({MAX_LOGPROB_ENTRIES_PER_MESSAGE}); "
-                          "ask for fewer or send a shorter prompt", param)
+                          f"logprobs, more than one answer carries ({limit}); ask for fewer or send a shorter "
+                          "prompt", param)
 
 
-def logprobs_interval(interval: int, n: int | None) -> int:
-    """Tokens per engine message for a request with top-n logprobs: `interval` unless so many
-    tokens' logprobs would not fit in one message."""
-    if n is None:
-        return interval
-    return max(1, min(interval, MAX_LOGPROB_ENTRIES_PER_MESSAGE // (n + 1)))
 
 
 @dataclass
@@ -143,8 +136,6 @@ def prepare(model: ServedModel, token_ids: list[int], knobs: dict, *, max_tokens
     model.check_token_ids(token_ids, param)  # after the length check: a bounded scan
     check_stop(tuple(knobs.get("stop", ())), limits)
     check_prompt_logprobs_size(len(token_ids), knobs.get("prompt_logprobs"))
-    if knobs.get("stream_interval") and knobs.get("logprobs") is not None:
-        knobs = {**knobs, "stream_interval": logprobs_interval(knobs["stream_interval"], knobs["logprobs"])}
     try:
         params = SamplingParams(max_tokens=max_tokens, **knobs)
         validate_sampling(params, model.vocab_size)  # what the engines refuse, refused here first

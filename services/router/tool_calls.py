@@ -379,20 +379,25 @@ def _typed_call(tools, name: str, pairs: list[tuple[str, str]]) -> dict:
     return make_call(name, json.dumps(args, ensure_ascii=False))
 
 
-def _tagged_calls(text: str, tag: str, parse_one) -> tuple[str | None, list[dict]]:
-    """Blocks after `tag` (the last may be cut off): the text before the first is content, each
-    block `parse_one(body)` -> a call or None (left out). No call at all: the output is content."""
-    at = text.find(tag)
+def _calls_after(text: str, opener: str, separator: str, parse_one) -> tuple[str | None, list[dict]]:
+    """Calls after the first `opener`, each beginning with `separator` (the opener itself for
+    Qwen's and GLM's blocks, the call marker inside DeepSeek's and Kimi's section); the last may
+    be cut off. The text before is content; `parse_one(body)` -> a call, or None (left out). No
+    call at all: the output is content."""
+    at = text.find(opener)
     if at < 0:
         return text, []
-    calls = [call for call in (parse_one(part) for part in text[at:].split(tag)[1:]) if call is not None]
+    body = text[at:] if opener == separator else text[at + len(opener):]
+    calls = [call for call in (parse_one(part) for part in body.split(separator)[1:]) if call is not None]
     if not calls:
         return text, []
     return (text[:at].strip() or None), calls
 
 
 _QWEN_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+# A value ends at its closing tag, or where the next parameter or the function's end begins; one
+# cut off by the end of the output is no value (the call keeps the parameters it finished).
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))", re.S)
 
 
 def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
@@ -404,10 +409,10 @@ def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
             return None
         pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(m.group(2))]
         return _typed_call(tools, m.group(1).strip(), pairs)
-    return _tagged_calls(text, TOOL_CALL_OPEN, one)
+    return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
 
 
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def parse_glm45(text: str, tools=()) -> tuple[str | None, list[dict]]:
@@ -419,29 +424,25 @@ def parse_glm45(text: str, tools=()) -> tuple[str | None, list[dict]]:
         if not name or "<" in name or "\n" in name:
             return None
         return _typed_call(tools, name, [(k.strip(), v) for k, v in _GLM_ARG.findall(body)])
-    return _tagged_calls(text, TOOL_CALL_OPEN, one)
+    return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are Python's, not JSON's
 
 
 def _json_object(text: str) -> str | None:
     """The arguments as JSON text when they are one JSON object (and nothing after it), else None."""
     try:
-        value, end = json.JSONDecoder().raw_decode(text.strip())
+        value, end = _STRICT_JSON.raw_decode(text.strip())
     except ValueError:
         return None
     if not isinstance(value, dict) or text.strip()[end:].strip():
         return None
     return json.dumps(value, ensure_ascii=False)
-
-
-def _calls_between(text: str, section: str, call: str, parse_one) -> tuple[str | None, list[dict]]:
-    """DeepSeek / Kimi: a section marker, then calls each opened by `call`."""
-    at = text.find(section)
-    if at < 0:
-        return text, []
-    calls = [c for c in (parse_one(part) for part in text[at + len(section):].split(call)[1:]) if c is not None]
-    if not calls:
-        return text, []
-    return (text[:at].strip() or None), calls
 
 
 def parse_deepseek_v3(text: str) -> tuple[str | None, list[dict]]:
@@ -453,7 +454,7 @@ def parse_deepseek_v3(text: str) -> tuple[str | None, list[dict]]:
         m = re.fullmatch(r"\s*```(?:json)?\s*(.*?)\s*(?:```)?\s*", fenced, re.S)
         arguments = _json_object(m.group(1)) if m else None
         return make_call(name.strip(), arguments) if sep and name.strip() and arguments is not None else None
-    return _calls_between(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
+    return _calls_after(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
 
 
 def parse_deepseek_v31(text: str) -> tuple[str | None, list[dict]]:
@@ -462,7 +463,7 @@ def parse_deepseek_v31(text: str) -> tuple[str | None, list[dict]]:
         name, sep, rest = part.split(DEEPSEEK_CALL_END, 1)[0].partition(DEEPSEEK_SEP)
         arguments = _json_object(rest)
         return make_call(name.strip(), arguments) if sep and name.strip() and arguments is not None else None
-    return _calls_between(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
+    return _calls_after(text, DEEPSEEK_CALLS, DEEPSEEK_CALL, one)
 
 
 def parse_kimi_k2(text: str) -> tuple[str | None, list[dict]]:
@@ -476,7 +477,7 @@ def parse_kimi_k2(text: str) -> tuple[str | None, list[dict]]:
         if not sep or m is None or arguments is None:
             return None
         return make_call(m.group(1), arguments, header)
-    return _calls_between(text, KIMI_SECTION, KIMI_CALL, one)
+    return _calls_after(text, KIMI_SECTION, KIMI_CALL, one)
 
 
 PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "pythonic": parse_pythonic,

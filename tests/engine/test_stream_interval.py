@@ -81,6 +81,22 @@ def test_a_request_raises_its_own_interval_never_lowers_it():
             SamplingParams(stream_interval=bad)
 
 
+def test_a_wide_top_n_takes_fewer_tokens_an_update(monkeypatch):
+    """An update travels as one gRPC message: a request asking for logprobs as wide as the
+    vocabulary gets fewer tokens an update than the interval says (engine and request alike),
+    every token still there once, in order."""
+    from engine import outputs
+
+    monkeypatch.setattr(outputs, "MAX_LOGPROB_ENTRIES_PER_MESSAGE", 100)
+    p = OutputProcessor(None, OutputKind.DELTA, stream_interval=8)
+    p.add("wide", None, [1], SamplingParams(max_tokens=12, logprobs=24, stream_interval=64))  # 100 // 25
+    p.add("narrow", None, [1], SamplingParams(max_tokens=12, logprobs=1))
+    wide, narrow = steps(p, "wide", list(range(12)), logprobs=True), steps(p, "narrow", list(range(12)))
+    assert [len(o.outputs[0].token_ids) for o in wide] == [1, 4, 4, 3]
+    assert [t for o in wide for t in o.outputs[0].token_ids] == list(range(12))
+    assert [len(o.outputs[0].token_ids) for o in narrow] == [1, 8, 3]
+
+
 def test_engine_streams_in_intervals_token_exact(tiny_llama):
     """Through the engine (its core in its own process): the same greedy tokens and text as the
     offline API, the first update at the first token, then updates of at least the interval, and a

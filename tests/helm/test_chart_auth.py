@@ -133,7 +133,8 @@ def test_the_router_serves_https_from_its_tls_secret():
     docs = rendered(**{"router.tls.secretName": "router-cert"})
     c, spec, test_pod = router_parts(docs)
     ssl_args = [a for a in c["args"] if a.startswith("--ssl-")]
-    assert ssl_args == ["--ssl-certfile=/etc/pdserve/router-tls/tls.crt", "--ssl-keyfile=/etc/pdserve/router-tls/tls.key"]
+    assert ssl_args == ["--ssl-certfile=/etc/pdserve/router-tls/tls.crt",
+                        "--ssl-keyfile=/etc/pdserve/router-tls/tls.key"]
     volume = next(v for v in spec["volumes"] if v["name"] == "router-tls")
     assert volume["secret"]["secretName"] == "router-cert"
     assert {"name": "router-tls", "mountPath": "/etc/pdserve/router-tls", "readOnly": True} in c["volumeMounts"]
@@ -165,6 +166,22 @@ def test_client_certificates_optional_or_required():
         assert c[probe]["tcpSocket"] == {"port": "http"} and "httpGet" not in c[probe]
     env = {e["name"]: e.get("value") for e in test_pod["spec"]["containers"][0]["env"]}
     assert env["CLIENT_CERT"] == "1"  # helm test presents the Secret's own certificate
+
+
+def test_prometheus_scrapes_the_router_over_https():
+    for clients, with_cert in (("none", False), ("required", True)):
+        docs = rendered(**{"router.tls.secretName": "router-cert", "router.tls.clientCertificates": clients,
+                           "metrics.serviceMonitor.enabled": True})
+        [monitor] = by_kind(docs, "ServiceMonitor").values()
+        http = next(e for e in monitor["spec"]["endpoints"] if e["port"] == "http")
+        assert http["scheme"] == "https" and http["tlsConfig"]["insecureSkipVerify"] is True
+        assert ("cert" in http["tlsConfig"]) is with_cert
+        if with_cert:
+            assert http["tlsConfig"]["keySecret"] == {"name": "router-cert", "key": "tls.key"}
+        annotations = by_kind(docs, "Deployment")["pd-pdserve-router"]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scheme"] == "https"
+    [monitor] = by_kind(rendered(**{"metrics.serviceMonitor.enabled": True}), "ServiceMonitor").values()
+    assert all("scheme" not in e for e in monitor["spec"]["endpoints"])
 
 
 def test_client_certificates_need_the_secret():

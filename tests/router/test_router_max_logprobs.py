@@ -6,7 +6,6 @@ import grpc
 import pytest
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
-from services.router import sampling
 
 from router_fakes import VOCAB
 from router_harness import router_config
@@ -77,22 +76,18 @@ def test_minus_one_is_the_whole_vocabulary_when_let_in(make_stack):
     assert status == 400 and err["error"]["param"] == "logprobs"
 
 
-def test_wide_logprobs_travel_a_few_tokens_a_message(make_stack, monkeypatch):
-    """An engine message stays within its logprob entries: a request nobody streams gets its tokens
-    fewer a message when each carries a wide top-n, and prompt logprobs that one message cannot
-    carry are refused up front."""
-    monkeypatch.setattr(sampling, "MAX_LOGPROB_ENTRIES_PER_MESSAGE", 100)
+def test_prompt_logprobs_too_large_for_one_message_are_refused(make_stack, monkeypatch):
+    """Prompt logprobs come back whole with the first token, in one engine message: the router
+    refuses up front what cannot fit (generated tokens' wide top-n the engines spread over
+    several messages: tests/engine/test_stream_interval.py)."""
+    from engine import outputs
+
+    monkeypatch.setattr(outputs, "MAX_LOGPROB_ENTRIES_PER_MESSAGE", 100)
     stack = make_stack(max_logprobs=-1)
-    status, _, whole = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 6, "logprobs": 19})
-    assert status == 200
-    assert stack.decodes[0].engine.requests[-1].sampling.stream_interval == 5  # 100 // (19 + 1) tokens
-    status, _, narrow = stack.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 6, "logprobs": 1})
-    assert stack.decodes[0].engine.requests[-1].sampling.stream_interval == 50  # 100 // 2 < 64
-    assert narrow["choices"][0]["text"] == whole["choices"][0]["text"]
     prompt = list(range(10, 40))  # 29 scored tokens x (3 + 1) > 100
     status, _, err = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3})
     assert status == 400 and err["error"]["param"] == "prompt_logprobs"
-    assert "more than one answer carries" in err["error"]["message"]
+    assert "more than one answer carries (100)" in err["error"]["message"]
     status, _, _ = stack.post("/v1/completions", {"prompt": prompt[:20], "max_tokens": 1, "prompt_logprobs": 3})
     assert status == 200
 

@@ -60,10 +60,11 @@ def test_where_the_output_starts_comes_from_the_prompt():
     # DeepSeek-V3.1's template opens <think> with thinking on, closes it with thinking off.
     ("deepseek_v3", "<｜User｜>hi<｜Assistant｜>", f"<｜User｜>hi<｜Assistant｜>{START}",
      f"<｜User｜>hi<｜Assistant｜>{END}", False),
-    # GLM-4.5 opens its own <think>; /nothink's template writes an empty block.
-    ("glm45", "<|user|>\nhi<|assistant|>", None, f"<|user|>\nhi<|assistant|>\n{START}{END}", False),
+    # GLM-4.5 and Kimi K2 Thinking start in reasoning (vLLM's parsers, thinking on); with thinking
+    # off their templates write an empty block.
+    ("glm45", "<|user|>\nhi<|assistant|>", None, f"<|user|>\nhi<|assistant|>\n{START}{END}", True),
     ("kimi_k2", "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>", None,
-     f"<|im_assistant|>assistant<|im_middle|>{START}{END}", False),
+     f"<|im_assistant|>assistant<|im_middle|>{START}{END}", True),
 ])
 def test_vllms_other_thinking_models(name, prompt, opened, closed, thinks_unprompted):
     parser = reasoning_parser(name)

@@ -81,6 +81,8 @@ def test_a_background_stream_resumes_after_the_last_event_seen(stack, client):
         seen.append(event)
         if event.type == "response.output_text.delta" and len(seen) >= 6:
             break
+    # Followed or not, it holds one place among the requests in flight: the task's.
+    assert stack.router.admission.in_flight == 1
     stream.close()  # the connection drops; the response goes on
     assert [e.type for e in seen[:2]] == ["response.created", "response.queued"]
     assert seen[0].response.status == "queued" and seen[0].response.background
@@ -112,7 +114,8 @@ def test_what_background_needs_and_bad_retrievals(make_stack, stack, client):
     with pytest.raises(openai.BadRequestError, match="background=true"):
         client.responses.cancel(plain.id)
     for query, param in (("stream=true", "stream"), ("stream=maybe", "stream"),
-                         ("stream=true&starting_after=x", "starting_after")):
+                         ("stream=true&starting_after=x", "starting_after"),
+                         ("stream=true&starting_after=--1", "starting_after")):
         status, _, err = stack.request("GET", f"/v1/responses/{plain.id}?{query}")
         assert status == 400 and err["error"]["param"] == param, query
     with pytest.raises(openai.NotFoundError):
@@ -121,6 +124,23 @@ def test_what_background_needs_and_bad_retrievals(make_stack, stack, client):
     bare = make_stack(prefill=1, decode=1)
     status, _, err = bare.post("/v1/responses", {"input": "hi", "background": True})
     assert status == 400 and "--responses-store-size" in err["error"]["message"]
+
+
+def test_an_id_still_running_in_the_background_is_not_reused(stack, client):
+    """A client's X-Request-Id names the response: while a background response of that id runs,
+    another request with it is a 409 (it would replace the running one in the store)."""
+    headers = {"X-Request-Id": "bg-job-1"}
+    created = client.responses.create(model="tiny", input="Go on.", max_output_tokens=400, background=True,
+                                      extra_headers=headers)
+    assert created.id == "bg-job-1"
+    for background in (True, False):
+        status, _, err = stack.post("/v1/responses", {"input": "hi", "max_output_tokens": 2, "background": background},
+                                    headers=headers)
+        assert status == 409 and err["error"]["code"] == "response_id_in_use"
+    client.responses.cancel("bg-job-1")
+    wait_until(lambda: stack.router.admission.in_flight == 0)
+    again = client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_headers=headers)
+    assert again.id == "bg-job-1" and again.status == "incomplete"  # done: the id is free again
 
 
 def test_deleting_a_running_one_cancels_it(stack, client):

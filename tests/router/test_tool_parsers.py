@@ -29,7 +29,8 @@ DEEPSEEK_V31 = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begi
                 '"days": 3, "metric": false}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
                 "<｜tool▁calls▁end｜>")
 KIMI = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-        '<|tool_call_argument_begin|>{"city": "New York", "days": 3, "metric": false}<|tool_call_end|><|tool_call_begin|>functions.now:1'
+        '<|tool_call_argument_begin|>{"city": "New York", "days": 3, "metric": false}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.now:1"
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
 FORMATS = {"qwen3_coder": QWEN, "glm45": GLM, "deepseek_v3": DEEPSEEK_V3, "deepseek_v31": DEEPSEEK_V31,
            "kimi_k2": KIMI}
@@ -47,12 +48,14 @@ def test_each_format_is_calls_after_its_content(parser):
     assert content == "Let me check." and calls_of(calls) == WANT
     if parser == "kimi_k2":  # Kimi's header is the call's id (its template writes it back)
         assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.now:1"]
-    # Cut off inside its first call (max_tokens): JSON arguments cut short are no call, so the
-    # output is all content; XML ones are read as far as they go (vLLM's rule for both).
-    cut = FORMATS[parser][:FORMATS[parser].index("New York")]
+    # Cut off inside its first call (max_tokens), in a value: JSON arguments cut short are no
+    # call, so the output is all content; an XML call keeps the parameters it finished (none).
+    cut = FORMATS[parser][:FORMATS[parser].index("New York") + 4]
     content, calls = parse_auto(parser, cut, TOOLS)
     if parser in ("qwen3_coder", "glm45"):
-        assert content == "Let me check." and calls_of(calls) == [("get_weather", {"city": ""})]
+        assert content == "Let me check." and calls_of(calls) == [("get_weather", {})]
+        finished = FORMATS[parser][:FORMATS[parser].index("days")]  # city written, days not yet
+        assert calls_of(parse_auto(parser, finished, TOOLS)[1]) == [("get_weather", {"city": "New York"})]
     else:
         assert (content, calls) == (cut, [])
     assert parse_auto(parser, "Just words.", TOOLS) == ("Just words.", [])
@@ -64,6 +67,7 @@ def test_each_format_is_calls_after_its_content(parser):
     ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}"),
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{x}"),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"x": NaN}<｜tool▁call▁end｜>'),
     ("qwen3_coder", "<tool_call>\n<parameter=x>1</parameter>\n</tool_call>"),
     ("glm45", "<tool_call>\n<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"),
 ])

@@ -324,6 +324,9 @@ podAffinity:
 {{- $_ := set $ann "prometheus.io/scrape" "true" }}
 {{- $_ := set $ann "prometheus.io/path" "/metrics" }}
 {{- $_ := set $ann "prometheus.io/port" (toString (ternary .root.Values.router.httpPort .root.Values.engine.metricsPort (eq .role "router"))) }}
+{{- if and (eq .role "router") .root.Values.router.tls.secretName }}
+{{- $_ := set $ann "prometheus.io/scheme" "https" }}
+{{- end }}
 {{- end }}
 {{- with $ann }}{{ toYaml . }}{{ end }}
 {{- end }}
