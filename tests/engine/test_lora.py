@@ -51,9 +51,11 @@ def greedy(name: str | None) -> SamplingParams:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_greedy_is_token_exact_against_peft_mixed_in_one_batch(tiny_llama, adapters, reference, async_scheduling):
+def test_greedy_is_token_exact_against_peft_mixed_in_one_batch(tiny_llama, adapters, reference, async_scheduling,
+                                                                 device):
+    """On every device (make gpu-check runs the CUDA variant: LoRA there runs without CUDA graphs)."""
     llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, device=device)
     # Every prompt under every adapter and none, all in one generate: one batch.
     cases = [(name, i) for name in (None, *adapters) for i in range(len(PROMPTS))]
     outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
