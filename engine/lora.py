@@ -3,10 +3,11 @@ model, each request with its own (SamplingParams.lora_name) or none, in one batc
 
 An adapter's `lora_A` / `lora_B` pairs for the attention and MLP projections (q, k, v, o, gate,
 up, down: PEFT's names for the Llama family) are loaded once at start, B scaled by lora_alpha / r
-(or / sqrt(r) under use_rslora). Each step the model runner groups the batch's tokens by adapter;
-a projection's output then gets, for each group, `(x @ A^T) @ B^T` added to its rows, in the slice
-of the fused qkv / gate_up output the target owns. Tokens without an adapter cost nothing; a step
-with none runs the base model as it is.
+(or / sqrt(r) under use_rslora); the targets of one fused projection (q, k, v of qkv; gate, up)
+become one pair per adapter, their A stacked and their B block-diagonal in the fused output. Each
+step the model runner groups the batch's tokens by adapter; a projection's output then gets, for
+each group, `(x @ A^T) @ B^T` added to its rows: two matmuls a group and projection. Tokens
+without an adapter cost nothing; a step with none runs the base model as it is.
 
 What a PEFT checkpoint may hold and this does not serve is refused at start, by name: adapters of
 embeddings or the LM head, DoRA, biases, `modules_to_save`, ranks above --max-lora-rank.
@@ -125,24 +126,35 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """The adapters of one (fused) projection: per slot, per output slice, (A, B) or None."""
+    """The adapters of one (fused) projection. Per slot one (A, B) pair: the targets' A stacked
+    ([sum of their ranks, in]) and their B placed block-diagonally in the projection's output
+    ([out, sum of ranks], zeros elsewhere), so a group costs two matmuls whichever of the fused
+    slices (q, k, v; gate, up) the adapter has."""
 
     def __init__(self, batch: LoRABatch, slices: list[tuple[int, int]]) -> None:
         self.batch = batch
         self.slices = slices  # (offset, size) in the projection's output
-        self.weights: dict[int, list] = {}
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, slot: int, parts: list) -> None:
+        """`parts`: per output slice, (A [r, in], B [size, r]) or None (not adapted)."""
+        present = [(i, pair) for i, pair in enumerate(parts) if pair is not None]
+        a = torch.cat([pair[0] for _, pair in present])
+        b = a.new_zeros(self.slices[-1][0] + self.slices[-1][1], a.shape[0])
+        at = 0
+        for i, (_, part_b) in present:
+            offset, size = self.slices[i]
+            b[offset:offset + size, at:at + part_b.shape[1]] = part_b
+            at += part_b.shape[1]
+        self.weights[slot] = (a.contiguous(), b.contiguous())
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Adds each group's deltas to `out` (the projection of `x`) in place."""
         for slot, rows in self.batch.groups:
-            pairs = self.weights.get(slot)
-            if pairs is None:
-                continue
-            xs = x.index_select(0, rows)
-            for (offset, size), pair in zip(self.slices, pairs):
-                if pair is not None:
-                    a, b = pair
-                    out[:, offset:offset + size].index_add_(0, rows, (xs @ a.t()) @ b.t())
+            pair = self.weights.get(slot)
+            if pair is not None:
+                a, b = pair
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return out
 
 
@@ -170,10 +182,13 @@ class LoRAManager:
             slot = len(self.slots) + 1
             self.slots[name] = slot
             self.adapters[name] = adapter
+            parts: dict[tuple[int, str], list] = {}
             for (layer, module), pair in adapter.weights.items():
                 fused, part = TARGETS[module]
-                target = layers[layer][fused]
-                target.weights.setdefault(slot, [None] * len(target.slices))[part] = pair
+                parts.setdefault((layer, fused), [None] * len(layers[layer][fused].slices))[part] = pair
+            for (layer, fused), pairs in parts.items():
+                layers[layer][fused].add(slot, pairs)
+            adapter.weights.clear()  # held by the layers now, stacked
 
     @property
     def names(self) -> tuple[str, ...]:
