@@ -39,7 +39,10 @@ class LoRAConfig:
 
 def parse_lora_modules(values) -> tuple[tuple[str, str], ...]:
     """vLLM's --lora-modules forms: `name=path`, or JSON `{"name": ..., "path": ...}`
-    (`base_model_name` accepted and unused: one base model is served)."""
+    (`base_model_name` accepted and unused: one base model is served); a string (the flag's
+    environment variable) is whitespace-separated `name=path` pairs."""
+    if isinstance(values, str):
+        values = values.split()
     out = []
     for value in values or ():
         if isinstance(value, (tuple, list)) and len(value) == 2:

@@ -162,7 +162,6 @@ class LoRAManager:
     """The engine's adapters, attached to its model: slot i + 1 is --lora-modules' i-th."""
 
     def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
-        self.config = config
         self.batch = LoRABatch(device)
         self.slots: dict[str, int] = {}
         arch = model.arch
@@ -176,30 +175,22 @@ class LoRAManager:
                                                        (mlp.intermediate_size, mlp.intermediate_size)])
             mlp.down_lora = LoRALayer(self.batch, [(0, arch.hidden_size)])
             layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora, "gate_up": mlp.gate_up_lora, "down": mlp.down_lora}
-        self.adapters: dict[str, LoRAAdapter] = {}
         for name, path in config.modules:
             adapter = LoRAAdapter.load(name, path, arch, config.max_lora_rank, dtype, device)
             slot = len(self.slots) + 1
             self.slots[name] = slot
-            self.adapters[name] = adapter
             parts: dict[tuple[int, str], list] = {}
             for (layer, module), pair in adapter.weights.items():
                 fused, part = TARGETS[module]
                 parts.setdefault((layer, fused), [None] * len(layers[layer][fused].slices))[part] = pair
-            for (layer, fused), pairs in parts.items():
+            for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
                 layers[layer][fused].add(slot, pairs)
-            adapter.weights.clear()  # held by the layers now, stacked
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(self.slots)
 
     def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
         """The step's rows: each request's tokens in order, then padding (no adapter)."""
         slots = np.zeros(total_rows, dtype=np.int64)
         at = 0
         for r, n in zip(requests, tokens_per_request):
-            slot = self.slots.get(r.sampling_params.lora_name, 0) if r.sampling_params.lora_name else 0
-            slots[at:at + n] = slot
+            slots[at:at + n] = self.slots.get(r.sampling_params.lora_name, 0)  # None: the base model
             at += n
         self.batch.set(slots)

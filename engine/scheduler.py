@@ -189,9 +189,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         skipped: list[Request] = []  # --max-loras: for an adapter too many, passed over this step
+        adapters = self._active_adapters()  # None without --max-loras
         while len(self.waiting) and budget > 0 and self.num_seats_taken < cfg.max_num_seqs:
             request = self.waiting.peek()
-            if self._adapter_waits(request):
+            name = request.sampling_params.lora_name
+            if adapters is not None and name is not None and name not in adapters \
+                    and len(adapters) >= self.max_loras:  # one too many: passed over, keeping its place
                 skipped.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -200,6 +203,8 @@ class Scheduler:
                 if admitted is None:
                     break
                 if admitted:
+                    if adapters is not None and name is not None:
+                        adapters.add(name)
                     continue
                 request.status = RequestStatus.WAITING  # nothing to load: compute it here
             n = request.num_tokens - num_hit_tokens
@@ -218,19 +223,21 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, n)
             budget -= n
+            if adapters is not None and name is not None:
+                adapters.add(name)
         for request in reversed(skipped):  # back where they were, ahead of the rest
             self.waiting.add(request, front=True)
 
-    def _adapter_waits(self, request: Request) -> bool:
-        """--max-loras (vLLM's rule): a request whose adapter would be one too many among those
-        running is passed over this step, keeping its place; the requests behind it go on."""
-        name = request.sampling_params.lora_name
-        if self.max_loras is None or name is None:
-            return False
+    def _active_adapters(self) -> set[str] | None:
+        """--max-loras (vLLM's rule): the adapters of the requests running or loading their KV; a
+        waiting request for one more than the cap is passed over this step, keeping its place,
+        and the requests behind it go on. None without the cap."""
+        if self.max_loras is None:
+            return None
         active = {r.sampling_params.lora_name for r in self.running}
         active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
         active.discard(None)
-        return name not in active and len(active) >= self.max_loras
+        return active
 
     def _admit_remote(self, request: Request, hits, num_hit_tokens: int) -> bool | None:
         """Pull model: admit only with room for the whole prompt; no compute budget used.

@@ -17,9 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common.flags import env_name
 from services.common.grpc_server import health_serving
-from services.router.cli import ENV_PREFIX as ROUTER_ENV_PREFIX
 
 logger = logging.getLogger("pdserve.up")
 
@@ -124,26 +122,20 @@ class RouterFront:
     api_key: str | None = None
 
     @classmethod
-    def from_args(cls, router_args: list[str], env: dict) -> "RouterFront":
-        p = argparse.ArgumentParser(add_help=False)
-        p.add_argument("--ssl-certfile")
-        p.add_argument("--ssl-cert-reqs", type=int)
-        p.add_argument("--api-key", nargs="+")
-        known, _ = p.parse_known_args(router_args)
+    def from_router_argv(cls, argv: list[str]) -> "RouterFront":
+        """`argv`: the router's command line as `up` runs it, read by the router's own parser (its
+        flags and their environment variables, as the router reads them)."""
+        from services.router.cli import add_router_parser
+        from services.router.config import split_api_keys
 
-        def from_env(flag: str) -> str | None:  # the router's own variables (services.router.cli)
-            return env.get(env_name(ROUTER_ENV_PREFIX, flag)) or None
-
-        certfile = known.ssl_certfile or from_env("--ssl-certfile")
-        reqs = known.ssl_cert_reqs
-        if reqs is None:
-            try:
-                reqs = int(from_env("--ssl-cert-reqs") or 0)
-            except ValueError:  # the router refuses it at start, and `up` reports its exit
-                reqs = 0
-        keys = known.api_key or [k for k in (from_env("--api-key") or env.get("PDSERVE_API_KEY") or "").split(",")
-                                 if k]
-        return cls(certfile, certfile is not None and reqs == 2, keys[0] if keys else None)
+        try:  # the parser reads the environment as it is built
+            parser = argparse.ArgumentParser(add_help=False)
+            add_router_parser(parser.add_subparsers(dest="command"))
+            args = parser.parse_args(argv)
+        except (SystemExit, ValueError):  # the router refuses them too, at start: `up` reports its exit
+            return cls()
+        keys = split_api_keys(args.api_key)
+        return cls(args.ssl_certfile, bool(args.ssl_certfile) and args.ssl_cert_reqs == 2, keys[0] if keys else None)
 
     @property
     def scheme(self) -> str:
@@ -220,7 +212,7 @@ class Stack:
             router += ["--prefill", ",".join(prefill)]
         router += ["--grpc-port", str(a.grpc_port) if a.grpc_port else "-1"]  # -1: no gRPC front
         self.spawn("router", [*router, *a.router_arg], env)
-        self.front = RouterFront.from_args(a.router_arg, env)
+        self.front = RouterFront.from_router_argv([*router, *a.router_arg])
         url = f"{self.front.scheme}://127.0.0.1:{http_port}"
         return url if self._wait(lambda: self.front.ready(http_port), "the router") else None
 

@@ -233,17 +233,24 @@ def test_pdserve_up_reaches_a_router_behind_https_and_an_api_key(tiny_model_fact
     assert "a request to the router failed" not in out and "k1" not in out
 
 
-def test_up_reads_the_routers_tls_and_key_from_its_flags_or_environment():
+def test_up_reads_the_routers_tls_and_key_from_its_flags_or_environment(monkeypatch):
     from services.launcher import RouterFront
 
-    plain = RouterFront.from_args(["--reasoning-parser=qwen3"], {})
+    def front(*router_args: str) -> RouterFront:  # the router's command line as `up` writes it
+        return RouterFront.from_router_argv(["router", "--model", "m", "--decode", "127.0.0.1:1", *router_args])
+
+    plain = front("--reasoning-parser=qwen3")
     assert (plain.scheme, plain.context, plain.headers) == ("http", None, {})
-    tls = RouterFront.from_args(["--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem", "--api-key", "a", "b"], {})
+    tls = front("--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem", "--api-key", "a", "b")
     assert tls.scheme == "https" and tls.context is not None and tls.headers == {"Authorization": "Bearer a"}
     assert not tls.client_certs_required
-    env = RouterFront.from_args([], {"PDSERVE_ROUTER_SSL_CERTFILE": "c.pem", "PDSERVE_ROUTER_SSL_CERT_REQS": "2",
-                                     "PDSERVE_API_KEY": "x,y"})
+    for name, value in (("PDSERVE_ROUTER_SSL_CERTFILE", "c.pem"), ("PDSERVE_ROUTER_SSL_CERT_REQS", "2"),
+                        ("PDSERVE_API_KEY", "x,y")):
+        monkeypatch.setenv(name, value)
+    env = front()
     assert env.scheme == "https" and env.client_certs_required and env.api_key == "x"
+    monkeypatch.setenv("PDSERVE_ROUTER_SSL_CERT_REQS", "two")  # the router refuses it; `up` reports its exit
+    assert front() == RouterFront()
 
 
 def _descendants(pid: int) -> list[int]:

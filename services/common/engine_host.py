@@ -118,9 +118,7 @@ def engine_kwargs(args) -> dict:
 
 def _lora_kwargs(args) -> dict:
     """--enable-lora's adapters (none without it; --lora-modules alone is the config's error)."""
-    modules, rank, cap = args.lora_modules, args.max_lora_rank, args.max_loras
-    if isinstance(modules, str):  # from the environment
-        modules = modules.split()
+    modules, rank, cap = args.lora_modules, args.max_lora_rank, args.max_loras  # a string from the environment
     if not args.enable_lora and not modules:
         return {}
     return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank, max_loras=cap)

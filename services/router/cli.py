@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 
+from engine.config import parse_lora_modules
 from services.common.auth import ChannelAuth
 from services.common.flags import add
 from services.router.config import RouterConfig, parse_addresses
@@ -210,12 +211,6 @@ def served_names(args) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names)) or (args.model,)
 
 
-def _lora_modules(value) -> tuple[tuple[str, str], ...]:
-    from engine.config import parse_lora_modules
-
-    return parse_lora_modules(value.split() if isinstance(value, str) else value)
-
-
 def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         model=args.model, served_model_name=served_names(args)[0], served_model_aliases=served_names(args)[1:],
@@ -242,7 +237,7 @@ def config_from_args(args) -> RouterConfig:
         tls=FrontTls.from_flags(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs),
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials),
-        max_n=args.max_n, max_logprobs=args.max_logprobs, lora_modules=_lora_modules(args.lora_modules),
+        max_n=args.max_n, max_logprobs=args.max_logprobs, lora_modules=parse_lora_modules(args.lora_modules),
         non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,

@@ -35,6 +35,12 @@ def parse_service(value: str, default_port: str) -> tuple[str, str]:
     return name, port
 
 
+def split_api_keys(value) -> tuple[str, ...]:
+    """--api-key's keys: the flag's list, or its environment variable's comma-separated string."""
+    keys = value.split(",") if isinstance(value, str) else (value or ())
+    return tuple(k.strip() for k in keys if k.strip())
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # checkpoint directory: the tokenizer, chat template and config.json come from it
@@ -105,8 +111,7 @@ class RouterConfig:
 
     @property
     def api_keys(self) -> tuple[bytes, ...]:
-        keys = self.api_key.split(",") if isinstance(self.api_key, str) else (self.api_key or ())
-        return tuple(k.strip().encode() for k in keys if k.strip())
+        return tuple(k.encode() for k in split_api_keys(self.api_key))
 
     def __post_init__(self) -> None:
         self._check_discovery()

@@ -143,6 +143,21 @@ def test_an_id_still_running_in_the_background_is_not_reused(stack, client):
     assert again.id == "bg-job-1" and again.status == "incomplete"  # done: the id is free again
 
 
+def test_a_running_background_response_counts_against_the_in_flight_cap(make_stack):
+    """--max-concurrent-requests holds on the background path: while one runs (its request long
+    answered), the next request is a 429, and once it is done the router takes requests again."""
+    stack = make_stack(prefill=1, decode=1, responses_store_size=8, decode_kwargs=SLOW, max_concurrent_requests=1)
+    with client_of(stack) as client:
+        created = client.responses.create(model="tiny", input="Go on.", max_output_tokens=400, background=True)
+        for body in ({"input": "hi", "max_output_tokens": 2}, {"input": "hi", "max_output_tokens": 2,
+                                                                "background": True}):
+            status, headers, err = stack.post("/v1/responses", body)
+            assert status == 429 and err["error"]["code"] == "router_at_capacity" and headers["Retry-After"]
+        client.responses.cancel(created.id)
+        wait_until(lambda: stack.router.admission.in_flight == 0)
+        assert client.responses.create(model="tiny", input="hi", max_output_tokens=2).status == "incomplete"
+
+
 def test_deleting_a_running_one_cancels_it(stack, client):
     created = client.responses.create(model="tiny", input="Go on.", max_output_tokens=400, background=True)
     poll(client, created.id, until=lambda r: r.status == "in_progress")
