@@ -6,8 +6,9 @@ import itertools
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
-from engine.config import EngineConfig, lora_names
-from engine.core_client import Abort, AddRequest, InprocClient, MPClient
+from engine import lora as lora_errors
+from engine.config import EngineConfig
+from engine.core_client import Abort, AddRequest, CallResult, InprocClient, LoadLoRA, MPClient, UnloadLoRA
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput, merge_delta
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import (DuplicateRequestError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
@@ -101,6 +102,11 @@ class AsyncEngine:
         self.max_inflight_requests = self.max_inflight_tokens = 0
         self._inflight = InflightPrompts(config.cache.block_size, config.cache.enable_prefix_caching)
         self.num_requests_shed = 0
+        # The LoRA adapters served now, name -> path: --lora-modules' and those loaded since.
+        self.lora_adapters: dict[str, str] = config.lora.paths if config.lora is not None else {}
+        self._lora_lock = asyncio.Lock()  # one load / unload at a time: the checks stay true
+        self._calls: dict[int, asyncio.Future] = {}  # LoadLoRA / UnloadLoRA sent, by call id
+        self._call_ids = itertools.count()
 
     @classmethod
     async def create(cls, model: str, multiprocess: bool = False, detokenize: bool = True,
@@ -114,14 +120,16 @@ class AsyncEngine:
         self.loop = asyncio.get_running_loop()
         if multiprocess:
             self.client = MPClient(self.config, self._on_core_outputs, kv_connector_factory,
-                                   on_death=self._on_core_death)
+                                   on_death=self._on_core_death, on_result=self._on_call_result)
             await self.client.start()
         else:
             self.client = await asyncio.to_thread(
                 InprocClient, self.config, self._threadsafe_on_core_outputs, kv_connector_factory,
-                lambda code: self.loop.call_soon_threadsafe(self._on_core_death, code))
+                lambda code: self.loop.call_soon_threadsafe(self._on_core_death, code),
+                lambda result: self.loop.call_soon_threadsafe(self._on_call_result, result))
         info = self.client.info
-        self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size, lora_names(self.config))
+        self.processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                        self.lora_adapters if self.config.lora is not None else None)
         sc = self.config.scheduler
         kv_tokens = info.num_blocks * self.config.cache.block_size
         self.max_inflight_requests = sc.max_num_seqs + (
@@ -145,8 +153,64 @@ class AsyncEngine:
         self._inflight.clear()
         for q in streams.values():
             q.put_nowait(self.dead)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(self.dead)
         for callback in self._death_callbacks:
             callback(self.dead)
+
+    def _on_call_result(self, result: CallResult) -> None:
+        future = self._calls.pop(result.call_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def _call(self, message) -> None:
+        """Sends a LoadLoRA / UnloadLoRA and waits for the core's answer (it comes between steps);
+        the core's refusal is raised as its LoRAAdapterError subclass."""
+        if self.dead is not None:
+            raise self.dead
+        future = self.loop.create_future()
+        self._calls[message.call_id] = future
+        try:
+            self.client.send(message)
+            result = await future
+        finally:
+            self._calls.pop(message.call_id, None)
+        if result.error_type:
+            error = getattr(lora_errors, result.error_type, None)
+            if not (isinstance(error, type) and issubclass(error, lora_errors.LoRAAdapterError)):
+                error = lora_errors.LoRAAdapterError
+            raise error(result.error)
+
+    def _check_lora_enabled(self, name: str) -> None:
+        if self.config.lora is None:
+            raise lora_errors.LoRANotEnabledError("LoRA is not enabled on this engine: start it with --enable-lora")
+        if not name:
+            raise lora_errors.LoRAAdapterError("lora_name must be a non-empty string")
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads a LoRA adapter at run time (vLLM's /v1/load_lora_adapter): requests may name it
+        once this returns. Raises a LoRAAdapterError subclass: not enabled, the name taken, the
+        checkpoint unreadable or not one this serves (then nothing changed)."""
+        async with self._lora_lock:
+            self._check_lora_enabled(name)
+            if not path:
+                raise lora_errors.LoRAAdapterError("lora_path must be a non-empty string")
+            if name in self.lora_adapters:
+                raise lora_errors.LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded")
+            await self._call(LoadLoRA(next(self._call_ids), name, path))
+            self.lora_adapters[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unloads an adapter (vLLM's /v1/unload_lora_adapter): requests naming it are refused from
+        now on; those running finish on it, and its memory is freed once they have."""
+        async with self._lora_lock:
+            self._check_lora_enabled(name)
+            if name not in self.lora_adapters:
+                raise lora_errors.LoRAAdapterNotFoundError(f"LoRA adapter {name!r} is not loaded")
+            del self.lora_adapters[name]  # before the core hears: no later request is sent with it
+            await self._call(UnloadLoRA(next(self._call_ids), name))
 
     def _threadsafe_on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self.loop.call_soon_threadsafe(self._on_core_outputs, outputs)

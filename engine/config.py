@@ -242,6 +242,6 @@ class EngineConfig:
                    parallel=ParallelConfig(**parts["parallel"]), **top)
 
 
-def lora_names(config: EngineConfig) -> tuple[str, ...]:
-    """The LoRA adapters an engine serves (none without --enable-lora)."""
-    return tuple(config.lora.paths) if config.lora is not None else ()
+def lora_names(config: EngineConfig) -> tuple[str, ...] | None:
+    """The LoRA adapters an engine serves; None without --enable-lora."""
+    return tuple(config.lora.paths) if config.lora is not None else None

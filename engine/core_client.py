@@ -50,13 +50,33 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class LoadLoRA(msgspec.Struct, tag=True):
+    """Load a LoRA adapter between steps; the core answers with a CallResult of the same call_id."""
+    call_id: int
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag=True):
+    call_id: int
+    name: str
+
+
+class CallResult(msgspec.Struct):
+    """The core's answer to a LoadLoRA / UnloadLoRA: error is empty on success, else the
+    LoRAAdapterError subclass's name (`error_type`) and its message."""
+    call_id: int
+    error_type: str = ""
+    error: str = ""
+
+
 class Ready(msgspec.Struct):
     max_model_len: int
     vocab_size: int
     num_blocks: int
 
 
-_Inbound = AddRequest | Abort
+_Inbound = AddRequest | Abort | LoadLoRA | UnloadLoRA
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -73,8 +93,9 @@ class _Loop:
     LIVENESS_INTERVAL_S = 1.0
 
     def __init__(self, core, get_input: Callable[[float | None], object | None], emit: OutputCallback,
-                 emit_stats: Callable[[dict], None] | None = None) -> None:
+                 emit_result: Callable[[CallResult], None], emit_stats: Callable[[dict], None] | None = None) -> None:
         self.core, self.get_input, self.emit, self.emit_stats = core, get_input, emit, emit_stats
+        self.emit_result = emit_result
         self.num_received = 0  # AddRequest messages taken in, in the order they were sent
 
     def stats(self) -> dict:
@@ -123,6 +144,20 @@ class _Loop:
                 self.emit([EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e), finished=True)])
         elif isinstance(msg, Abort):
             self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            try:
+                if isinstance(msg, LoadLoRA):
+                    self.core.add_lora(msg.name, msg.path)
+                    logger.info("LoRA adapter %s loaded from %s", msg.name, msg.path)
+                else:
+                    self.core.remove_lora(msg.name)
+            except Exception as e:  # a checkpoint that does not load is the caller's error, not the core's end
+                from engine.lora import LoRAAdapterError
+                kind = type(e).__name__ if isinstance(e, LoRAAdapterError) else "LoRAAdapterError"
+                self.emit_result(CallResult(msg.call_id, kind, str(e) if isinstance(e, (ValueError, OSError))
+                                            else f"{type(e).__name__}: {e}"))
+            else:
+                self.emit_result(CallResult(msg.call_id))
 
 
 def owed_tokens(msg: AddRequest) -> int:
@@ -163,13 +198,14 @@ class InprocClient:
     """Engine core in a background thread (torch releases the GIL in its kernels)."""
 
     def __init__(self, config: EngineConfig, on_output: OutputCallback,
-                 kv_connector_factory=None, on_death: Callable[[int | None], None] | None = None) -> None:
+                 kv_connector_factory=None, on_death: Callable[[int | None], None] | None = None,
+                 on_result: Callable[[CallResult], None] | None = None) -> None:
         from engine.engine_core import EngineCore
 
         self.core = EngineCore(config, kv_connector_factory=kv_connector_factory)
         self.info = Ready(self.core.max_model_len, self.core.vocab_size, self.core.runner.num_blocks)
         self._inputs: queue.Queue = queue.Queue()
-        self._loop = _Loop(self.core, self._get, on_output)
+        self._loop = _Loop(self.core, self._get, on_output, on_result or (lambda result: None))
         self._unseen = UnseenWork()
         self._on_death = on_death
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -275,7 +311,10 @@ def _run_core_process(config: EngineConfig, in_addr: str, out_addr: str, kv_conn
     def emit_stats(stats):
         outbound.send(_encoder.encode(("stats", stats)))
 
-    _Loop(core, get, emit, emit_stats).run()
+    def emit_result(result: CallResult):
+        outbound.send(_encoder.encode(("result", result)))
+
+    _Loop(core, get, emit, emit_result, emit_stats).run()
     ctx.destroy(linger=0)
 
 
@@ -283,7 +322,8 @@ class MPClient:
     """Engine core in its own process: the front end's event loop never waits for a step."""
 
     def __init__(self, config: EngineConfig, on_output: OutputCallback, kv_connector_factory=None,
-                 start_timeout: float = 300, on_death: Callable[[int | None], None] | None = None) -> None:
+                 start_timeout: float = 300, on_death: Callable[[int | None], None] | None = None,
+                 on_result: Callable[[CallResult], None] | None = None) -> None:
         import zmq
         import zmq.asyncio
 
@@ -296,6 +336,7 @@ class MPClient:
         self.outbound = self.actx.socket(zmq.PULL)
         self.outbound.bind(self.out_addr)
         self.on_output = on_output
+        self.on_result = on_result or (lambda result: None)
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=_run_core_process, args=(config, self.in_addr, self.out_addr, kv_connector_factory),
                                name="pdserve-engine-core", daemon=True)
@@ -354,6 +395,8 @@ class MPClient:
                 self.on_output(self._out_decoder.decode(payload))
             elif kind == "stats":
                 self._stats = msgspec.msgpack.decode(payload)
+            elif kind == "result":
+                self.on_result(msgspec.msgpack.decode(payload, type=CallResult))
 
     def stats(self) -> dict:
         return self._unseen.add_to(self._stats)

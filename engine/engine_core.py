@@ -13,7 +13,8 @@ from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
-from engine.request import DuplicateRequestError, Request, RequestStatus, generation_budget
+from engine.lora import LoRAAdapterBusyError, LoRAAdapterNotFoundError, LoRANotEnabledError
+from engine.request import DuplicateRequestError, InvalidRequestError, Request, RequestStatus, generation_budget
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 from engine.spec_decode import make_proposer, spec_decode_stats
 from engine.structured_output.manager import StructuredOutputManager
@@ -83,6 +84,10 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, hf_config)
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
+        # The loaded LoRA adapters' paths (their prefix-cache keys); a name unloaded at run time
+        # keeps its weights and key until the last of its requests finishes.
+        self.lora_paths: dict[str, str] = config.lora.paths if config.lora is not None else {}
+        self._retiring_loras: set[str] = set()
         connector_scheduler, connector_worker = (kv_connector_factory() if kv_connector_factory is not None
                                                  else (None, None))
         self.runner = ModelRunner(config, hf_config, self.max_model_len, show_progress, connector_worker,
@@ -99,7 +104,7 @@ class EngineCore:
                                                config.cache.enable_prefix_caching,
                                                enable_kv_cache_events=self.kv_event_publisher is not None,
                                                medium="GPU" if self.runner.device.type == "cuda" else "CPU",
-                                               lora_paths=config.lora.paths if config.lora is not None else None)
+                                               lora_paths=self.lora_paths)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    connector_scheduler, self.kv_event_publisher, config.speculative,
                                    max_loras=config.lora.max_loras if config.lora is not None else None)
@@ -114,6 +119,9 @@ class EngineCore:
                     self.max_model_len, self.runner.kernels.name, config.parallel.tensor_parallel_size)
 
     def add_request(self, request: Request) -> None:
+        lora = request.sampling_params.lora_name
+        if lora is not None and (lora not in self.lora_paths or lora in self._retiring_loras):
+            raise InvalidRequestError(f"LoRA adapter {lora!r} is not loaded on this engine")
         if request.request_id in self.structured_output.waiting:
             raise DuplicateRequestError(f"request id {request.request_id!r} is already in use")
         if not self.structured_output.add(request):  # else it waits here for its grammar
@@ -127,6 +135,37 @@ class EngineCore:
         """Finished by the front end (a stop string matched)."""
         self.structured_output.remove(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Loads a LoRA adapter between steps (vLLM's add_lora); LoRAAdapterError says why not."""
+        if self.runner.lora is None:
+            raise LoRANotEnabledError("LoRA is not enabled on this engine: start it with --enable-lora")
+        if name in self._retiring_loras:
+            raise LoRAAdapterBusyError(f"LoRA adapter {name!r} was unloaded and still has requests to finish; "
+                                       "load it again once they have")
+        self.runner.lora.add(name, path)
+        self.lora_paths[name] = path
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter: no new request may use it from now on; its weights go once the
+        requests that do have finished (at once when there are none)."""
+        if self.runner.lora is None:
+            raise LoRANotEnabledError("LoRA is not enabled on this engine: start it with --enable-lora")
+        if name not in self.lora_paths or name in self._retiring_loras:
+            raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r} is not loaded")
+        self._retiring_loras.add(name)
+        self._free_retired_loras()
+
+    def _free_retired_loras(self) -> None:
+        if self._in_flight is not None:  # a step launched ahead may still read the weights
+            return
+        in_use = {r.sampling_params.lora_name for r in self.scheduler.requests.values()}
+        in_use.update(r.sampling_params.lora_name for r in self.structured_output.waiting.values())
+        for name in [n for n in self._retiring_loras if n not in in_use]:
+            self.runner.lora.remove(name)
+            del self.lora_paths[name]
+            self._retiring_loras.discard(name)
+            logger.info("LoRA adapter %s unloaded", name)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.structured_output.num_waiting > 0
@@ -145,7 +184,10 @@ class EngineCore:
         if grammars.num_waiting and self._in_flight is None and not self.scheduler.has_unfinished_requests():
             grammars.wait(0.005)  # nothing else to run: wait for a compile rather than spin
         failed = self._admit_compiled(*grammars.take_settled()) if grammars.num_waiting else []
-        return failed + self._step()
+        outputs = failed + self._step()
+        if self._retiring_loras:
+            self._free_retired_loras()
+        return outputs
 
     def _admit_compiled(self, ready: list[Request], failed: list[tuple[Request, str]]) -> list[EngineCoreOutput]:
         """Requests whose grammar compiled go to the scheduler; one that did not compile fails alone

@@ -11,6 +11,11 @@ without an adapter cost nothing; a step with none runs the base model as it is.
 
 What a PEFT checkpoint may hold and this does not serve is refused at start, by name: adapters of
 embeddings or the LM head, DoRA, biases, `modules_to_save`, ranks above --max-lora-rank.
+
+Adapters come and go at run time too (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
+through the router to every engine): `LoRAManager.add` loads one into a free slot between steps;
+an unloaded one takes no new request at once and frees its slot once its last request finishes
+(`EngineCore.remove_lora`).
 """
 from __future__ import annotations
 
@@ -29,6 +34,26 @@ from engine.config import LoRAConfig
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class LoRAAdapterError(ValueError):
+    """A runtime load or unload that cannot be done; the subclasses say why (each its own status)."""
+
+
+class LoRANotEnabledError(LoRAAdapterError):
+    """The engine serves no adapters (no --enable-lora)."""
+
+
+class LoRAAdapterExistsError(LoRAAdapterError):
+    """An adapter of that name is loaded already."""
+
+
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter of that name is loaded."""
+
+
+class LoRAAdapterBusyError(LoRAAdapterError):
+    """The name's previous adapter is unloaded but still finishing requests."""
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -159,32 +184,49 @@ class LoRALayer:
 
 
 class LoRAManager:
-    """The engine's adapters, attached to its model: slot i + 1 is --lora-modules' i-th."""
+    """The engine's adapters, attached to its model: each in a slot of its own (1, 2, ...; 0 is the
+    base model), --lora-modules' at start and those loaded at run time (`add` / `remove`)."""
 
     def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
         self.batch = LoRABatch(device)
         self.slots: dict[str, int] = {}
-        arch = model.arch
-        layers = {}
+        self.max_rank, self.dtype, self.device, self.arch = config.max_lora_rank, dtype, device, model.arch
+        self.layers: dict[int, dict[str, LoRALayer]] = {}
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size
             attn.qkv_lora = LoRALayer(self.batch, [(0, q), (q, kv), (q + kv, kv)])
-            attn.o_lora = LoRALayer(self.batch, [(0, arch.hidden_size)])
+            attn.o_lora = LoRALayer(self.batch, [(0, self.arch.hidden_size)])
             mlp.gate_up_lora = LoRALayer(self.batch, [(0, mlp.intermediate_size),
                                                        (mlp.intermediate_size, mlp.intermediate_size)])
-            mlp.down_lora = LoRALayer(self.batch, [(0, arch.hidden_size)])
-            layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora, "gate_up": mlp.gate_up_lora, "down": mlp.down_lora}
+            mlp.down_lora = LoRALayer(self.batch, [(0, self.arch.hidden_size)])
+            self.layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora, "gate_up": mlp.gate_up_lora,
+                              "down": mlp.down_lora}
         for name, path in config.modules:
-            adapter = LoRAAdapter.load(name, path, arch, config.max_lora_rank, dtype, device)
-            slot = len(self.slots) + 1
-            self.slots[name] = slot
-            parts: dict[tuple[int, str], list] = {}
-            for (layer, module), pair in adapter.weights.items():
-                fused, part = TARGETS[module]
-                parts.setdefault((layer, fused), [None] * len(layers[layer][fused].slices))[part] = pair
-            for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
-                layers[layer][fused].add(slot, pairs)
+            self.add(name, path)
+
+    def add(self, name: str, path: str) -> None:
+        """Loads an adapter into the lowest free slot; raises ValueError (the checkpoint does not
+        fit, or is not a LoRA adapter this serves; a file unreadable) with nothing changed."""
+        if name in self.slots:
+            raise LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded")
+        adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype, self.device)
+        taken = set(self.slots.values())
+        slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
+        parts: dict[tuple[int, str], list] = {}
+        for (layer, module), pair in adapter.weights.items():
+            fused, part = TARGETS[module]
+            parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
+        for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
+            self.layers[layer][fused].add(slot, pairs)
+        self.slots[name] = slot
+
+    def remove(self, name: str) -> None:
+        """Frees an adapter's weights and slot: no request of the batch may still use it."""
+        slot = self.slots.pop(name)
+        for modules in self.layers.values():
+            for layer in modules.values():
+                layer.weights.pop(slot, None)
 
     def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
         """The step's rows: each request's tokens in order, then padding (no adapter)."""

@@ -119,11 +119,12 @@ class TokenizerCodec:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, lora_names=()) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, lora_names=None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.lora_names = frozenset(lora_names)  # the LoRA adapters the engine serves
+        # The LoRA adapters the engine serves (a live view where adapters load at run time); None: LoRA off.
+        self.lora_names = lora_names
 
     @property
     def eos_token_id(self) -> int | None:
@@ -159,8 +160,9 @@ class InputProcessor:
             raise InvalidRequestError(f"resumed_tokens ({params.resumed_tokens}) exceeds the prompt's "
                                       f"{len(token_ids)} tokens")
         validate_sampling(params, self.vocab_size)
-        if params.lora_name is not None and params.lora_name not in self.lora_names:
-            served = ", ".join(sorted(self.lora_names)) or "none (no --enable-lora)"
+        if params.lora_name is not None and params.lora_name not in (self.lora_names or ()):
+            served = ("none (no --enable-lora)" if self.lora_names is None
+                      else ", ".join(sorted(self.lora_names)) or "none")
             raise InvalidRequestError(f"lora_name {params.lora_name!r} is not an adapter this engine serves; "
                                       f"it serves {served}")
 

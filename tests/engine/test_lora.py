@@ -3,6 +3,7 @@ transformers + PEFT, adapters and the base model mixed in one batch, prefix cach
 adapter, and what cannot be served refused at start, by name."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -158,3 +159,98 @@ def test_max_loras_caps_the_adapters_a_step_runs(tiny_llama, adapters, reference
     cases = [(name, i) for name in ("all", "qv", None) for i in range(len(PROMPTS))]
     outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
     assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
+
+
+async def _tokens(engine, prompt, params) -> list[int]:
+    out = []
+    async for o in engine.generate(prompt, params):
+        out += o.delta_token_ids
+    return out
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["thread", "process"])
+def test_adapters_load_and_unload_at_run_time(tiny_llama, adapters, reference, multiprocess, tmp_path):
+    """vLLM's runtime load / unload: an engine started with --enable-lora and no adapter serves
+    each one token-exact once it is loaded, refuses it once unloaded, and keeps serving through
+    every refused call."""
+    from engine.async_engine import AsyncEngine
+    from engine.lora import (LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
+                             LoRANotEnabledError)
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, multiprocess=multiprocess, enable_lora=True)
+        try:
+            with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves; it serves none"):
+                await _tokens(engine, PROMPTS[0], greedy("all"))
+            await engine.load_lora_adapter("all", adapters["all"])
+            assert await _tokens(engine, PROMPTS[0], greedy("all")) == reference[("all", 0)]
+            with pytest.raises(LoRAAdapterExistsError, match="'all' is already loaded"):
+                await engine.load_lora_adapter("all", adapters["qv"])
+            (tmp_path / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+            with pytest.raises(LoRAAdapterError, match="only LORA adapters are served"):
+                await engine.load_lora_adapter("ia3", str(tmp_path))
+            with pytest.raises(LoRAAdapterError, match="cannot read adapter_config.json"):
+                await engine.load_lora_adapter("nowhere", str(tmp_path / "missing"))
+            assert set(engine.lora_adapters) == {"all"}  # the failed loads left nothing behind
+            await engine.load_lora_adapter("qv", adapters["qv"])
+            cases = [(name, i) for name in (None, "all", "qv") for i in range(len(PROMPTS))]
+            got = await asyncio.gather(*(_tokens(engine, PROMPTS[i], greedy(name)) for name, i in cases))
+            assert got == [reference[case] for case in cases]  # one batch, three models
+            await engine.unload_lora_adapter("all")
+            with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves; it serves qv"):
+                await _tokens(engine, PROMPTS[0], greedy("all"))
+            with pytest.raises(LoRAAdapterNotFoundError, match="'all' is not loaded"):
+                await engine.unload_lora_adapter("all")
+            assert await _tokens(engine, PROMPTS[1], greedy("qv")) == reference[("qv", 1)]
+            await engine.load_lora_adapter("all", adapters["all"])  # into the slot it left
+            assert await _tokens(engine, PROMPTS[2], greedy("all")) == reference[("all", 2)]
+        finally:
+            await engine.shutdown()
+        plain = await AsyncEngine.create(tiny_llama, multiprocess=multiprocess)
+        try:
+            with pytest.raises(LoRANotEnabledError, match="start it with --enable-lora"):
+                await plain.load_lora_adapter("all", adapters["all"])
+        finally:
+            await plain.shutdown()
+
+    asyncio.run(main())
+
+
+def test_unloading_lets_the_adapters_running_requests_finish(tiny_llama, adapters):
+    """Unloaded mid-generation, an adapter's request finishes on it, token-exact, while new requests
+    for it are refused; its slot frees once the request is done, and the name loads again."""
+    from engine.async_engine import AsyncEngine
+    from engine.lora import LoRAAdapterBusyError
+
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, lora_name="all")
+    expected = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"]).generate(
+        [PROMPTS[0]], long)[0].outputs[0].token_ids
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"])
+        core = engine.client.core  # in a thread: its slots can be looked at
+        try:
+            stream = engine.generate(PROMPTS[0], long)
+            first = await stream.__anext__()
+            await engine.unload_lora_adapter("all")
+            with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves"):
+                await _tokens(engine, PROMPTS[1], greedy("all"))
+            assert "all" in core.runner.lora.slots  # still running on it
+            with pytest.raises(LoRAAdapterBusyError, match="still has requests to finish"):
+                await engine.load_lora_adapter("all", adapters["all"])
+            tokens = list(first.delta_token_ids)
+            async for out in stream:
+                tokens += out.delta_token_ids
+            assert tokens == expected
+            for _ in range(100):  # freed at the end of the step that finished it
+                if "all" not in core.runner.lora.slots:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.runner.lora.slots == {} and core.lora_paths == {}
+            assert all(not layer.weights for modules in core.runner.lora.layers.values() for layer in modules.values())
+            await engine.load_lora_adapter("all", adapters["all"])
+            assert await _tokens(engine, PROMPTS[0], greedy("all")) == expected[:MAX_TOKENS]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
