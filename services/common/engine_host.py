@@ -11,6 +11,8 @@ from typing import Callable
 import grpc
 
 from engine.async_engine import AsyncEngine
+from engine.lora import (LoRAAdapterBusyError, LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
+                         LoRANotEnabledError)
 from engine.request import InvalidRequestError, SamplingParams
 from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
@@ -62,7 +64,7 @@ class EngineHost:
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    """Abort and GetLoad, the same on every role. GetLoad is the router's handshake: each report
+    """Abort, GetLoad and the LoRA adapters' load / unload, the same on every role. GetLoad is the router's handshake: each report
     carries the pairing descriptor, so a pair that cannot work is refused before any request."""
 
     def __init__(self, host: EngineHost, pairing: pb.PairingDescriptor) -> None:
@@ -81,7 +83,28 @@ class EngineServicer(pb_grpc.EngineServicer):
                                      engine.config.cache.block_size, engine.max_model_len,
                                      engine.config.scheduler.max_num_batched_tokens)
         report.pairing.CopyFrom(self.pairing)
+        report.lora_enabled = engine.config.lora is not None
+        report.lora_adapters.extend(pb.LoRAAdapter(name=n, path=p) for n, p in engine.lora_adapters.items())
         return report
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
+        await self._lora_call(context, self.host.engine.load_lora_adapter(request.lora_name, request.lora_path))
+        return pb.LoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
+        await self._lora_call(context, self.host.engine.unload_lora_adapter(request.lora_name))
+        return pb.LoRAAdapterResponse()
+
+    @staticmethod
+    async def _lora_call(context, call) -> None:
+        try:
+            await call
+        except LoRAAdapterError as e:
+            code = (grpc.StatusCode.ALREADY_EXISTS if isinstance(e, LoRAAdapterExistsError)
+                    else grpc.StatusCode.NOT_FOUND if isinstance(e, LoRAAdapterNotFoundError)
+                    else grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, (LoRANotEnabledError, LoRAAdapterBusyError))
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(code, str(e))
 
 
 def _switch(args, name: str) -> bool:

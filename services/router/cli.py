@@ -145,6 +145,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--lora-modules", "the engines' LoRA adapters (vLLM's flag, as the engines got it): name=path or "
           "JSON {\"name\": ..., \"path\": ...}; a request's model naming one runs with it, /v1/models lists "
           "them (the environment variable whitespace-separated)", nargs="+", default=None)
+    _flag(p, "--allow-runtime-lora-updating", "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+          "(vLLM's, which VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns on too): an adapter loads on every engine "
+          "(started with --enable-lora) and becomes a model name; engines that join later get it too",
+          action="store_true")
     _flag(p, "--max-logprobs", "vLLM's flag: the top-n logprobs a request may ask for per token (logprobs, "
           "top_logprobs, prompt_logprobs; a request's -1 is the whole vocabulary); beyond it 400. -1: no cap "
           "(the whole vocabulary per token: large answers)", default=20, type=int)
@@ -238,6 +242,8 @@ def config_from_args(args) -> RouterConfig:
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                         args.allow_credentials),
         max_n=args.max_n, max_logprobs=args.max_logprobs, lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating or os.environ.get(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes", "on"),
         non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,

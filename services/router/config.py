@@ -89,6 +89,9 @@ class RouterConfig:
     # vLLM's --lora-modules, as the engines got them: (name, path); a request's model names one to
     # run with it (the path keys its prefix-cache blocks, for KV-aware routing).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # load and unload adapters on every engine (404 without it, as in vLLM)
+    allow_runtime_lora_updating: bool = False
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default

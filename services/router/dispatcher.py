@@ -83,7 +83,8 @@ class Dispatcher:
                  migration_limit: int = 0, pd_policy: "PdPolicy | None" = None,
                  lora_paths: dict[str, str] | None = None) -> None:
         self.pool = pool
-        self.lora_paths = lora_paths or {}  # adapter name -> path: its prefix-cache key for routing
+        # adapter name -> path: its prefix-cache key for routing (the served map: adapters come and go)
+        self.lora_paths = lora_paths if lora_paths is not None else {}
         self.policy = policy
         self.pd_policy = pd_policy  # disaggregated mode: prefill remotely, or on the decode itself
         self.metrics = metrics

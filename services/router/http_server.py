@@ -65,6 +65,8 @@ class HttpGateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
         # Kubernetes probes: /livez fails only if this process stops answering (a restart would help);
@@ -239,6 +241,29 @@ class HttpGateway:
     async def models(self, request: web.Request) -> web.Response:
         names = (*self.model.names, *self.model.lora_modules)
         return self._json_response({"object": "list", "data": [self._card(n) for n in names]})
+
+    async def _lora_body(self, request: web.Request) -> dict:
+        if not self.router.config.allow_runtime_lora_updating:
+            raise RouterError(404, f"{request.path} is off: start the router with --allow-runtime-lora-updating "
+                              "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) to load and unload LoRA adapters at run "
+                              "time", code="not_found")
+        body = self._decode_json(await request.read())
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's: {"lora_name", "lora_path"} -> loaded on every engine; its answer's text."""
+        body = await self._lora_body(request)
+        name = body.get("lora_name")
+        await self.router.lora.load(name, body.get("lora_path"))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._lora_body(request)
+        name = body.get("lora_name")
+        await self.router.lora.unload(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -111,6 +111,9 @@ class InstancePool:
         self._sources = sources or {}  # role -> where its instances come from, for messages
         self._auth = auth  # the credentials every channel to an engine carries
         self.pairs = PairTable(metrics)  # which prefill x decode pairs can move KV
+        # Awaited with each report fetched (inst, report), before a new instance turns healthy:
+        # what must be set up on an engine before requests reach it (the runtime LoRA adapters).
+        self.report_listeners: list[Callable[[Instance, pb.LoadReport], Awaitable[None]]] = []
 
     def instances(self, role: str) -> list[Instance]:
         return self._instances[role]
@@ -225,3 +228,8 @@ class InstancePool:
             self._refresh_pairs()
         if self._on_load is not None:
             self._on_load(report)
+        for listener in self.report_listeners:
+            try:
+                await listener(inst, report)
+            except Exception:  # a listener's failure must not stop the health checks
+                logger.exception("acting on %s's load report failed", inst)

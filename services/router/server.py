@@ -21,6 +21,7 @@ from services.router.http_server import HttpGateway
 from services.router.instances import InstancePool
 from services.router.metrics import RouterMetrics
 from services.router.kv_index import KvIndex
+from services.router.lora_adapters import RuntimeLoRA
 from services.router.pd_policy import PdPolicy
 from services.router.policy import KvAware, make_policy
 from services.router.generation_config import sampling_defaults
@@ -68,11 +69,14 @@ class Router:
             self.pool, self.policy, self.metrics, disaggregated=config.disaggregated,
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             max_attempts=config.max_attempts, migration_limit=config.migration_limit,
-            lora_paths=dict(config.lora_modules),
+            lora_paths=self.model.lora_modules,
             pd_policy=PdPolicy(config.pd_policy, self.policy, self.pool, self.metrics,
                                max_local_prefill_tokens=config.max_local_prefill_length,
                                max_prefill_queue_tokens=config.max_prefill_queue_tokens)
             if config.disaggregated else None)
+        self.lora = RuntimeLoRA(self.model.lora_modules, self.pool, self.model.names)
+        if config.allow_runtime_lora_updating:  # engines that join (or restart) get the adapters loaded here
+            self.pool.report_listeners.append(self.lora.sync)
         self._kv_sync: asyncio.Task | None = None
         self.generator = TextGenerator(self.dispatcher, self.model, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, self.metrics)

@@ -119,6 +119,8 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         self.recomputed: list[str] = []
         self.running: set[str] = set()
         self.gate: asyncio.Event | None = None  # when set up, prefill waits for it
+        self.lora_enabled = True  # --enable-lora: LoadLoRAAdapter works (FAILED_PRECONDITION when not)
+        self.lora_adapters: dict[str, str] = {}  # loaded at run time; a path under /bad does not load
 
     @contextlib.contextmanager
     def _in_flight(self, rid: str):
@@ -207,7 +209,24 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no load report yet")
         return pb.LoadReport(engine_id=self.name, role=self.role, num_running=len(self.running),
                              outstanding_tokens=100 * len(self.running), max_model_len=self.max_model_len,
-                             pairing=self.pairing)
+                             pairing=self.pairing, lora_enabled=self.lora_enabled,
+                             lora_adapters=[pb.LoRAAdapter(name=n, path=p) for n, p in self.lora_adapters.items()])
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
+        """The real engine's statuses (services.common.engine_host)."""
+        if not self.lora_enabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this engine")
+        if request.lora_name in self.lora_adapters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
+        if request.lora_path.startswith("/bad"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: no adapter_config.json")
+        self.lora_adapters[request.lora_name] = request.lora_path
+        return pb.LoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
+        if self.lora_adapters.pop(request.lora_name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not loaded")
+        return pb.LoRAAdapterResponse()
 
 
 class _CallLog(grpc.aio.ServerInterceptor):

@@ -42,6 +42,15 @@ def test_flags_and_env_vars(monkeypatch):
     assert config_from_args(parse(["--decode", "h:1"])).api_keys == (b"a", b"b")
 
 
+def test_runtime_lora_updating_by_flag_or_vllms_variable(monkeypatch):
+    assert not config_from_args(parse(["--decode", "h:1"])).allow_runtime_lora_updating
+    assert config_from_args(parse(["--decode", "h:1", "--allow-runtime-lora-updating"])).allow_runtime_lora_updating
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert config_from_args(parse(["--decode", "h:1"])).allow_runtime_lora_updating
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    assert not config_from_args(parse(["--decode", "h:1"])).allow_runtime_lora_updating
+
+
 def test_several_served_model_names(monkeypatch):
     c = config_from_args(parse(["--decode", "h:1", "--served-model-name", "llama", "meta/llama-8b"]))
     assert (c.served_model_name, c.served_model_aliases) == ("llama", ("meta/llama-8b",))

@@ -85,3 +85,105 @@ def test_the_flag_in_its_forms_and_names_that_clash(tiny_model_path, monkeypatch
         router_config(tiny_model_path, "--served-model-name", "m", "--lora-modules", "m=/a")
     with pytest.raises(ValueError, match="a name of its own"):
         router_config(tiny_model_path, "--lora-modules", "a=/1", "a=/2")
+
+
+def test_runtime_loading_is_off_unless_allowed(stack):
+    status, _, err = stack.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    assert status == 404 and "--allow-runtime-lora-updating" in err["error"]["message"]
+    status, _, err = stack.post("/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert status == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in err["error"]["message"]
+    assert not any(f.engine.lora_adapters for f in stack.prefills + stack.decodes)
+
+
+@pytest.fixture
+def runtime(make_stack):
+    return make_stack(decode=2, lora_modules=MODULES, allow_runtime_lora_updating=True)
+
+
+def engines(stack) -> list:
+    return [f.engine for f in stack.prefills + stack.decodes]
+
+
+def test_an_adapter_loads_on_every_engine_and_becomes_a_model(runtime):
+    status, _, text = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    assert status == 200 and text == b"Success: LoRA adapter 'new' added successfully."
+    assert all(e.lora_adapters == {"new": "/adapters/new"} for e in engines(runtime))  # prefill and decodes
+    status, _, body = runtime.request("GET", "/v1/models")
+    cards = {c["id"]: c for c in body["data"]}
+    assert list(cards) == ["tiny", "sql", "chat", "new"] and cards["new"]["root"] == "/adapters/new"
+    assert cards["new"]["parent"] == "tiny"
+    for _ in range(2):  # each decode in turn
+        status, _, out = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
+        assert status == 200 and out["model"] == "new"
+    assert [d.engine.requests[-1].sampling.lora_name for d in runtime.decodes] == ["new", "new"]
+    assert runtime.prefills[0].engine.requests[-1].sampling.lora_name == "new"
+
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/other"})
+    assert status == 400 and err["error"]["message"] == "The lora adapter 'new' has already been loaded."
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/adapters/other"})
+    assert status == 400  # --lora-modules' names are taken too
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/adapters/x"})
+    assert status == 400 and "a name of the base model" in err["error"]["message"]
+    for body in ({"lora_name": "x"}, {"lora_path": "/adapters/x"}, {"lora_name": 3, "lora_path": "/a"}):
+        status, _, err = runtime.post("/v1/load_lora_adapter", body)
+        assert status == 400 and "must be provided" in err["error"]["message"], body
+    status, _, err = runtime.post("/v1/load_lora_adapter", b"[1]")
+    assert status == 400
+
+    status, _, text = runtime.post("/v1/unload_lora_adapter", {"lora_name": "new"})
+    assert status == 200 and text == b"Success: LoRA adapter 'new' removed successfully."
+    assert not any(e.lora_adapters for e in engines(runtime))
+    status, _, _ = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+    status, _, err = runtime.post("/v1/unload_lora_adapter", {"lora_name": "new"})
+    assert status == 404 and err["error"]["message"] == "The lora adapter 'new' cannot be found."
+    # A --lora-modules adapter unloads too (vLLM's rule): gone from the model names.
+    status, _, _ = runtime.post("/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert status == 200
+    status, _, body = runtime.request("GET", "/v1/models")
+    assert [c["id"] for c in body["data"]] == ["tiny", "sql"]
+
+
+def test_a_load_one_engine_refuses_is_undone_everywhere(runtime):
+    runtime.decodes[1].engine.lora_enabled = False  # started without --enable-lora
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    assert status == 400
+    assert runtime.decodes[1].address in err["error"]["message"] and "FAILED_PRECONDITION" in err["error"]["message"]
+    assert not any(e.lora_adapters for e in engines(runtime))  # those that had loaded it unloaded it
+    runtime.decodes[1].engine.lora_enabled = True
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/bad/new"})
+    assert status == 400 and err["error"]["param"] == "lora_path" and "no adapter_config.json" in err["error"]["message"]
+    assert not any(e.lora_adapters for e in engines(runtime))
+    status, _, _ = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+
+
+def test_engines_that_join_or_restart_get_the_runtime_adapters_before_requests(runtime, loop_thread):
+    from router_fakes import start_fake
+    from router_harness import wait_until
+
+    runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    pool = runtime.router.pool
+    joined = loop_thread.run(start_fake("decode", name="decode-joined"))
+    try:
+        addresses = tuple(i.address for i in pool.instances("decode")) + (joined.address,)
+        loop_thread.run(_call(lambda: pool.update("decode", addresses)))
+        inst = next(i for i in pool.instances("decode") if i.address == joined.address)
+        wait_until(lambda: inst.healthy, what="the joined decode to turn healthy")
+        assert joined.engine.lora_adapters == {"new": "/adapters/new"}  # loaded before it took requests
+        # A restart: the engine comes back without what was loaded at run time.
+        restarted = runtime.decodes[0]
+        loop_thread.run(restarted.set_serving(False))
+        first = next(i for i in pool.instances("decode") if i.address == restarted.address)
+        wait_until(lambda: not first.healthy, what="the restarting decode to be seen down")
+        restarted.engine.lora_adapters.clear()
+        loop_thread.run(restarted.set_serving(True))
+        wait_until(lambda: first.healthy, what="the restarted decode to be healthy again")
+        assert restarted.engine.lora_adapters == {"new": "/adapters/new"}
+        assert "sql" not in restarted.engine.lora_adapters  # --lora-modules' are the engine's own flags
+    finally:
+        loop_thread.run(joined.stop(0))
+
+
+async def _call(fn):
+    return fn()

@@ -22,10 +22,16 @@ def adapter(e2e_model, tiny_lora_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def runtime_adapter(e2e_model, tiny_lora_factory) -> str:
+    return tiny_lora_factory(e2e_model, 12, rank=4, targets=("q_proj", "v_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
 def stack(e2e_model, adapter):
     lora = ("--enable-lora", "--lora-modules", f"ada={adapter}")
     spec = StackSpec(prefills=1, decodes=1, prefill_args=lora, decode_args=lora,
-                     router_args=("--lora-modules", f"ada={adapter}", "ghost=/nowhere"))
+                     router_args=("--lora-modules", f"ada={adapter}", "ghost=/nowhere",
+                                  "--allow-runtime-lora-updating"))
     with Stack(e2e_model, spec) as s:
         yield s
 
@@ -57,4 +63,40 @@ def test_the_model_name_picks_the_adapter_through_prefill_and_decode(stack, offl
             client.completions.create(model="ghost", prompt=PROMPT, max_tokens=2)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nobody", prompt=PROMPT, max_tokens=2)
+    stack.wait_idle()
+
+
+def test_an_adapter_loaded_at_run_time_serves_token_exact_then_unloads(stack, e2e_model, runtime_adapter, offline,
+                                                                       tmp_path):
+    """vLLM's /v1/load_lora_adapter through the router: the prefill and the decode both load it, the
+    answers match the offline engine started with it; a checkpoint that does not load is a 400 and
+    leaves nothing behind; after /v1/unload_lora_adapter the name is a 404 and the stack serves on."""
+    want = LLM(e2e_model, enable_lora=True, lora_modules=[f"late={runtime_adapter}"]).generate(
+        [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora_name="late"))
+    want = want[0].outputs[0].token_ids
+    assert want not in (offline["ada"], offline[None])
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 64, "lora_alpha": 16}')
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        status, text = stack.post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": runtime_adapter})
+        assert status == 200 and text == b"Success: LoRA adapter 'late' added successfully."
+        for stream in (False, True):
+            out = client.completions.create(model="late", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=stream, extra_body={"ignore_eos": True, "return_token_ids": True})
+            chunks = list(out) if stream else [out]
+            assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == want, stream
+        status, err = stack.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(tmp_path)})
+        assert status == 400 and "outside [1, --max-lora-rank 16]" in err["error"]["message"]
+        assert "big" not in {m.id for m in client.models.list().data}
+        status, _ = stack.post("/v1/unload_lora_adapter", {"lora_name": "late"})
+        assert status == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
+        out = client.completions.create(model="ada", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == offline["ada"]
+        # Loaded again: the freed slot takes it, the answers the same.
+        assert stack.post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": runtime_adapter})[0] == 200
+        out = client.completions.create(model="late", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == want
     stack.wait_idle()

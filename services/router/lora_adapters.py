@@ -1,0 +1,123 @@
+"""LoRA adapters loaded and unloaded at run time, through the router (vLLM's /v1/load_lora_adapter
+and /v1/unload_lora_adapter, on when --allow-runtime-lora-updating or vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set).
+
+A load goes to every healthy engine, prefill and decode alike (a request's adapter runs on both):
+all of them load it, or those that did unload it again and the caller gets the first refusal, so
+no engine serves an adapter the router does not list. Once loaded it is a model name like
+--lora-modules' (the served map is the ServedModel's and the dispatcher's, changed in place). An
+engine that reports itself without one of these adapters (it joined later, or restarted) gets it
+loaded before the router routes to it: the pool awaits `sync` with each report it fetches.
+
+The state is this router's: with several router replicas, load through each (or list the adapter
+in --lora-modules, which every engine and router reads at start).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.api.pdserve.v1 import pdserve_pb2 as pb
+from services.router.errors import RouterError, bad_request
+from services.router.instances import ROLES, Instance, InstancePool
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 120.0  # one engine's load: reading a checkpoint from a network volume can take a while
+_HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 400,
+         grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404}
+
+
+class RuntimeLoRA:
+    def __init__(self, served: dict[str, str], pool: InstancePool, reserved_names: tuple[str, ...]) -> None:
+        self.served = served  # every adapter clients may name -> its path (--lora-modules' too)
+        self.loaded: dict[str, str] = {}  # those loaded through this router: kept on every engine
+        self.pool = pool
+        self.reserved = frozenset(reserved_names)  # the base model's served names
+        self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
+
+    async def load(self, name, path) -> None:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad_request("Both 'lora_name' and 'lora_path' must be provided as non-empty strings.",
+                              "lora_name" if not isinstance(name, str) or not name else "lora_path")
+        if name in self.reserved:
+            raise bad_request(f"'{name}' is a name of the base model; an adapter needs a name of its own",
+                              "lora_name")
+        async with self._lock:
+            if name in self.served:
+                raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name",
+                                  code="lora_adapter_exists")
+            targets = self._targets()
+            results = await asyncio.gather(*(self._call(i, "load", name, path) for i in targets))
+            failed = [(inst, e) for inst, e in zip(targets, results) if e is not None]
+            if failed:
+                done = [inst for inst, e in zip(targets, results) if e is None]
+                await asyncio.gather(*(self._call(i, "unload", name) for i in done))  # none half-loaded
+                raise _refusal(*failed[0], name)
+            self.served[name] = self.loaded[name] = path
+        logger.info("LoRA adapter %s loaded from %s on %d engines", name, path, len(targets))
+
+    async def unload(self, name) -> None:
+        if not isinstance(name, str) or not name:
+            raise bad_request("'lora_name' must be provided as a non-empty string.", "lora_name")
+        async with self._lock:
+            if name not in self.served:
+                raise RouterError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                                  code="lora_adapter_not_found")
+            # Gone from the model names first: no new request is routed with it while engines unload.
+            path = self.served.pop(name)
+            self.loaded.pop(name, None)
+            targets = [i for role in ROLES for i in self.pool.healthy(role)]
+            results = await asyncio.gather(*(self._call(i, "unload", name) for i in targets))
+        for inst, e in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
+            if e is not None and e.code() != grpc.StatusCode.NOT_FOUND:
+                logger.warning("LoRA adapter %s (%s): unload on %s failed: %s", name, path, inst, e.details())
+        logger.info("LoRA adapter %s unloaded", name)
+
+    async def sync(self, inst: Instance, report: pb.LoadReport) -> None:
+        """Loads onto `inst` the adapters loaded through this router that its report lacks."""
+        if not self.loaded or not report.lora_enabled:
+            return
+        has = {a.name for a in report.lora_adapters}
+        missing = [(n, p) for n, p in self.loaded.items() if n not in has]
+        if not missing:
+            return
+        async with self._lock:
+            for name, path in missing:
+                if self.loaded.get(name) != path:
+                    continue  # unloaded (or replaced) while this waited
+                e = await self._call(inst, "load", name, path)
+                if e is None:
+                    logger.info("LoRA adapter %s loaded onto %s, which lacked it", name, inst)
+                elif e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    logger.error("LoRA adapter %s could not be loaded onto %s, which lacks it: %s: %s; its "
+                                 "requests there will be refused", name, inst, e.code().name, e.details())
+
+    def _targets(self) -> list[Instance]:
+        decode = self.pool.healthy("decode")
+        if not decode:
+            raise RouterError(503, self.pool.unavailable_reason("decode"), code="no_healthy_instance")
+        return self.pool.healthy("prefill") + decode
+
+    @staticmethod
+    async def _call(inst: Instance, what: str, name: str, path: str = "") -> grpc.aio.AioRpcError | None:
+        try:
+            if what == "load":
+                await inst.engine.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
+                                                  timeout=CALL_TIMEOUT_S)
+            else:
+                await inst.engine.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name),
+                                                    timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return e
+        return None
+
+
+def _refusal(inst: Instance, e: grpc.aio.AioRpcError, name: str) -> RouterError:
+    status = _HTTP.get(e.code(), 502)
+    code = {400: "lora_adapter_refused", 404: "lora_adapter_not_found"}.get(status, "upstream_error")
+    return RouterError(status, f"LoRA adapter '{name}' was not loaded: {inst.role} instance {inst.address} "
+                       f"refused it ({e.code().name}: {e.details()}); no engine kept it", param="lora_path"
+                       if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None, code=code)
