@@ -203,8 +203,15 @@ def test_lora_adapters_reach_both_engines_and_the_router():
         assert "--enable-lora" in args and "--max-lora-rank=32" in args and args[at + 1:at + 3] == pairs
     args = container(deployments["pd-pdserve-router"])["args"]
     at = args.index("--lora-modules")
-    assert args[at + 1:at + 3] == pairs and "--enable-lora" not in args
-    assert not any("lora" in a for a in container(by_kind(rendered(None), "Deployment")["pd-pdserve-decode"])["args"])
+    assert args[at + 1:at + 3] == pairs and "--enable-lora" not in args and "--allow-runtime-lora-updating" in args
+    plain = by_kind(rendered(None), "Deployment")
+    assert not any("lora" in a for a in container(plain["pd-pdserve-decode"])["args"])
+    assert not any("lora" in a for a in container(plain["pd-pdserve-router"])["args"])
+    # Runtime adapters alone: engines with --enable-lora and no --lora-modules.
+    runtime = by_kind(render("3", None, {"engine.lora.runtimeUpdating": True}), "Deployment")
+    args = container(runtime["pd-pdserve-decode"])["args"]
+    assert "--enable-lora" in args and "--lora-modules" not in args and "--max-lora-rank=16" in args
+    assert "--allow-runtime-lora-updating" in container(runtime["pd-pdserve-router"])["args"]
     result = template("3", "model-pvc", {"decode.tensorParallelSize": 2}, check=False)
     assert result.returncode != 0 and "not served with tensor parallelism" in result.stderr
 

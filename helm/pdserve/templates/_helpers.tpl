@@ -164,7 +164,7 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and (ne .Values.router.tls.clientCertificates "none") (not .Values.router.tls.secretName) }}
 {{- fail "router.tls.clientCertificates: name the Secret holding tls.crt, tls.key and ca.crt in router.tls.secretName" }}
 {{- end }}
-{{- if .Values.engine.lora.modules }}
+{{- if or .Values.engine.lora.modules .Values.engine.lora.runtimeUpdating }}
 {{- range $role := list "prefill" "decode" }}
 {{- if gt (int (include "pdserve.tensorParallelSize" (dict "v" (index $.Values $role)))) 1 }}
 {{- fail (printf "engine.lora: LoRA adapters are not served with tensor parallelism yet (%s.tensorParallelSize)" $role) }}
