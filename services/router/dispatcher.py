@@ -3,6 +3,7 @@ which moves to another decode when its instance is lost mid-stream (migration)."
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -85,6 +86,7 @@ class Dispatcher:
         self.pool = pool
         # adapter name -> path: its prefix-cache key for routing (the served map: adapters come and go)
         self.lora_paths = lora_paths if lora_paths is not None else {}
+        self.lora_streams: collections.Counter[str] = collections.Counter()  # requests running per adapter
         self.policy = policy
         self.pd_policy = pd_policy  # disaggregated mode: prefill remotely, or on the decode itself
         self.metrics = metrics
@@ -173,6 +175,9 @@ class Dispatcher:
         chunks run on as if nothing happened. Closing it early (a stop string, a client gone)
         cancels the decode stream and aborts a prefill whose KV was not pulled."""
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        lora = sampling.lora_name
+        if lora:
+            self.lora_streams[lora] += 1
         generated: list[int] = []
         lost: list[Instance] = []  # decodes that lost this request: it is not sent to them again
         upstream_id, params = request_id, sampling
@@ -216,6 +221,10 @@ class Dispatcher:
         finally:
             if migrating:
                 self.metrics.migrations.labels(outcome).inc()
+            if lora:
+                self.lora_streams[lora] -= 1
+                if not self.lora_streams[lora]:
+                    del self.lora_streams[lora]
 
     async def _attempt(self, request_id: str, prompt_token_ids: list[int], sampling: pb.SamplingParams,
                        priority: int, deadline: float, lost: list[Instance]) -> AsyncIterator[TokenChunk]:
@@ -378,6 +387,12 @@ class Dispatcher:
             logger.debug("abort of %s on %s failed: %s", request_id, inst, e.code().name)
         except grpc.aio.UsageError:  # the instance left the pool and its channel is closing
             logger.debug("abort of %s on %s skipped: channel closed", request_id, inst)
+
+    async def lora_idle(self, name: str) -> None:
+        """Returns once no request of this router runs with the adapter `name` (a request ends at
+        its deadline at the latest)."""
+        while self.lora_streams.get(name):
+            await asyncio.sleep(0.05)
 
     async def drain(self) -> None:
         """Waits for the aborts still on their way."""

@@ -6,6 +6,8 @@ A load goes to every healthy engine, prefill and decode alike (a request's adapt
 all of them load it, or those that did unload it again and the caller gets the first refusal, so
 no engine serves an adapter the router does not list. Once loaded it is a model name like
 --lora-modules' (the served map is the ServedModel's and the dispatcher's, changed in place). An
+unload takes the name off the router at once and off the engines once this router's requests on it
+have finished (so none is refused halfway, between its prefill and its decode). An
 engine that reports itself without one of these adapters (it joined later, or restarted) gets it
 loaded before the router routes to it: the pool awaits `sync` with each report it fetches.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -31,12 +34,15 @@ _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 
 
 
 class RuntimeLoRA:
-    def __init__(self, served: dict[str, str], pool: InstancePool, reserved_names: tuple[str, ...]) -> None:
+    def __init__(self, served: dict[str, str], pool: InstancePool, reserved_names: tuple[str, ...],
+                 idle: Callable[[str], Awaitable[None]]) -> None:
         self.served = served  # every adapter clients may name -> its path (--lora-modules' too)
         self.loaded: dict[str, str] = {}  # those loaded through this router: kept on every engine
         self.pool = pool
         self.reserved = frozenset(reserved_names)  # the base model's served names
+        self.idle = idle  # idle(name): returns once no request of this router runs with the adapter
         self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
+        self._unloading: dict[str, asyncio.Task] = {}  # name -> its unload on the engines, under way
 
     async def load(self, name, path) -> None:
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
@@ -45,8 +51,11 @@ class RuntimeLoRA:
         if name in self.reserved:
             raise bad_request(f"'{name}' is a name of the base model; an adapter needs a name of its own",
                               "lora_name")
+        pending = self._unloading.get(name)
+        if pending is not None:  # unloaded a moment ago (a new version, say): the old one goes first
+            await asyncio.shield(pending)
         async with self._lock:
-            if name in self.served:
+            if name in self.served or name in self._unloading:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name",
                                   code="lora_adapter_exists")
             targets = self._targets()
@@ -60,21 +69,33 @@ class RuntimeLoRA:
         logger.info("LoRA adapter %s loaded from %s on %d engines", name, path, len(targets))
 
     async def unload(self, name) -> None:
+        """Takes the name off the router now (its new requests are a 404); the engines unload it
+        once this router's requests running on it have finished (on it), in the background."""
         if not isinstance(name, str) or not name:
             raise bad_request("'lora_name' must be provided as a non-empty string.", "lora_name")
         async with self._lock:
             if name not in self.served:
                 raise RouterError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                                   code="lora_adapter_not_found")
-            # Gone from the model names first: no new request is routed with it while engines unload.
             path = self.served.pop(name)
             self.loaded.pop(name, None)
+            task = asyncio.create_task(self._unload_engines(name, path))
+            self._unloading[name] = task
+            task.add_done_callback(lambda _: self._unloading.pop(name, None))
+
+    async def _unload_engines(self, name: str, path: str) -> None:
+        await self.idle(name)
+        async with self._lock:
             targets = [i for role in ROLES for i in self.pool.healthy(role)]
             results = await asyncio.gather(*(self._call(i, "unload", name) for i in targets))
         for inst, e in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
             if e is not None and e.code() != grpc.StatusCode.NOT_FOUND:
                 logger.warning("LoRA adapter %s (%s): unload on %s failed: %s", name, path, inst, e.details())
-        logger.info("LoRA adapter %s unloaded", name)
+        logger.info("LoRA adapter %s unloaded from %d engines", name, len(targets))
+
+    async def close(self) -> None:
+        """At the router's stop, its requests drained: the unloads under way finish."""
+        await asyncio.gather(*list(self._unloading.values()), return_exceptions=True)
 
     async def sync(self, inst: Instance, report: pb.LoadReport) -> None:
         """Loads onto `inst` the adapters loaded through this router that its report lacks."""

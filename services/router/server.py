@@ -74,7 +74,7 @@ class Router:
                                max_local_prefill_tokens=config.max_local_prefill_length,
                                max_prefill_queue_tokens=config.max_prefill_queue_tokens)
             if config.disaggregated else None)
-        self.lora = RuntimeLoRA(self.model.lora_modules, self.pool, self.model.names)
+        self.lora = RuntimeLoRA(self.model.lora_modules, self.pool, self.model.names, self.dispatcher.lora_idle)
         if config.allow_runtime_lora_updating:  # engines that join (or restart) get the adapters loaded here
             self.pool.report_listeners.append(self.lora.sync)
         self._kv_sync: asyncio.Task | None = None
@@ -141,6 +141,7 @@ class Router:
         await asyncio.gather(*stopping)
         self.admission.close()
         await self.dispatcher.drain()
+        await self.lora.close()
         if self.discovery is not None:
             await self.discovery.close()
         if self._kv_sync is not None:

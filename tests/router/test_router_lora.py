@@ -14,7 +14,7 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_gr
 from services.router.kv_index import KvIndex
 from services.router.policy import KvAware, RouteRequest
 
-from router_harness import router_config
+from router_harness import router_config, wait_until
 
 MODULES = (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
 HI = [{"role": "user", "content": "hi"}]
@@ -132,7 +132,7 @@ def test_an_adapter_loads_on_every_engine_and_becomes_a_model(runtime):
 
     status, _, text = runtime.post("/v1/unload_lora_adapter", {"lora_name": "new"})
     assert status == 200 and text == b"Success: LoRA adapter 'new' removed successfully."
-    assert not any(e.lora_adapters for e in engines(runtime))
+    wait_until(lambda: not any(e.lora_adapters for e in engines(runtime)), what="the engines to unload it")
     status, _, _ = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
     assert status == 404
     status, _, err = runtime.post("/v1/unload_lora_adapter", {"lora_name": "new"})
@@ -160,7 +160,6 @@ def test_a_load_one_engine_refuses_is_undone_everywhere(runtime):
 
 def test_engines_that_join_or_restart_get_the_runtime_adapters_before_requests(runtime, loop_thread):
     from router_fakes import start_fake
-    from router_harness import wait_until
 
     runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
     pool = runtime.router.pool
@@ -187,3 +186,29 @@ def test_engines_that_join_or_restart_get_the_runtime_adapters_before_requests(r
 
 async def _call(fn):
     return fn()
+
+
+def test_an_unload_waits_for_the_adapters_running_requests(make_stack):
+    """The name goes at once (new requests: 404) but the engines keep the adapter until the request
+    running on it has finished, complete; a load of the same name (a new version) comes after."""
+    import threading
+
+    stack = make_stack(decode_kwargs=[{"token_delay": 0.02}], allow_runtime_lora_updating=True)
+    stack.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/v1"})
+    done = {}
+    reader = threading.Thread(target=lambda: done.update(out=stack.post(
+        "/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 60, "ignore_eos": True})))
+    reader.start()
+    decode = stack.decodes[0].engine
+    wait_until(lambda: decode.running, what="the request to run")
+    status, _, _ = stack.post("/v1/unload_lora_adapter", {"lora_name": "new"})
+    assert status == 200 and decode.running  # answered without waiting for it
+    assert decode.lora_adapters == {"new": "/adapters/v1"}  # still running on it
+    status, _, _ = stack.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+    status, _, text = stack.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/v2"})
+    reader.join(30)
+    status_running, _, out = done["out"]
+    assert status_running == 200 and out["usage"]["completion_tokens"] == 60
+    assert status == 200 and decode.lora_adapters == {"new": "/adapters/v2"}
+    assert stack.prefills[0].engine.lora_adapters == {"new": "/adapters/v2"}
