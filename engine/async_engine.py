@@ -6,7 +6,7 @@ import itertools
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
-from engine import lora as lora_errors
+from engine import lora_errors
 from engine.config import EngineConfig
 from engine.core_client import Abort, AddRequest, CallResult, InprocClient, LoadLoRA, MPClient, UnloadLoRA
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput, merge_delta

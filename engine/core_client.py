@@ -152,7 +152,7 @@ class _Loop:
                 else:
                     self.core.remove_lora(msg.name)
             except Exception as e:  # a checkpoint that does not load is the caller's error, not the core's end
-                from engine.lora import LoRAAdapterError
+                from engine.lora_errors import LoRAAdapterError
                 kind = type(e).__name__ if isinstance(e, LoRAAdapterError) else "LoRAAdapterError"
                 self.emit_result(CallResult(msg.call_id, kind, str(e) if isinstance(e, (ValueError, OSError))
                                             else f"{type(e).__name__}: {e}"))

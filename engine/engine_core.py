@@ -13,7 +13,7 @@ from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
 from engine.models.loader import check_architecture
-from engine.lora import LoRAAdapterBusyError, LoRAAdapterNotFoundError, LoRANotEnabledError
+from engine.lora_errors import LoRAAdapterBusyError, LoRAAdapterNotFoundError, LoRANotEnabledError
 from engine.request import DuplicateRequestError, InvalidRequestError, Request, RequestStatus, generation_budget
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 from engine.spec_decode import make_proposer, spec_decode_stats

@@ -29,31 +29,12 @@ import numpy as np
 import torch
 
 from engine.config import LoRAConfig
+from engine.lora_errors import LoRAAdapterExistsError
 
 # PEFT's module names -> (the fused projection here, which of its output slices).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-
-
-class LoRAAdapterError(ValueError):
-    """A runtime load or unload that cannot be done; the subclasses say why (each its own status)."""
-
-
-class LoRANotEnabledError(LoRAAdapterError):
-    """The engine serves no adapters (no --enable-lora)."""
-
-
-class LoRAAdapterExistsError(LoRAAdapterError):
-    """An adapter of that name is loaded already."""
-
-
-class LoRAAdapterNotFoundError(LoRAAdapterError):
-    """No adapter of that name is loaded."""
-
-
-class LoRAAdapterBusyError(LoRAAdapterError):
-    """The name's previous adapter is unloaded but still finishing requests."""
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Callable
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.lora import (LoRAAdapterBusyError, LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
+from engine.lora_errors import (LoRAAdapterBusyError, LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
                          LoRANotEnabledError)
 from engine.request import InvalidRequestError, SamplingParams
 from services import convert

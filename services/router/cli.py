@@ -147,7 +147,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
           "them (the environment variable whitespace-separated)", nargs="+", default=None)
     _flag(p, "--allow-runtime-lora-updating", "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
           "(vLLM's, which VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns on too): an adapter loads on every engine "
-          "(started with --enable-lora) and becomes a model name; engines that join later get it too",
+          "(each started with LoRA on) and becomes a model name; engines that join later get it too",
           action="store_true")
     _flag(p, "--max-logprobs", "vLLM's flag: the top-n logprobs a request may ask for per token (logprobs, "
           "top_logprobs, prompt_logprobs; a request's -1 is the whole vocabulary); beyond it 400. -1: no cap "

@@ -174,7 +174,7 @@ def test_adapters_load_and_unload_at_run_time(tiny_llama, adapters, reference, m
     each one token-exact once it is loaded, refuses it once unloaded, and keeps serving through
     every refused call."""
     from engine.async_engine import AsyncEngine
-    from engine.lora import (LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
+    from engine.lora_errors import (LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
                              LoRANotEnabledError)
 
     async def main():
@@ -220,7 +220,7 @@ def test_unloading_lets_the_adapters_running_requests_finish(tiny_llama, adapter
     """Unloaded mid-generation, an adapter's request finishes on it, token-exact, while new requests
     for it are refused; its slot frees once the request is done, and the name loads again."""
     from engine.async_engine import AsyncEngine
-    from engine.lora import LoRAAdapterBusyError
+    from engine.lora_errors import LoRAAdapterBusyError
 
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, lora_name="all")
     expected = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"]).generate(
