@@ -284,18 +284,18 @@ class OpenAIServing:
             if reasoning and choice.tool_stream is not None:  # thinking first; tool calls parse the content
                 await write(choice, reasoning_delta(reasoning), lp, None)
                 reasoning, lp = "", None
-            if choice.tool_stream is not None:  # tool calls: content only outside them, calls at the end
+            if choice.tool_stream is not None:  # tool calls: content only outside them, calls as they come
                 text = choice.tool_stream.feed(text)
                 if finish_reason is not None:
                     rest, calls = choice.tool_stream.finish()
                     text += rest
                     finish_reason = choice.tool_finish_reason(calls)
-                    if calls:
-                        if text:
-                            await write(choice, {"content": text}, lp, None)
-                            text, lp = "", None
-                        await write(choice, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]},
-                                    None, None)
+                deltas = choice.tool_stream.take_deltas()
+                if deltas:
+                    if text:
+                        await write(choice, {"content": text}, lp, None)
+                        text, lp = "", None
+                    await write(choice, {"tool_calls": deltas}, None, None)
             # A token whose text is held back (part of a UTF-8 character, or maybe a stop string's
             # start) still gets its chunk, with empty text, as vLLM streams it: a client times its
             # first token (and every token after) by chunks, not by text. Tool calls hold their

@@ -490,12 +490,65 @@ def parse_auto(parser: str, text: str, tools=()) -> tuple[str | None, list[dict]
     return PARSE[parser](text, tools) if parser in _TYPED else PARSE[parser](text)
 
 
+# Where a call ends under the parsers whose calls are blocks: a stream sends each call as soon as
+# its end has come (and Hermes' arguments as they are written), not all of them at the end.
+_CALL_ENDS = {"hermes": TOOL_CALL_CLOSE, "qwen3_coder": TOOL_CALL_CLOSE, "glm45": TOOL_CALL_CLOSE,
+              "deepseek_v3": DEEPSEEK_CALL_END, "deepseek_v31": DEEPSEEK_CALL_END, "kimi_k2": KIMI_CALL_END}
+# A Hermes block's head, up to its arguments object: from here the arguments stream as written.
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
+
+
+def _json_string(body: str) -> str | None:
+    """A JSON string's value from the text between its quotes (None: not a valid one)."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_prefix(text: str) -> tuple[int, bool]:
+    """How much of `text`, which starts with a JSON object, belongs to that object: (its length so
+    far, whether it has closed). Strings and escapes are followed, so braces inside them do not count."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+    return len(text), False
+
+
 class ToolCallStream:
-    """Streaming: the text a choice may show as content now, and the calls once the output is
-    complete. Constrained: no content. auto under a tagged parser (`hermes`, `mistral`, ...): what
-    comes before the first call's tag, holding back a tail that may be the tag's start. auto under `llama3_json` or
+    """Streaming: the text a choice may show as content now, and the calls. Constrained: no
+    content. auto under a tagged parser (`hermes`, `mistral`, ...): what comes before the first
+    call's tag, holding back a tail that may be the tag's start. auto under `llama3_json` or
     `pythonic`: the output is held until its first characters show whether it opens calls (then
-    all of it is read at the end) or is content (then it streams)."""
+    all of it is read at the end) or is content (then it streams).
+
+    Calls as OpenAI streams them (`take_deltas`): under the block parsers (`_CALL_ENDS`) each call
+    goes as soon as its block has closed, and a Hermes call as it is written: its id and name once
+    the block's head is out, then its arguments' text piece by piece (the arguments are then the
+    model's JSON text as written). The others' calls, and any not sent yet, go at the finish.
+    `finish` returns every call, with the ids the stream sent."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -504,6 +557,15 @@ class ToolCallStream:
         self.first_call = -1  # where the first <tool_call> starts, once seen
         self.openers = _OPENERS.get(plan.parser) if not plan.constrained else None
         self.whole: bool | None = None  # llama3_json / pythonic: the output opens calls (None: not known yet)
+        self.incremental = not plan.constrained and plan.parser in _CALL_ENDS
+        self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
+        self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
+        self._deltas: list[dict] = []
+
+    def take_deltas(self) -> list[dict]:
+        """The tool-call deltas (OpenAI's shape, with `index`) made since the last take."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def _decide(self) -> str:
         """llama3_json / pythonic: the content to show now, once the output's start tells."""
@@ -526,7 +588,10 @@ class ToolCallStream:
         self.text += delta
         if self.openers is not None:
             return self._decide()
-        if self.plan.constrained or self.first_call >= 0:
+        if self.plan.constrained:
+            return ""
+        if self.first_call >= 0:
+            self._advance()
             return ""
         tag = _TAGGED[self.plan.parser]
         limit = self.first_call = self.text.find(tag)
@@ -538,13 +603,72 @@ class ToolCallStream:
                     break
         out = self.text[self.shown:limit] if limit > self.shown else ""
         self.shown = max(self.shown, limit)
+        if self.first_call >= 0:
+            self._advance()
         return out
 
+    # -- calls as they come ------------------------------------------------------------------
+
+    def _begin(self, name: str, call_id: str | None = None, arguments: str = "", closed: bool = False) -> int:
+        k = len(self.sent)
+        call_id = call_id or make_call(name, "")["id"]
+        self.sent.append({"id": call_id, "name": name, "arguments": arguments, "closed": closed})
+        self._deltas.append({"index": k, "id": call_id, "type": "function",
+                             "function": {"name": name, "arguments": arguments}})
+        return k
+
+    def _extend(self, k: int, arguments: str) -> None:
+        """Sends the rest of call k's arguments, when `arguments` goes on from what was sent."""
+        sent = self.sent[k]
+        if len(arguments) > len(sent["arguments"]) and arguments.startswith(sent["arguments"]):
+            self._deltas.append({"index": k, "function": {"arguments": arguments[len(sent["arguments"]):]}})
+            sent["arguments"] = arguments
+
+    def _advance(self, final: bool = False) -> None:
+        if not self.incremental:
+            return
+        region = self.text[self.first_call:]
+        if self.plan.parser == "hermes":
+            self._advance_hermes(region, final)
+            return
+        marker = _CALL_ENDS[self.plan.parser]
+        end = region.rfind(marker)
+        if end < 0:
+            return
+        _, calls = parse_auto(self.plan.parser, region[:end + len(marker)], self.plan.tools)
+        for call in calls[len(self.sent):]:
+            self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
+
+    def _advance_hermes(self, region: str, final: bool) -> None:
+        for m in _BLOCK.finditer(region):
+            k = self._blocks.get(m.start())
+            if k is not None and self.sent[k]["closed"]:
+                continue
+            closed = final or m.group(0).endswith(TOOL_CALL_CLOSE)
+            head = _HERMES_HEAD.match(m.group(1))
+            name = _json_string(head.group(1)) if head is not None else None
+            if name is not None:  # its name is known: the call begins, its arguments go as written
+                if k is None:
+                    k = self._blocks[m.start()] = self._begin(name)
+                arguments = m.group(1)[head.end():]
+                self._extend(k, arguments[:_json_prefix(arguments)[0]])
+                self.sent[k]["closed"] = closed
+            elif closed:  # another shape ("arguments" first, a string): the call whole, if it is one
+                _, calls = parse_hermes(m.group(0))
+                if calls:
+                    self._blocks[m.start()] = self._begin(calls[0]["function"]["name"],
+                                                          arguments=calls[0]["function"]["arguments"], closed=True)
+
+    def _hermes_calls(self) -> list[dict]:
+        """The calls sent whose arguments are JSON (one cut off by the output's end is not a call)."""
+        return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent if _is_json(c["arguments"])]
+
     def finish(self) -> tuple[str, list[dict]]:
-        """(content not streamed yet, tool calls)."""
+        """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""
         if self.plan.constrained or self.openers is not None and self.whole is not False:
             content, calls = self.plan.tool_calls(self.text)
             rest = (content or "")[self.shown:] if not calls else ""
+            self._send_rest(calls)
             return rest, calls
         if self.openers is not None:  # content all along
             rest, self.shown = self.text[self.shown:], len(self.text)
@@ -552,5 +676,24 @@ class ToolCallStream:
         if self.first_call < 0:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
-        content, calls = parse_auto(self.plan.parser, self.text[self.first_call:], self.plan.tools)
+        region = self.text[self.first_call:]
+        if self.plan.parser == "hermes":  # the content: what is outside the calls' blocks
+            self._advance(final=True)
+            calls, kept, at = self._hermes_calls(), [], 0
+            ids = {c["id"] for c in calls}
+            for m in _BLOCK.finditer(region):
+                k = self._blocks.get(m.start())
+                if k is not None and self.sent[k]["id"] in ids:
+                    kept.append(region[at:m.start()])
+                    at = m.end()
+            content = "".join(kept + [region[at:]]).strip() if calls else region
+            return self.text[self.shown:self.first_call] + content, calls
+        content, calls = parse_auto(self.plan.parser, region, self.plan.tools)
+        for call, sent in zip(calls, self.sent):  # the ids the stream has sent
+            call["id"] = sent["id"]
+        self._send_rest(calls)
         return self.text[self.shown:self.first_call] + (content or ""), calls
+
+    def _send_rest(self, calls: list[dict]) -> None:
+        for call in calls[len(self.sent):]:
+            self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)

@@ -126,6 +126,39 @@ def test_streaming_auto_holds_back_a_tag_and_reports_calls_at_the_end():
     assert shown + plain.finish()[0] == "a < b <tool"
 
 
+def test_a_hermes_call_streams_its_name_then_its_arguments_as_written():
+    from test_tool_parsers import merged
+
+    arguments = '{"x": 5, "note": "a } and a \\"{\\" in a string", "list": [1, {"y": []}]}'
+    text = f'Hi <tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>\n' \
+           '<tool_call>{"arguments": {}, "name": "g"}</tool_call>'
+    for step in (1, 3, 7):
+        stream, deltas, shown = ToolCallStream(ToolPlan("auto", (F, G))), [], ""
+        before_close = None
+        for i in range(0, len(text), step):
+            shown += stream.feed(text[i:i + step])
+            deltas += stream.take_deltas()
+            if i + step <= text.index("</tool_call>"):  # the block not closed yet
+                before_close = list(deltas)
+        rest, calls = stream.finish()
+        deltas += stream.take_deltas()
+        assert (shown + rest).strip() == "Hi"
+        assert [c["function"]["name"] for c in calls] == ["f", "g"] and merged(deltas) == calls
+        assert calls[0]["function"]["arguments"] == arguments  # the model's text, as written
+        assert json.loads(calls[1]["function"]["arguments"]) == {}  # another shape: sent whole at its close
+        # Before the block closed, the call had begun (id and name) and its arguments were coming.
+        assert before_close and before_close[0]["function"] == {"name": "f", "arguments": ""}
+        assert len([d for d in deltas if d["index"] == 0]) > 2
+        assert arguments.startswith("".join(d["function"]["arguments"] for d in before_close))
+    # Cut off in its arguments (max_tokens): the call had begun, but it is no call at the end.
+    stream = ToolCallStream(ToolPlan("auto", (F,)))
+    cut = 'Hi <tool_call>{"name": "f", "arguments": {"x": '
+    shown = stream.feed(cut)
+    assert stream.take_deltas()[0]["function"]["name"] == "f"
+    rest, calls = stream.finish()
+    assert calls == [] and shown + rest == cut
+
+
 def test_a_migrated_request_tells_the_engine_where_its_grammar_resumes():
     from services.api.pdserve.v1 import pdserve_pb2 as pb
     from services.router.dispatcher import continued_sampling

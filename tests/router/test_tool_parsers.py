@@ -110,6 +110,41 @@ def test_a_stream_shows_the_content_and_holds_back_the_calls(parser):
     assert shown + rest == "Let me check." and calls_of(calls) == WANT
 
 
+def merged(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas put together by index, as OpenAI's clients do."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": None, "type": None, "function": {"name": "", "arguments": ""}})
+        call["id"] = d.get("id") or call["id"]
+        call["type"] = d.get("type") or call["type"]
+        call["function"]["name"] += d.get("function", {}).get("name") or ""
+        call["function"]["arguments"] += d.get("function", {}).get("arguments") or ""
+    return [calls[k] for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("parser", FORMATS)
+def test_a_stream_sends_each_call_once_its_block_closes(parser):
+    stream, deltas = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), []
+    text = FORMATS[parser]
+    first_end = text.index({"qwen3_coder": "</tool_call>", "glm45": "</tool_call>", "deepseek_v3": "<｜tool▁call▁end｜>",
+                            "deepseek_v31": "<｜tool▁call▁end｜>", "kimi_k2": "<|tool_call_end|>"}[parser])
+    fed = 0
+    for i in range(0, len(text), 4):
+        stream.feed(text[i:i + 4])
+        deltas += stream.take_deltas()
+        fed = i + 4
+        if deltas:
+            break
+    assert first_end < fed < text.index("now")  # the first call went before the second was written
+    assert calls_of(merged(deltas)) == WANT[:1]
+    for i in range(fed, len(text), 4):
+        stream.feed(text[i:i + 4])
+        deltas += stream.take_deltas()
+    _, calls = stream.finish()
+    deltas += stream.take_deltas()
+    assert calls_of(calls) == WANT and merged(deltas) == calls  # the same ids, names and arguments
+
+
 @pytest.mark.parametrize("parser", ["qwen3_coder", "kimi_k2"])
 def test_through_the_router_whole_and_streamed(make_stack, tokenizer, parser):
     script = tokenizer.encode(FORMATS[parser], add_special_tokens=False)
@@ -128,6 +163,25 @@ def test_through_the_router_whole_and_streamed(make_stack, tokenizer, parser):
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Let me check."
     streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
     assert [c["function"]["name"] for c in streamed] == ["get_weather", "now"]
+
+
+def test_hermes_arguments_stream_through_the_router_as_written(make_stack, tokenizer):
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "New York", "days": 3}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    script = tokenizer.encode(text, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, prefill_kwargs=[{"script": script}], decode_kwargs=[{"script": script}])
+    body = {"messages": [{"role": "user", "content": "Weather in New York?"}], "tools": list(TOOLS), "max_tokens": 400}
+    whole = stack.post("/v1/chat/completions", body)[2]["choices"][0]["message"]["tool_calls"]
+    events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls_of(merged(deltas)) == calls_of(whole) == [("get_weather", {"city": "New York", "days": 3}),
+                                                           ("now", {})]
+    assert merged(deltas)[0]["function"]["arguments"] == '{"city": "New York", "days": 3}'
+    # One event per piece of the arguments as the tokens came, the name first, alone.
+    pieces = [d for d in deltas if d["index"] == 0]
+    assert pieces[0]["function"] == {"name": "get_weather", "arguments": ""} and pieces[0]["id"].startswith("call_")
+    assert len(pieces) > 3 and all("id" not in d for d in pieces[1:])
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
