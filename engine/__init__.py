@@ -11,6 +11,7 @@ _EXPORTS = {
     "AsyncEngine": "engine.async_engine",
     "SamplingParams": "engine.request",
     "InvalidRequestError": "engine.request",
+    "LoRARequest": "engine.lora_errors",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

@@ -240,8 +240,3 @@ class EngineConfig:
                    cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), **top)
-
-
-def lora_names(config: EngineConfig) -> tuple[str, ...] | None:
-    """The LoRA adapters an engine serves; None without --enable-lora."""
-    return tuple(config.lora.paths) if config.lora is not None else None

@@ -5,8 +5,9 @@ import dataclasses
 import itertools
 from typing import Sequence
 
-from engine.config import EngineConfig, lora_names
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.lora_errors import LoRANotEnabledError, LoRARequest
 from engine.outputs import OutputKind, OutputProcessor, RequestOutput
 from engine.processor import InputProcessor, load_tokenizer
 from engine.request import Request, SamplingParams, check_priority
@@ -23,13 +24,18 @@ class LLM:
         self.config = EngineConfig.create(model=model, **engine_kwargs)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config, show_progress)
+        # The adapters served, name -> path: --lora-modules' and those a LoRARequest loaded since.
+        self.lora_adapters = self.engine.lora_paths if self.config.lora is not None else None
         self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
-                                        lora_names(self.config))
+                                        self.lora_adapters)
         self.output_processor = OutputProcessor(self.tokenizer, OutputKind.FINAL_ONLY)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request` (vLLM's): one adapter for every prompt, or one (or None) per prompt; an
+        adapter is loaded the first time it is named (an engine made with enable_lora=True)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -38,6 +44,12 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
+        if lora_request is not None:
+            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("need one lora_request per prompt")
+            sampling_params = [params if lora is None else dataclasses.replace(params, lora_name=self._lora(lora))
+                               for params, lora in zip(sampling_params, loras)]
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError("need one priority per prompt")
@@ -67,6 +79,25 @@ class LLM:
                     final[out.request_id] = out
         return [final[rid] if n == 1 else merged(rid, [final[sub] for sub, _ in samples(rid, params)])
                 for (rid, n), (_, _, params) in zip(order, prepared)]
+
+
+    def _lora(self, lora: LoRARequest) -> str:
+        """The adapter's name, loaded now if it is not yet."""
+        if self.lora_adapters is None:
+            raise LoRANotEnabledError("a lora_request needs an engine made with enable_lora=True")
+        loaded = self.lora_adapters.get(lora.lora_name)
+        if loaded is None:
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        elif loaded != lora.lora_path:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is loaded from {loaded}, not {lora.lora_path}: "
+                             "give another adapter another name")
+        return lora.lora_name
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter (vLLM's engine.remove_lora); it may be loaded again later."""
+        if self.lora_adapters is None:
+            raise LoRANotEnabledError("LoRA is not enabled on this engine (enable_lora=True)")
+        self.engine.remove_lora(name)
 
 
 def samples(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

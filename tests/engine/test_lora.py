@@ -254,3 +254,33 @@ def test_unloading_lets_the_adapters_running_requests_finish(tiny_llama, adapter
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_offline_api_loads_a_lora_request_on_first_use(tiny_llama, adapters, reference):
+    """vLLM's LLM.generate(..., lora_request=LoRARequest(name, id, path)): the adapter loads the
+    first time it is named, one per prompt or one for all, beside the base model in a batch."""
+    from engine import LoRARequest
+    from engine.lora_errors import LoRAAdapterNotFoundError, LoRANotEnabledError
+
+    llm = LLM(tiny_llama, enable_lora=True)
+    all_, qv = LoRARequest("all", 1, adapters["all"]), LoRARequest("qv", 2, adapters["qv"])
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], greedy(None), lora_request=[all_, None, qv])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[("all", 0)], reference[(None, 1)],
+                                                      reference[("qv", 2)]]
+    outs = llm.generate(PROMPTS[1], greedy(None), lora_request=all_)  # loaded already: used as it is
+    assert outs[0].outputs[0].token_ids == reference[("all", 1)]
+    with pytest.raises(ValueError, match="'all' is loaded from .*, not .*: give another adapter another name"):
+        llm.generate(PROMPTS[0], greedy(None), lora_request=LoRARequest("all", 1, adapters["qv"]))
+    with pytest.raises(ValueError, match="one lora_request per prompt"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], greedy(None), lora_request=[all_])
+    llm.remove_lora("all")
+    with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves; it serves qv"):
+        llm.generate(PROMPTS[0], greedy("all"))
+    with pytest.raises(LoRAAdapterNotFoundError):
+        llm.remove_lora("all")
+    assert llm.generate(PROMPTS[2], greedy(None), lora_request=all_)[0].outputs[0].token_ids == reference[("all", 2)]
+    llm.engine.check_integrity(expect_all_free=True)
+    with pytest.raises(LoRANotEnabledError, match="enable_lora=True"):
+        LLM(tiny_llama).generate(PROMPTS[0], greedy(None), lora_request=all_)
+    with pytest.raises(ValueError, match="needs a lora_name and a lora_path"):
+        LoRARequest("x", 1)
