@@ -92,6 +92,9 @@ class RouterConfig:
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
     # load and unload adapters on every engine (404 without it, as in vLLM)
     allow_runtime_lora_updating: bool = False
+    # vLLM's filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR): a request naming a model not
+    # served loads <dir>/<name> (a folder on the engines' filesystem) as an adapter first
+    lora_resolver_dir: str | None = None
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
@@ -155,6 +158,9 @@ class RouterConfig:
         if len(set(names)) != len(names) or clash:
             raise ValueError(f"--lora-modules: each adapter needs a name of its own, not a served model's; "
                              f"got {names}")
+        if self.lora_resolver_dir is not None and not self.allow_runtime_lora_updating:
+            raise ValueError("--lora-resolver-dir loads adapters at run time: it needs --allow-runtime-lora-updating "
+                             "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), as in vLLM")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
         if self.responses_store_size < 0:

@@ -75,6 +75,9 @@ class GenerateService(pb_grpc.GenerateServicer):
         status = 500
         try:
             self._check_auth(context)
+            m = self.model
+            if request.model and request.model not in m.names and request.model not in m.lora_modules:
+                await self.router.lora.resolve(request.model)  # --lora-resolver-dir: an adapter to load first?
             with self.admission.admit():
                 prompt = await self.admission.run(request.ByteSize(), self._prepare, request)
                 self.router.dispatcher.check_available()

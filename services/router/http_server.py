@@ -9,6 +9,7 @@ from aiohttp import web
 
 from services.router.cors import is_preflight
 from services.router.errors import RouterError, bad_request, key_matches
+from services.router.served_model import ModelNotFound
 from services.router.generation import REQUEST_ID
 from services.router.messages_api import MessagesServing, count_tokens, parse_messages
 from services.router.messages_api import error_body as anthropic_error_body
@@ -107,7 +108,12 @@ class HttpGateway:
         try:
             if not self._authorized(request):
                 raise RouterError(401, "Incorrect API key provided.", code="invalid_api_key")
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except ModelNotFound as e:  # --lora-resolver-dir: maybe an adapter to load first
+                if request.method != "POST" or not await self.router.lora.resolve(e.name):
+                    raise
+                response = await handler(request)
             status = request.get(STREAM_STATUS, response.status)
             return response
         except RouterError as e:

@@ -11,13 +11,21 @@ have finished (so none is refused halfway, between its prefill and its decode). 
 engine that reports itself without one of these adapters (it joined later, or restarted) gets it
 loaded before the router routes to it: the pool awaits `sync` with each report it fetches.
 
+With --lora-resolver-dir DIR (vLLM's filesystem LoRA resolver, VLLM_LORA_RESOLVER_CACHE_DIR), a
+request naming a model the router does not serve loads DIR/<name> that way first, once however
+many requests ask at the same time; a name that did not load is not tried again for a minute.
+
 The state is this router's: with several router replicas, load through each (or list the adapter
 in --lora-modules, which every engine and router reads at start).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
+import re
+import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -28,6 +36,10 @@ from services.router.instances import ROLES, Instance, InstancePool
 
 logger = logging.getLogger(__name__)
 
+# A name the resolver may look up: a folder's name, never a path (no "/", no "..").
+RESOLVABLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+UNRESOLVED_TTL_S = 60.0  # a name that did not load is not tried again for this long
+UNRESOLVED_MAX = 4096  # names remembered as not loading, at most (the oldest go first)
 CALL_TIMEOUT_S = 120.0  # one engine's load: reading a checkpoint from a network volume can take a while
 _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 400,
          grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404}
@@ -35,7 +47,7 @@ _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 
 
 class RuntimeLoRA:
     def __init__(self, served: dict[str, str], pool: InstancePool, reserved_names: tuple[str, ...],
-                 idle: Callable[[str], Awaitable[None]]) -> None:
+                 idle: Callable[[str], Awaitable[None]], resolver_dir: str | None = None) -> None:
         self.served = served  # every adapter clients may name -> its path (--lora-modules' too)
         self.loaded: dict[str, str] = {}  # those loaded through this router: kept on every engine
         self.pool = pool
@@ -43,6 +55,42 @@ class RuntimeLoRA:
         self.idle = idle  # idle(name): returns once no request of this router runs with the adapter
         self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
         self._unloading: dict[str, asyncio.Task] = {}  # name -> its unload on the engines, under way
+        self.resolver_dir = resolver_dir  # --lora-resolver-dir, as the engines see it
+        self._resolving: dict[str, asyncio.Task] = {}
+        self._unresolved: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> when it failed
+
+    async def resolve(self, name: str) -> bool:
+        """--lora-resolver-dir: makes `name` a served adapter by loading DIR/name on every engine;
+        False when it is not one (no resolver, not a folder's name, or it did not load)."""
+        if self.resolver_dir is None or not RESOLVABLE_NAME.fullmatch(name) or name in self.reserved:
+            return False
+        if name in self.served:
+            return True
+        failed = self._unresolved.get(name)
+        if failed is not None and time.monotonic() - failed < UNRESOLVED_TTL_S:
+            return False
+        task = self._resolving.get(name)
+        if task is None:  # the first request for it loads it; the others wait for that
+            task = self._resolving[name] = asyncio.create_task(self._resolve(name))
+            task.add_done_callback(lambda _: self._resolving.pop(name, None))
+        return await asyncio.shield(task)
+
+    async def _resolve(self, name: str) -> bool:
+        path = os.path.join(self.resolver_dir, name)
+        try:
+            await self.load(name, path)
+        except RouterError as e:
+            if name in self.served:
+                return True  # loaded meanwhile by a call of its own
+            if e.status < 500:  # the engines had no such adapter there: remembered a while
+                self._unresolved[name] = time.monotonic()
+                self._unresolved.move_to_end(name)
+                while len(self._unresolved) > UNRESOLVED_MAX:
+                    self._unresolved.popitem(last=False)
+            logger.info("LoRA resolver: no adapter %s loaded from %s: %s", name, path, e.message)
+            return False
+        self._unresolved.pop(name, None)
+        return True
 
     async def load(self, name, path) -> None:
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:

@@ -60,6 +60,14 @@ def _named_parameters(fn) -> set[str]:
     return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD}
 
 
+class ModelNotFound(RouterError):
+    """A request's model is none the router serves (OpenAI's 404 model_not_found); `name` is it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        self.name = name
+
+
 class ServedModel:
     """Loaded once per router; every request reuses the tokenizer and the token-string cache."""
 
@@ -185,7 +193,7 @@ class ServedModel:
         """404 (OpenAI's model_not_found) unless clients may send `name` (one of --served-model-name's,
         or a LoRA adapter's)."""
         if name not in self.names and name not in self.lora_modules:
-            raise RouterError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise ModelNotFound(name)
 
     def answer_name(self, name: str) -> str:
         """The model name answers carry: an adapter's own; for the base model the first served name,

@@ -64,6 +64,7 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
             assert [n for n, _ in config.lora_modules] == (["qwen-sql", "qwen-support"] if value_set == "model-pvc"
                                                            else [])
             assert config.allow_runtime_lora_updating == (value_set == "model-pvc")
+            assert config.lora_resolver_dir == ("/models/adapters" if value_set == "model-pvc" else None)
             if value_set == "router-tls":  # the files load, client certificates demanded
                 assert config.tls is not None and config.tls.cert_reqs == 2
             else:

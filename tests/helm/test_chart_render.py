@@ -204,6 +204,7 @@ def test_lora_adapters_reach_both_engines_and_the_router():
     args = container(deployments["pd-pdserve-router"])["args"]
     at = args.index("--lora-modules")
     assert args[at + 1:at + 3] == pairs and "--enable-lora" not in args and "--allow-runtime-lora-updating" in args
+    assert "--lora-resolver-dir=/models/adapters" in args
     plain = by_kind(rendered(None), "Deployment")
     assert not any("lora" in a for a in container(plain["pd-pdserve-decode"])["args"])
     assert not any("lora" in a for a in container(plain["pd-pdserve-router"])["args"])
@@ -212,6 +213,9 @@ def test_lora_adapters_reach_both_engines_and_the_router():
     args = container(runtime["pd-pdserve-decode"])["args"]
     assert "--enable-lora" in args and "--lora-modules" not in args and "--max-lora-rank=16" in args
     assert "--allow-runtime-lora-updating" in container(runtime["pd-pdserve-router"])["args"]
+    assert not any("resolver" in a for a in container(runtime["pd-pdserve-router"])["args"])
+    result = template("3", None, {"engine.lora.resolverDir": "/models/adapters"}, check=False)
+    assert result.returncode != 0 and "set engine.lora.runtimeUpdating too" in result.stderr
     result = template("3", "model-pvc", {"decode.tensorParallelSize": 2}, check=False)
     assert result.returncode != 0 and "not served with tensor parallelism" in result.stderr
 

@@ -121,6 +121,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         self.gate: asyncio.Event | None = None  # when set up, prefill waits for it
         self.lora_enabled = True  # --enable-lora: LoadLoRAAdapter works (FAILED_PRECONDITION when not)
         self.lora_adapters: dict[str, str] = {}  # loaded at run time; a path under /bad does not load
+        self.lora_folders: set[str] | None = None  # set: the only paths that hold an adapter
 
     @contextlib.contextmanager
     def _in_flight(self, rid: str):
@@ -218,7 +219,8 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this engine")
         if request.lora_name in self.lora_adapters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
-        if request.lora_path.startswith("/bad"):
+        if request.lora_path.startswith("/bad") or (self.lora_folders is not None
+                                                    and request.lora_path not in self.lora_folders):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: no adapter_config.json")
         self.lora_adapters[request.lora_name] = request.lora_path
         return pb.LoRAAdapterResponse()

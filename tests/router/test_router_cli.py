@@ -47,6 +47,9 @@ def test_runtime_lora_updating_by_flag_or_vllms_variable(monkeypatch):
     assert config_from_args(parse(["--decode", "h:1", "--allow-runtime-lora-updating"])).allow_runtime_lora_updating
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     assert config_from_args(parse(["--decode", "h:1"])).allow_runtime_lora_updating
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", "/adapters")
+    assert config_from_args(parse(["--decode", "h:1"])).lora_resolver_dir == "/adapters"
+    monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR")
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
     assert not config_from_args(parse(["--decode", "h:1"])).allow_runtime_lora_updating
 

@@ -212,3 +212,56 @@ def test_an_unload_waits_for_the_adapters_running_requests(make_stack):
     assert status_running == 200 and out["usage"]["completion_tokens"] == 60
     assert status == 200 and decode.lora_adapters == {"new": "/adapters/v2"}
     assert stack.prefills[0].engine.lora_adapters == {"new": "/adapters/v2"}
+
+
+def test_the_resolver_loads_an_adapter_a_request_names_from_its_folder(make_stack):
+    """vLLM's filesystem LoRA resolver: a model name the router does not serve is looked up as
+    <dir>/<name> on the engines, once however many requests ask; a name that is none is a 404 and
+    is not looked up again for a while; a name that is a path is never looked up."""
+    import threading
+
+    stack = make_stack(decode=2, allow_runtime_lora_updating=True, lora_resolver_dir="/adapters")
+    for fake in stack.prefills + stack.decodes:
+        fake.engine.lora_folders = {"/adapters/sql-v2", "/adapters/grpc-one"}
+    loads = lambda: sum(c.endswith("/LoadLoRAAdapter") for f in stack.prefills + stack.decodes for c in f.calls)
+    results = []
+    body = {"model": "sql-v2", "prompt": "hi", "max_tokens": 2}
+    threads = [threading.Thread(target=lambda: results.append(stack.post("/v1/completions", body)))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [(status, out["model"]) for status, _, out in results] == [(200, "sql-v2")] * 6
+    assert loads() == 3  # once on each engine, for six requests at once
+    assert all(e.lora_adapters == {"sql-v2": "/adapters/sql-v2"} for e in engines(stack))
+    status, _, body = stack.request("GET", "/v1/models")
+    assert [c["id"] for c in body["data"]] == ["tiny", "sql-v2"]
+
+    status, _, err = stack.post("/v1/chat/completions", {"model": "ghost", "messages": HI, "max_tokens": 2})
+    assert status == 404 and err["error"]["code"] == "model_not_found" and loads() == 6  # tried, refused
+    assert not any("ghost" in e.lora_adapters for e in engines(stack))
+    status, _, _ = stack.post("/v1/completions", {"model": "ghost", "prompt": "hi", "max_tokens": 2})
+    assert status == 404 and loads() == 6  # not tried again so soon
+    for name in ("../sql-v2", "a/b", ".hidden", "x" * 200):
+        status, _, _ = stack.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2})
+        assert status == 404, name
+    assert loads() == 6
+    status, _, _ = stack.request("GET", "/v1/models/grpc-one")
+    assert status == 404 and loads() == 6  # only requests that generate load an adapter
+
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerateStub(channel)
+        list(stub.Generate(pb.GenerateRequest(model="grpc-one", text="hi", sampling=pb.SamplingParams(max_tokens=2))))
+        assert asked(stack) == "grpc-one" or stack.decodes[1].engine.requests[-1].sampling.lora_name == "grpc-one"
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(model="nobody", text="hi")))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not exist" in e.value.details()
+
+
+def test_the_resolver_needs_runtime_updating():
+    from services.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--lora-resolver-dir loads adapters at run time: it needs "
+                                         "--allow-runtime-lora-updating"):
+        RouterConfig(model="tiny", served_model_name="tiny", decode=("127.0.0.1:1",), lora_resolver_dir="/adapters")

@@ -4,6 +4,8 @@ adapter, the prefill computes the prompt's KV with it, the decode goes on with i
 against the offline engine, and the base model beside it unchanged."""
 from __future__ import annotations
 
+import os
+
 import openai
 import pytest
 
@@ -27,11 +29,12 @@ def runtime_adapter(e2e_model, tiny_lora_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(e2e_model, adapter):
+def stack(e2e_model, adapter, runtime_adapter):
     lora = ("--enable-lora", "--lora-modules", f"ada={adapter}")
     spec = StackSpec(prefills=1, decodes=1, prefill_args=lora, decode_args=lora,
                      router_args=("--lora-modules", f"ada={adapter}", "ghost=/nowhere",
-                                  "--allow-runtime-lora-updating"))
+                                  "--allow-runtime-lora-updating",
+                                  "--lora-resolver-dir", os.path.dirname(runtime_adapter)))
     with Stack(e2e_model, spec) as s:
         yield s
 
@@ -99,4 +102,20 @@ def test_an_adapter_loaded_at_run_time_serves_token_exact_then_unloads(stack, e2
         out = client.completions.create(model="late", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                         extra_body={"ignore_eos": True, "return_token_ids": True})
         assert out.choices[0].model_extra["token_ids"] == want
+    stack.wait_idle()
+
+
+
+def test_the_resolver_serves_an_adapter_folder_named_by_a_request(stack, e2e_model, runtime_adapter):
+    """--lora-resolver-dir: the adapter's folder name as the model loads it on both engines first."""
+    name = os.path.basename(runtime_adapter)
+    want = LLM(e2e_model, enable_lora=True, lora_modules=[f"{name}={runtime_adapter}"]).generate(
+        [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora_name=name))
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.model == name and out.choices[0].model_extra["token_ids"] == want[0].outputs[0].token_ids
+        with pytest.raises(openai.NotFoundError):  # no such folder
+            client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
+    stack.post("/v1/unload_lora_adapter", {"lora_name": name})
     stack.wait_idle()

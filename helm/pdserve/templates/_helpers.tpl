@@ -164,6 +164,9 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and (ne .Values.router.tls.clientCertificates "none") (not .Values.router.tls.secretName) }}
 {{- fail "router.tls.clientCertificates: name the Secret holding tls.crt, tls.key and ca.crt in router.tls.secretName" }}
 {{- end }}
+{{- if and .Values.engine.lora.resolverDir (not .Values.engine.lora.runtimeUpdating) }}
+{{- fail "engine.lora.resolverDir loads adapters at run time: set engine.lora.runtimeUpdating too" }}
+{{- end }}
 {{- if or .Values.engine.lora.modules .Values.engine.lora.runtimeUpdating }}
 {{- range $role := list "prefill" "decode" }}
 {{- if gt (int (include "pdserve.tensorParallelSize" (dict "v" (index $.Values $role)))) 1 }}
