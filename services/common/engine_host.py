@@ -100,10 +100,13 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             await call
         except LoRAAdapterError as e:
-            code = (grpc.StatusCode.ALREADY_EXISTS if isinstance(e, LoRAAdapterExistsError)
-                    else grpc.StatusCode.NOT_FOUND if isinstance(e, LoRAAdapterNotFoundError)
-                    else grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, (LoRANotEnabledError, LoRAAdapterBusyError))
-                    else grpc.StatusCode.INVALID_ARGUMENT)
+            code = grpc.StatusCode.INVALID_ARGUMENT  # the checkpoint does not load
+            if isinstance(e, LoRAAdapterExistsError):
+                code = grpc.StatusCode.ALREADY_EXISTS
+            elif isinstance(e, LoRAAdapterNotFoundError):
+                code = grpc.StatusCode.NOT_FOUND
+            elif isinstance(e, (LoRANotEnabledError, LoRAAdapterBusyError)):
+                code = grpc.StatusCode.FAILED_PRECONDITION
             await context.abort(code, str(e))
 
 

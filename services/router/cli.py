@@ -152,6 +152,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     _flag(p, "--lora-resolver-dir", "vLLM's filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR works too): a "
           "request whose model the router does not serve loads <dir>/<model> (a PEFT folder on the engines' "
           "filesystem) as a LoRA adapter on every engine first; needs --allow-runtime-lora-updating", default=None)
+    _flag(p, "--lora-resolver-max-loras", "adapters --lora-resolver-dir keeps loaded; one more unloads the one "
+          "whose last request began longest ago (after its running requests)", default=32, type=int)
     _flag(p, "--max-logprobs", "vLLM's flag: the top-n logprobs a request may ask for per token (logprobs, "
           "top_logprobs, prompt_logprobs; a request's -1 is the whole vocabulary); beyond it 400. -1: no cap "
           "(the whole vocabulary per token: large answers)", default=20, type=int)
@@ -248,6 +250,7 @@ def config_from_args(args) -> RouterConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating or os.environ.get(
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes", "on"),
         lora_resolver_dir=args.lora_resolver_dir or os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR") or None,
+        lora_resolver_max_loras=args.lora_resolver_max_loras,
         non_streaming_interval=args.non_streaming_interval,
         responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,

@@ -95,6 +95,7 @@ class RouterConfig:
     # vLLM's filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR): a request naming a model not
     # served loads <dir>/<name> (a folder on the engines' filesystem) as an adapter first
     lora_resolver_dir: str | None = None
+    lora_resolver_max_loras: int = 32  # adapters the resolver keeps loaded; one more evicts the least recently used
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM's flag)
     chat_template: str | None = None  # vLLM's --chat-template: a file or the template, over the model's
     cors: CorsPolicy = CorsPolicy()  # vLLM's --allowed-origins & co.: none by default
@@ -158,6 +159,8 @@ class RouterConfig:
         if len(set(names)) != len(names) or clash:
             raise ValueError(f"--lora-modules: each adapter needs a name of its own, not a served model's; "
                              f"got {names}")
+        if self.lora_resolver_max_loras < 1:
+            raise ValueError("--lora-resolver-max-loras must be >= 1")
         if self.lora_resolver_dir is not None and not self.allow_runtime_lora_updating:
             raise ValueError("--lora-resolver-dir loads adapters at run time: it needs --allow-runtime-lora-updating "
                              "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), as in vLLM")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -87,6 +88,7 @@ class Dispatcher:
         # adapter name -> path: its prefix-cache key for routing (the served map: adapters come and go)
         self.lora_paths = lora_paths if lora_paths is not None else {}
         self.lora_streams: collections.Counter[str] = collections.Counter()  # requests running per adapter
+        self.lora_last_used: dict[str, float] = {}  # adapter -> when a request last began with it
         self.policy = policy
         self.pd_policy = pd_policy  # disaggregated mode: prefill remotely, or on the decode itself
         self.metrics = metrics
@@ -178,6 +180,7 @@ class Dispatcher:
         lora = sampling.lora_name
         if lora:
             self.lora_streams[lora] += 1
+            self.lora_last_used[lora] = time.monotonic()
         generated: list[int] = []
         lost: list[Instance] = []  # decodes that lost this request: it is not sent to them again
         upstream_id, params = request_id, sampling

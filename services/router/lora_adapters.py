@@ -13,7 +13,9 @@ loaded before the router routes to it: the pool awaits `sync` with each report i
 
 With --lora-resolver-dir DIR (vLLM's filesystem LoRA resolver, VLLM_LORA_RESOLVER_CACHE_DIR), a
 request naming a model the router does not serve loads DIR/<name> that way first, once however
-many requests ask at the same time; a name that did not load is not tried again for a minute.
+many requests ask at the same time; a name that did not load is not tried again for a minute. At
+most --lora-resolver-max-loras adapters loaded so stay: one more unloads the one whose last request
+began longest ago (once its running requests finish; a later request loads it again).
 
 The state is this router's: with several router replicas, load through each (or list the adapter
 in --lora-modules, which every engine and router reads at start).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -47,7 +50,8 @@ _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 
 
 class RuntimeLoRA:
     def __init__(self, served: dict[str, str], pool: InstancePool, reserved_names: tuple[str, ...],
-                 idle: Callable[[str], Awaitable[None]], resolver_dir: str | None = None) -> None:
+                 idle: Callable[[str], Awaitable[None]], resolver_dir: str | None = None,
+                 resolver_max: int = 32, last_used: dict[str, float] | None = None) -> None:
         self.served = served  # every adapter clients may name -> its path (--lora-modules' too)
         self.loaded: dict[str, str] = {}  # those loaded through this router: kept on every engine
         self.pool = pool
@@ -56,6 +60,9 @@ class RuntimeLoRA:
         self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
         self._unloading: dict[str, asyncio.Task] = {}  # name -> its unload on the engines, under way
         self.resolver_dir = resolver_dir  # --lora-resolver-dir, as the engines see it
+        self.resolver_max = resolver_max  # adapters the resolver keeps loaded at most
+        self.resolved: list[str] = []  # those it loaded, still loaded
+        self.last_used = last_used if last_used is not None else {}  # adapter -> when its last request began
         self._resolving: dict[str, asyncio.Task] = {}
         self._unresolved: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> when it failed
 
@@ -77,9 +84,23 @@ class RuntimeLoRA:
 
     async def _resolve(self, name: str) -> bool:
         path = os.path.join(self.resolver_dir, name)
+        # Those unloaded by hand meanwhile are gone; those still loading (this one too) keep their place.
+        self.resolved = [n for n in self.resolved if n in self.served or n in self._resolving]
+        while len(self.resolved) >= self.resolver_max:  # room first: the least recently used goes
+            loaded = [n for n in self.resolved if n not in self._resolving]
+            if not loaded:
+                break  # all of them loading at once: a moment over the cap
+            victim = min(loaded, key=lambda n: self.last_used.get(n, 0.0))
+            self.resolved.remove(victim)
+            with contextlib.suppress(RouterError):  # unloaded by hand meanwhile
+                await self.unload(victim)
+            logger.info("LoRA resolver: %s unloaded to make room for %s (--lora-resolver-max-loras %d)",
+                        victim, name, self.resolver_max)
+        self.resolved.append(name)
         try:
             await self.load(name, path)
         except RouterError as e:
+            self.resolved.remove(name)
             if name in self.served:
                 return True  # loaded meanwhile by a call of its own
             if e.status < 500:  # the engines had no such adapter there: remembered a while

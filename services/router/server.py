@@ -75,7 +75,8 @@ class Router:
                                max_prefill_queue_tokens=config.max_prefill_queue_tokens)
             if config.disaggregated else None)
         self.lora = RuntimeLoRA(self.model.lora_modules, self.pool, self.model.names, self.dispatcher.lora_idle,
-                                config.lora_resolver_dir)
+                                config.lora_resolver_dir, config.lora_resolver_max_loras,
+                                self.dispatcher.lora_last_used)
         if config.allow_runtime_lora_updating:  # engines that join (or restart) get the adapters loaded here
             self.pool.report_listeners.append(self.lora.sync)
         self._kv_sync: asyncio.Task | None = None

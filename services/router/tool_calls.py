@@ -495,7 +495,8 @@ def parse_auto(parser: str, text: str, tools=()) -> tuple[str | None, list[dict]
 _CALL_ENDS = {"hermes": TOOL_CALL_CLOSE, "qwen3_coder": TOOL_CALL_CLOSE, "glm45": TOOL_CALL_CLOSE,
               "deepseek_v3": DEEPSEEK_CALL_END, "deepseek_v31": DEEPSEEK_CALL_END, "kimi_k2": KIMI_CALL_END}
 # A Hermes block's head, up to its arguments object: from here the arguments stream as written.
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)',
+                          re.S)
 
 
 def _json_string(body: str) -> str | None:

@@ -152,7 +152,8 @@ def test_a_load_one_engine_refuses_is_undone_everywhere(runtime):
     assert not any(e.lora_adapters for e in engines(runtime))  # those that had loaded it unloaded it
     runtime.decodes[1].engine.lora_enabled = True
     status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/bad/new"})
-    assert status == 400 and err["error"]["param"] == "lora_path" and "no adapter_config.json" in err["error"]["message"]
+    assert status == 400 and err["error"]["param"] == "lora_path"
+    assert "no adapter_config.json" in err["error"]["message"]
     assert not any(e.lora_adapters for e in engines(runtime))
     status, _, _ = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
     assert status == 404
@@ -265,3 +266,30 @@ def test_the_resolver_needs_runtime_updating():
     with pytest.raises(ValueError, match="--lora-resolver-dir loads adapters at run time: it needs "
                                          "--allow-runtime-lora-updating"):
         RouterConfig(model="tiny", served_model_name="tiny", decode=("127.0.0.1:1",), lora_resolver_dir="/adapters")
+
+
+def test_the_resolver_keeps_the_most_recently_used_adapters(make_stack):
+    stack = make_stack(allow_runtime_lora_updating=True, lora_resolver_dir="/adapters", lora_resolver_max_loras=2)
+    for fake in stack.prefills + stack.decodes:
+        fake.engine.lora_folders = {"/adapters/a", "/adapters/b", "/adapters/c"}
+
+    def ask(name: str) -> None:
+        status, _, out = stack.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2})
+        assert status == 200 and out["model"] == name
+
+    def loaded() -> set[str]:
+        wait_until(lambda: len({frozenset(e.lora_adapters) for e in engines(stack)}) == 1, what="the engines to agree")
+        return set(stack.decodes[0].engine.lora_adapters)
+
+    for name in ("a", "b", "a"):
+        ask(name)
+    assert loaded() == {"a", "b"}
+    ask("c")  # one too many: b's last request is the oldest
+    wait_until(lambda: loaded() == {"a", "c"}, what="b to be unloaded")
+    status, _, body = stack.request("GET", "/v1/models")
+    assert [c["id"] for c in body["data"]] == ["tiny", "a", "c"]
+    ask("b")  # back, in a's place now
+    wait_until(lambda: loaded() == {"b", "c"}, what="a to be unloaded")
+    with pytest.raises(ValueError, match="--lora-resolver-max-loras must be >= 1"):
+        router_config("tiny", "--allow-runtime-lora-updating", "--lora-resolver-dir", "/a",
+                      "--lora-resolver-max-loras", "0")
