@@ -15,7 +15,8 @@ class KVCacheManager:
                  enable_kv_cache_events: bool = False, medium: str = "GPU",
                  lora_paths: dict[str, str] | None = None) -> None:
         self.block_size = block_size
-        self.lora_paths = lora_paths or {}  # adapter name -> path: part of its blocks' hashes
+        # adapter name -> path: part of its blocks' hashes (the engine's own map: adapters come and go)
+        self.lora_paths = lora_paths if lora_paths is not None else {}
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -86,6 +86,23 @@ def test_prefix_caches_are_kept_apart_per_adapter(tiny_llama, adapters):
     assert hash_request_tokens(prompt[:4], 4, lora=key) != hash_request_tokens(prompt[:4], 4)
 
 
+def test_a_name_loaded_again_from_another_path_never_reads_the_old_ones_kv(tiny_llama, adapters, reference):
+    """An engine started with no adapters: "x" from one checkpoint, unloaded, then "x" from
+    another: the second's answers are its own, none of the first's blocks reused (the key is the
+    path's too, as in vLLM: a new version of an adapter under its old name)."""
+    from engine import LoRARequest
+
+    llm = LLM(tiny_llama, enable_lora=True, block_size=4)
+    prompt = PROMPTS[0]
+    first = llm.generate(prompt, greedy(None), lora_request=LoRARequest("x", 1, adapters["all"]))[0]
+    assert first.outputs[0].token_ids == reference[("all", 0)]
+    again = llm.generate(prompt, greedy(None), lora_request=LoRARequest("x", 1, adapters["all"]))[0]
+    assert again.num_cached_tokens > 0  # the same adapter: its blocks reused
+    llm.remove_lora("x")
+    other = llm.generate(prompt, greedy(None), lora_request=LoRARequest("x", 2, adapters["qv"]))[0]
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == reference[("qv", 0)]
+
+
 def test_requests_for_adapters_the_engine_does_not_serve_are_refused(tiny_llama, adapters):
     llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"])
     with pytest.raises(InvalidRequestError, match="'other' is not an adapter this engine serves; it serves all"):
