@@ -105,7 +105,8 @@ class AsyncEngine:
         # The LoRA adapters served now, name -> path: --lora-modules' and those loaded since.
         self.lora_adapters: dict[str, str] = config.lora.paths if config.lora is not None else {}
         self._lora_lock = asyncio.Lock()  # one load / unload at a time: the checks stay true
-        self._calls: dict[int, asyncio.Future] = {}  # LoadLoRA / UnloadLoRA sent, by call id
+        # LoadLoRA / UnloadLoRA sent, by call id: (the answer's future, what to do when it succeeds)
+        self._calls: dict[int, tuple[asyncio.Future, Callable[[], None]]] = {}
         self._call_ids = itertools.count()
 
     @classmethod
@@ -154,29 +155,32 @@ class AsyncEngine:
         for q in streams.values():
             q.put_nowait(self.dead)
         calls, self._calls = self._calls, {}
-        for future in calls.values():
+        for future, _ in calls.values():
             if not future.done():
                 future.set_exception(self.dead)
         for callback in self._death_callbacks:
             callback(self.dead)
 
     def _on_call_result(self, result: CallResult) -> None:
-        future = self._calls.pop(result.call_id, None)
-        if future is not None and not future.done():
+        pending = self._calls.pop(result.call_id, None)
+        if pending is None:
+            return
+        future, on_success = pending
+        if not result.error_type:  # the front end's view changes with the core's, whoever still waits
+            on_success()
+        if not future.done():
             future.set_result(result)
 
-    async def _call(self, message) -> None:
+    async def _call(self, message, on_success: Callable[[], None]) -> None:
         """Sends a LoadLoRA / UnloadLoRA and waits for the core's answer (it comes between steps);
-        the core's refusal is raised as its LoRAAdapterError subclass."""
+        `on_success` runs when the core has done it, even if the waiter is gone by then. The core's
+        refusal is raised as its LoRAAdapterError subclass."""
         if self.dead is not None:
             raise self.dead
         future = self.loop.create_future()
-        self._calls[message.call_id] = future
-        try:
-            self.client.send(message)
-            result = await future
-        finally:
-            self._calls.pop(message.call_id, None)
+        self._calls[message.call_id] = (future, on_success)
+        self.client.send(message)
+        result = await future
         if result.error_type:
             error = getattr(lora_errors, result.error_type, None)
             if not (isinstance(error, type) and issubclass(error, lora_errors.LoRAAdapterError)):
@@ -189,28 +193,40 @@ class AsyncEngine:
         if not name:
             raise lora_errors.LoRAAdapterError("lora_name must be a non-empty string")
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
+    async def load_lora_adapter(self, name: str, path: str) -> bool:
         """Loads a LoRA adapter at run time (vLLM's /v1/load_lora_adapter): requests may name it
-        once this returns. Raises a LoRAAdapterError subclass: not enabled, the name taken, the
-        checkpoint unreadable or not one this serves (then nothing changed)."""
+        once this returns. False when it was loaded from that path already (nothing to do). Raises
+        a LoRAAdapterError subclass: not enabled, the name taken by another path, the checkpoint
+        unreadable or not one this serves (then nothing changed). A caller that stops waiting
+        does not stop the load: the lock is held until the core has answered."""
+        return await asyncio.shield(_detached(self._load_lora(name, path)))
+
+    async def _load_lora(self, name: str, path: str) -> bool:
         async with self._lora_lock:
             self._check_lora_enabled(name)
             if not path:
                 raise lora_errors.LoRAAdapterError("lora_path must be a non-empty string")
-            if name in self.lora_adapters:
-                raise lora_errors.LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded")
-            await self._call(LoadLoRA(next(self._call_ids), name, path))
-            self.lora_adapters[name] = path
+            loaded = self.lora_adapters.get(name)
+            if loaded == path:
+                return False
+            if loaded is not None:
+                raise lora_errors.LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded (from {loaded})")
+            await self._call(LoadLoRA(next(self._call_ids), name, path),
+                             lambda: self.lora_adapters.__setitem__(name, path))
+            return True
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unloads an adapter (vLLM's /v1/unload_lora_adapter): requests naming it are refused from
         now on; those running finish on it, and its memory is freed once they have."""
+        await asyncio.shield(_detached(self._unload_lora(name)))
+
+    async def _unload_lora(self, name: str) -> None:
         async with self._lora_lock:
             self._check_lora_enabled(name)
             if name not in self.lora_adapters:
                 raise lora_errors.LoRAAdapterNotFoundError(f"LoRA adapter {name!r} is not loaded")
             del self.lora_adapters[name]  # before the core hears: no later request is sent with it
-            await self._call(UnloadLoRA(next(self._call_ids), name))
+            await self._call(UnloadLoRA(next(self._call_ids), name), lambda: None)
 
     def _threadsafe_on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self.loop.call_soon_threadsafe(self._on_core_outputs, outputs)
@@ -330,3 +346,11 @@ class AsyncEngine:
                 self.client.stop_watching()
             await asyncio.to_thread(self.client.shutdown)
             self.client = None
+
+
+def _detached(coro) -> asyncio.Task:
+    """A task that finishes whether or not its caller still waits (its error then only logged)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                           or logger.info("LoRA call finished with nobody waiting: %s", t.exception()))
+    return task

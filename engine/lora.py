@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.config import LoRAConfig
-from engine.lora_errors import LoRAAdapterExistsError
+from engine.lora_errors import LoRAAdapterExistsError, LoRAOutOfMemoryError
 
 # PEFT's module names -> (the fused projection here, which of its output slices).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -191,20 +191,29 @@ class LoRAManager:
         fit, or is not a LoRA adapter this serves; a file unreadable) with nothing changed."""
         if name in self.slots:
             raise LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded")
-        adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype, self.device)
         taken = set(self.slots.values())
         slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
-        parts: dict[tuple[int, str], list] = {}
-        for (layer, module), pair in adapter.weights.items():
-            fused, part = TARGETS[module]
-            parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
-        for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
-            self.layers[layer][fused].add(slot, pairs)
+        try:
+            adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype, self.device)
+            parts: dict[tuple[int, str], list] = {}
+            for (layer, module), pair in adapter.weights.items():
+                fused, part = TARGETS[module]
+                parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
+            for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
+                self.layers[layer][fused].add(slot, pairs)
+        except torch.OutOfMemoryError as e:
+            self._clear(slot)
+            raise LoRAOutOfMemoryError(f"LoRA adapter {name!r}: no device memory left for its weights ({e})") from None
+        except BaseException:
+            self._clear(slot)  # no layer keeps a part of it for the next adapter in this slot
+            raise
         self.slots[name] = slot
 
     def remove(self, name: str) -> None:
         """Frees an adapter's weights and slot: no request of the batch may still use it."""
-        slot = self.slots.pop(name)
+        self._clear(self.slots.pop(name))
+
+    def _clear(self, slot: int) -> None:
         for modules in self.layers.values():
             for layer in modules.values():
                 layer.weights.pop(slot, None)

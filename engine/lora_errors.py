@@ -36,3 +36,7 @@ class LoRAAdapterNotFoundError(LoRAAdapterError):
 
 class LoRAAdapterBusyError(LoRAAdapterError):
     """The name's previous adapter is unloaded but still finishing requests."""
+
+
+class LoRAOutOfMemoryError(LoRAAdapterError):
+    """The device has no memory left for the adapter's weights."""

@@ -11,8 +11,8 @@ from typing import Callable
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.lora_errors import (LoRAAdapterBusyError, LoRAAdapterError, LoRAAdapterExistsError, LoRAAdapterNotFoundError,
-                         LoRANotEnabledError)
+from engine.lora_errors import (LoRAAdapterBusyError, LoRAAdapterError, LoRAAdapterExistsError,
+                                LoRAAdapterNotFoundError, LoRANotEnabledError, LoRAOutOfMemoryError)
 from engine.request import InvalidRequestError, SamplingParams
 from services import convert
 from services.api.pdserve.v1 import pdserve_pb2 as pb
@@ -88,25 +88,30 @@ class EngineServicer(pb_grpc.EngineServicer):
         return report
 
     async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
-        await self._lora_call(context, self.host.engine.load_lora_adapter(request.lora_name, request.lora_path))
-        return pb.LoRAAdapterResponse()
+        loaded = await self._lora_call(context, self.host.engine.load_lora_adapter(request.lora_name,
+                                                                                  request.lora_path))
+        return pb.LoRAAdapterResponse(loaded=loaded)
 
     async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
         await self._lora_call(context, self.host.engine.unload_lora_adapter(request.lora_name))
         return pb.LoRAAdapterResponse()
 
     @staticmethod
-    async def _lora_call(context, call) -> None:
+    async def _lora_call(context, call):
         try:
-            await call
+            return await call
         except LoRAAdapterError as e:
             code = grpc.StatusCode.INVALID_ARGUMENT  # the checkpoint does not load
             if isinstance(e, LoRAAdapterExistsError):
                 code = grpc.StatusCode.ALREADY_EXISTS
             elif isinstance(e, LoRAAdapterNotFoundError):
                 code = grpc.StatusCode.NOT_FOUND
-            elif isinstance(e, (LoRANotEnabledError, LoRAAdapterBusyError)):
+            elif isinstance(e, LoRANotEnabledError):
                 code = grpc.StatusCode.FAILED_PRECONDITION
+            elif isinstance(e, LoRAAdapterBusyError):
+                code = grpc.StatusCode.ABORTED
+            elif isinstance(e, LoRAOutOfMemoryError):
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(e))
 
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.block_hash import block_extra_keys, hash_block_tokens, hash_request_tokens, lora_key
 from engine.request import InvalidRequestError
 
@@ -199,8 +199,9 @@ def test_adapters_load_and_unload_at_run_time(tiny_llama, adapters, reference, m
         try:
             with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves; it serves none"):
                 await _tokens(engine, PROMPTS[0], greedy("all"))
-            await engine.load_lora_adapter("all", adapters["all"])
+            assert await engine.load_lora_adapter("all", adapters["all"]) is True
             assert await _tokens(engine, PROMPTS[0], greedy("all")) == reference[("all", 0)]
+            assert await engine.load_lora_adapter("all", adapters["all"]) is False  # had it: nothing to do
             with pytest.raises(LoRAAdapterExistsError, match="'all' is already loaded"):
                 await engine.load_lora_adapter("all", adapters["qv"])
             (tmp_path / "adapter_config.json").write_text('{"peft_type": "IA3"}')
@@ -301,3 +302,54 @@ def test_the_offline_api_loads_a_lora_request_on_first_use(tiny_llama, adapters,
         LLM(tiny_llama).generate(PROMPTS[0], greedy(None), lora_request=all_)
     with pytest.raises(ValueError, match="needs a lora_name and a lora_path"):
         LoRARequest("x", 1)
+
+
+
+def test_a_load_whose_caller_leaves_still_completes_and_is_known(tiny_llama, adapters, reference):
+    """A router's call cut off (its deadline, a client gone) while the core loads: the front end
+    still learns the adapter is loaded, so it serves it and a second load is no conflict."""
+    from engine.async_engine import AsyncEngine
+
+    async def main():
+        engine = await AsyncEngine.create(tiny_llama, enable_lora=True, multiprocess=True)
+        try:
+            caller = asyncio.create_task(engine.load_lora_adapter("all", adapters["all"]))
+            await asyncio.sleep(0)  # sent to the core
+            caller.cancel()
+            for _ in range(500):
+                if "all" in engine.lora_adapters:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.lora_adapters == {"all": adapters["all"]}
+            assert await engine.load_lora_adapter("all", adapters["all"]) is False
+            assert await _tokens(engine, PROMPTS[0], greedy("all")) == reference[("all", 0)]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_load_that_fails_half_way_leaves_no_part_of_it(tiny_llama, adapters, reference, monkeypatch):
+    """Out of device memory on its third projection: a LoRAOutOfMemoryError (the router's 503),
+    and no layer keeps the first two for the next adapter in that slot."""
+    from engine.lora import LoRALayer
+    from engine.lora_errors import LoRAOutOfMemoryError
+
+    llm = LLM(tiny_llama, enable_lora=True)
+    added, add = [], LoRALayer.add
+
+    def short_of_memory(layer, slot, parts):
+        added.append(slot)
+        if len(added) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        add(layer, slot, parts)
+
+    monkeypatch.setattr(LoRALayer, "add", short_of_memory)
+    with pytest.raises(LoRAOutOfMemoryError, match="'all': no device memory left"):
+        llm.engine.add_lora("all", adapters["all"])
+    monkeypatch.undo()
+    lora = llm.engine.runner.lora
+    assert lora.slots == {} and all(not layer.weights for m in lora.layers.values() for layer in m.values())
+    assert "all" not in llm.lora_adapters
+    out = llm.generate(PROMPTS[0], greedy(None), lora_request=LoRARequest("qv", 1, adapters["qv"]))  # slot 1 again
+    assert out[0].outputs[0].token_ids == reference[("qv", 0)]
