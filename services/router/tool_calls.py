@@ -37,7 +37,7 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.router.errors import bad_request
 
@@ -515,27 +515,51 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _json_prefix(text: str) -> tuple[int, bool]:
-    """How much of `text`, which starts with a JSON object, belongs to that object: (its length so
-    far, whether it has closed). Strings and escapes are followed, so braces inside them do not count."""
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+class _JsonScan:
+    """How much of a text that starts with a JSON object belongs to that object, read a piece at a
+    time: strings and escapes are followed, so braces inside them do not count."""
+
+    def __init__(self) -> None:
+        self.length = 0  # characters of the object so far
+        self.closed = False
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def feed(self, text: str, start: int, end: int) -> None:
+        """Reads text[start:end], the characters after those read so far."""
+        for i in range(start, end):
+            if self.closed:
+                return
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1, True
-    return len(text), False
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                self.closed = self._depth == 0
+            self.length += 1
+
+
+@dataclass
+class _HermesBlock:
+    """A `<tool_call>` block being streamed: where it starts (from the first call), where its body
+    starts and its close may be (in the text), and its call once its head is out."""
+    start: int
+    body: int
+    close_from: int = 0
+    head_end: int = -1  # where its arguments object starts, once its head is out
+    call: int | None = None  # its call's index in ToolCallStream.sent
+    arguments: _JsonScan = field(default_factory=_JsonScan)
+
+    def __post_init__(self) -> None:
+        self.close_from = self.body
 
 
 class ToolCallStream:
@@ -561,6 +585,9 @@ class ToolCallStream:
         self.incremental = not plan.constrained and plan.parser in _CALL_ENDS
         self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
         self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
+        self._open: _HermesBlock | None = None  # Hermes: the block being written
+        self._scan = 0  # Hermes: where in the text the next block is looked for
+        self._parsed_to = -1  # the others: where the last call closed when the text was last parsed
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -626,39 +653,54 @@ class ToolCallStream:
             sent["arguments"] = arguments
 
     def _advance(self, final: bool = False) -> None:
+        """Sends what the text so far makes of the calls. Each feed reads only what is new (a long
+        call's arguments stream without the text before them being read again)."""
         if not self.incremental:
             return
-        region = self.text[self.first_call:]
         if self.plan.parser == "hermes":
-            self._advance_hermes(region, final)
+            self._advance_hermes(final)
             return
         marker = _CALL_ENDS[self.plan.parser]
+        region = self.text[self.first_call:]
         end = region.rfind(marker)
-        if end < 0:
-            return
+        if end <= self._parsed_to:
+            return  # no call has closed since the last parse
+        self._parsed_to = end
         _, calls = parse_auto(self.plan.parser, region[:end + len(marker)], self.plan.tools)
         for call in calls[len(self.sent):]:
             self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
 
-    def _advance_hermes(self, region: str, final: bool) -> None:
-        for m in _BLOCK.finditer(region):
-            k = self._blocks.get(m.start())
-            if k is not None and self.sent[k]["closed"]:
-                continue
-            closed = final or m.group(0).endswith(TOOL_CALL_CLOSE)
-            head = _HERMES_HEAD.match(m.group(1))
-            name = _json_string(head.group(1)) if head is not None else None
-            if name is not None:  # its name is known: the call begins, its arguments go as written
-                if k is None:
-                    k = self._blocks[m.start()] = self._begin(name)
-                arguments = m.group(1)[head.end():]
-                self._extend(k, arguments[:_json_prefix(arguments)[0]])
-                self.sent[k]["closed"] = closed
+    def _advance_hermes(self, final: bool) -> None:
+        text, base = self.text, self.first_call
+        while True:
+            block = self._open
+            if block is None:  # the next block, if one has opened
+                at = text.find(TOOL_CALL_OPEN, self._scan)
+                if at < 0:
+                    return
+                block = self._open = _HermesBlock(at - base, at + len(TOOL_CALL_OPEN))
+            close = text.find(TOOL_CALL_CLOSE, block.close_from)
+            block.close_from = max(block.body, len(text) - len(TOOL_CALL_CLOSE) + 1)
+            closed = close >= 0 or final
+            body_end = close if close >= 0 else len(text)
+            if block.call is None and block.head_end < 0:
+                head = _HERMES_HEAD.match(text, block.body, body_end)
+                name = _json_string(head.group(1)) if head is not None else None
+                if name is not None:  # its name is known: the call begins, its arguments go as written
+                    block.head_end = head.end()
+                    block.call = self._blocks[block.start] = self._begin(name)
+            if block.call is not None:
+                block.arguments.feed(text, block.head_end + block.arguments.length, body_end)
+                self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
+                self.sent[block.call]["closed"] = closed
             elif closed:  # another shape ("arguments" first, a string): the call whole, if it is one
-                _, calls = parse_hermes(m.group(0))
+                _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
                 if calls:
-                    self._blocks[m.start()] = self._begin(calls[0]["function"]["name"],
-                                                          arguments=calls[0]["function"]["arguments"], closed=True)
+                    self._blocks[block.start] = self._begin(calls[0]["function"]["name"],
+                                                            arguments=calls[0]["function"]["arguments"], closed=True)
+            if not closed or close < 0:
+                return
+            self._scan, self._open = close + len(TOOL_CALL_CLOSE), None
 
     def _hermes_calls(self) -> list[dict]:
         """The calls sent whose arguments are JSON (one cut off by the output's end is not a call)."""
