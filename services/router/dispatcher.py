@@ -13,7 +13,7 @@ import grpc
 
 from engine.block_hash import lora_key
 from services.api.pdserve.v1 import pdserve_pb2 as pb
-from services.router.errors import RouterError, overloaded
+from services.router.errors import ModelNotFound, RouterError, overloaded
 from services.router.instances import Instance, InstancePool
 from services.router.pd_policy import PdPolicy
 from services.router.policy import RouteRequest, RoutingPolicy
@@ -179,6 +179,8 @@ class Dispatcher:
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         lora = sampling.lora_name
         if lora:
+            if lora not in self.lora_paths:  # unloaded since the request was read: never half-run
+                raise ModelNotFound(lora)
             self.lora_streams[lora] += 1
             self.lora_last_used[lora] = time.monotonic()
         generated: list[int] = []

@@ -37,6 +37,14 @@ class RouterError(Exception):
                           "code": self.code}}
 
 
+class ModelNotFound(RouterError):
+    """A request's model is none the router serves (OpenAI's 404 model_not_found); `name` is it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        self.name = name
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RouterError:
     return RouterError(400, message, param=param, code=code)
 

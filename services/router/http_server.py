@@ -8,8 +8,7 @@ import msgspec
 from aiohttp import web
 
 from services.router.cors import is_preflight
-from services.router.errors import RouterError, bad_request, key_matches
-from services.router.served_model import ModelNotFound
+from services.router.errors import ModelNotFound, RouterError, bad_request, key_matches
 from services.router.generation import REQUEST_ID
 from services.router.messages_api import MessagesServing, count_tokens, parse_messages
 from services.router.messages_api import error_body as anthropic_error_body

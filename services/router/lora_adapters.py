@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import grpc
@@ -44,8 +45,12 @@ RESOLVABLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 UNRESOLVED_TTL_S = 60.0  # a name that did not load is not tried again for this long
 UNRESOLVED_MAX = 4096  # names remembered as not loading, at most (the oldest go first)
 CALL_TIMEOUT_S = 120.0  # one engine's load: reading a checkpoint from a network volume can take a while
+BUSY_WAIT_S = 10.0  # an engine still finishing the name's previous adapter is asked again this long
+SYNC_RETRY_S = 30.0  # an engine that refused a runtime adapter is asked again after this long
+GONE_MAX = 1024  # names unloaded through this router remembered (to unload where they linger), at most
 _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 400,
-         grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404}
+         grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ABORTED: 409,
+         grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
 
 class RuntimeLoRA:
@@ -59,6 +64,9 @@ class RuntimeLoRA:
         self.idle = idle  # idle(name): returns once no request of this router runs with the adapter
         self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
         self._unloading: dict[str, asyncio.Task] = {}  # name -> its unload on the engines, under way
+        self._gone: dict[str, str] = {}  # unloaded through this router (and not loaded since) -> path
+        self._syncing: dict[str, asyncio.Task] = {}  # an engine's address -> its sync under way
+        self._sync_failed: dict[tuple[str, str], float] = {}  # (address, adapter) -> when it refused
         self.resolver_dir = resolver_dir  # --lora-resolver-dir, as the engines see it
         self.resolver_max = resolver_max  # adapters the resolver keeps loaded at most
         self.resolved: list[str] = []  # those it loaded, still loaded
@@ -103,7 +111,7 @@ class RuntimeLoRA:
             self.resolved.remove(name)
             if name in self.served:
                 return True  # loaded meanwhile by a call of its own
-            if e.status < 500:  # the engines had no such adapter there: remembered a while
+            if e.status in (400, 404):  # the engines had no such adapter there: remembered a while
                 self._unresolved[name] = time.monotonic()
                 self._unresolved.move_to_end(name)
                 while len(self._unresolved) > UNRESOLVED_MAX:
@@ -111,6 +119,7 @@ class RuntimeLoRA:
             logger.info("LoRA resolver: no adapter %s loaded from %s: %s", name, path, e.message)
             return False
         self._unresolved.pop(name, None)
+        self.last_used[name] = time.monotonic()  # new: not the first to go
         return True
 
     async def load(self, name, path) -> None:
@@ -120,6 +129,10 @@ class RuntimeLoRA:
         if name in self.reserved:
             raise bad_request(f"'{name}' is a name of the base model; an adapter needs a name of its own",
                               "lora_name")
+        # The engines' part goes on if the caller leaves (a client gone): no engine is left half-way.
+        await asyncio.shield(_detached(self._load(name, path)))
+
+    async def _load(self, name: str, path: str) -> None:
         pending = self._unloading.get(name)
         if pending is not None:  # unloaded a moment ago (a new version, say): the old one goes first
             await asyncio.shield(pending)
@@ -129,12 +142,13 @@ class RuntimeLoRA:
                                   code="lora_adapter_exists")
             targets = self._targets()
             results = await asyncio.gather(*(self._call(i, "load", name, path) for i in targets))
-            failed = [(inst, e) for inst, e in zip(targets, results) if e is not None]
-            if failed:
-                done = [inst for inst, e in zip(targets, results) if e is None]
-                await asyncio.gather(*(self._call(i, "unload", name) for i in done))  # none half-loaded
+            failed = [(inst, r) for inst, r in zip(targets, results) if isinstance(r, Failed)]
+            if failed:  # those that loaded it now unload it again (not those that had it before)
+                fresh = [inst for inst, r in zip(targets, results) if not isinstance(r, Failed) and r.loaded]
+                await asyncio.gather(*(self._call(i, "unload", name) for i in fresh))
                 raise _refusal(*failed[0], name)
             self.served[name] = self.loaded[name] = path
+            self._gone.pop(name, None)
         logger.info("LoRA adapter %s loaded from %s on %d engines", name, path, len(targets))
 
     async def unload(self, name) -> None:
@@ -148,6 +162,9 @@ class RuntimeLoRA:
                                   code="lora_adapter_not_found")
             path = self.served.pop(name)
             self.loaded.pop(name, None)
+            self._gone[name] = path
+            while len(self._gone) > GONE_MAX:
+                del self._gone[next(iter(self._gone))]
             task = asyncio.create_task(self._unload_engines(name, path))
             self._unloading[name] = task
             task.add_done_callback(lambda _: self._unloading.pop(name, None))
@@ -157,33 +174,59 @@ class RuntimeLoRA:
         async with self._lock:
             targets = [i for role in ROLES for i in self.pool.healthy(role)]
             results = await asyncio.gather(*(self._call(i, "unload", name) for i in targets))
-        for inst, e in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
-            if e is not None and e.code() != grpc.StatusCode.NOT_FOUND:
-                logger.warning("LoRA adapter %s (%s): unload on %s failed: %s", name, path, inst, e.details())
+        for inst, r in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
+            if isinstance(r, Failed) and r.code != grpc.StatusCode.NOT_FOUND:
+                logger.warning("LoRA adapter %s (%s): unload on %s failed (%s: %s); it goes when that engine "
+                               "next reports it", name, path, inst, r.code.name, r.details)
         logger.info("LoRA adapter %s unloaded from %d engines", name, len(targets))
 
     async def close(self) -> None:
         """At the router's stop, its requests drained: the unloads under way finish."""
-        await asyncio.gather(*list(self._unloading.values()), return_exceptions=True)
+        for task in self._syncing.values():
+            task.cancel()
+        await asyncio.gather(*list(self._unloading.values()), *self._syncing.values(), return_exceptions=True)
 
     async def sync(self, inst: Instance, report: pb.LoadReport) -> None:
-        """Loads onto `inst` the adapters loaded through this router that its report lacks."""
-        if not self.loaded or not report.lora_enabled:
+        """An engine's report: loads onto it the adapters loaded through this router that it lacks
+        (it joined, or restarted), and unloads those unloaded through this router that it still has
+        (it was out of reach then). Awaited before an instance turns healthy; for one already
+        serving it runs beside the health checks. An engine that refused one is asked again after
+        SYNC_RETRY_S."""
+        if not report.lora_enabled:
             return
-        has = {a.name for a in report.lora_adapters}
-        missing = [(n, p) for n, p in self.loaded.items() if n not in has]
-        if not missing:
+        has = {a.name: a.path for a in report.lora_adapters}
+        now = time.monotonic()
+        missing = [(n, p) for n, p in self.loaded.items()
+                   if has.get(n) != p and now - self._sync_failed.get((inst.address, n), -SYNC_RETRY_S) >= SYNC_RETRY_S]
+        strays = [(n, p) for n, p in has.items() if n not in self.served and self._gone.get(n) == p]
+        if not missing and not strays:
             return
+        if not inst.healthy:
+            await self._sync(inst, missing, strays)
+        elif inst.address not in self._syncing:
+            task = self._syncing[inst.address] = asyncio.create_task(self._sync(inst, missing, strays))
+            task.add_done_callback(lambda _: self._syncing.pop(inst.address, None))
+
+    async def _sync(self, inst: Instance, missing: list[tuple[str, str]], strays: list[tuple[str, str]]) -> None:
         async with self._lock:
             for name, path in missing:
                 if self.loaded.get(name) != path:
                     continue  # unloaded (or replaced) while this waited
-                e = await self._call(inst, "load", name, path)
-                if e is None:
+                r = await self._call(inst, "load", name, path)
+                if not isinstance(r, Failed):
+                    self._sync_failed.pop((inst.address, name), None)
                     logger.info("LoRA adapter %s loaded onto %s, which lacked it", name, inst)
-                elif e.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    logger.error("LoRA adapter %s could not be loaded onto %s, which lacks it: %s: %s; its "
-                                 "requests there will be refused", name, inst, e.code().name, e.details())
+                    continue
+                self._sync_failed[(inst.address, name)] = time.monotonic()
+                logger.error("LoRA adapter %s could not be loaded onto %s, which lacks it (%s: %s); its requests "
+                             "there will be refused; asked again in %.0fs", name, inst, r.code.name, r.details,
+                             SYNC_RETRY_S)
+            for name, path in strays:
+                if name in self.served or self._gone.get(name) != path:
+                    continue  # loaded again meanwhile
+                r = await self._call(inst, "unload", name)
+                if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND:
+                    logger.info("LoRA adapter %s, unloaded while %s was out of reach, unloaded there", name, inst)
 
     def _targets(self) -> list[Instance]:
         decode = self.pool.healthy("decode")
@@ -192,22 +235,43 @@ class RuntimeLoRA:
         return self.pool.healthy("prefill") + decode
 
     @staticmethod
-    async def _call(inst: Instance, what: str, name: str, path: str = "") -> grpc.aio.AioRpcError | None:
-        try:
-            if what == "load":
-                await inst.engine.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
-                                                  timeout=CALL_TIMEOUT_S)
-            else:
-                await inst.engine.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name),
-                                                    timeout=CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            return e
-        return None
+    async def _call(inst: Instance, what: str, name: str, path: str = "") -> pb.LoRAAdapterResponse | Failed:
+        """One engine's load or unload; ABORTED (the name's previous adapter still finishing its
+        requests there) is tried again for up to BUSY_WAIT_S."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try:
+                if what == "load":
+                    return await inst.engine.LoadLoRAAdapter(
+                        pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path), timeout=CALL_TIMEOUT_S)
+                return await inst.engine.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name),
+                                                           timeout=CALL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.ABORTED and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                    continue
+                return Failed(e.code(), e.details() or "")
+            except grpc.aio.UsageError as e:  # its channel closed: discovery removed it meanwhile
+                return Failed(grpc.StatusCode.UNAVAILABLE, str(e))
 
 
-def _refusal(inst: Instance, e: grpc.aio.AioRpcError, name: str) -> RouterError:
-    status = _HTTP.get(e.code(), 502)
-    code = {400: "lora_adapter_refused", 404: "lora_adapter_not_found"}.get(status, "upstream_error")
+@dataclass(frozen=True)
+class Failed:
+    """An engine's refusal of a load or unload."""
+    code: grpc.StatusCode
+    details: str
+
+
+def _detached(coro) -> asyncio.Task:
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: a caller gone is no error
+    return task
+
+
+def _refusal(inst: Instance, failed: Failed, name: str) -> RouterError:
+    status = _HTTP.get(failed.code, 502)
+    code = {400: "lora_adapter_refused", 404: "lora_adapter_not_found", 409: "lora_adapter_busy",
+            503: "lora_adapter_no_memory"}.get(status, "upstream_error")
     return RouterError(status, f"LoRA adapter '{name}' was not loaded: {inst.role} instance {inst.address} "
-                       f"refused it ({e.code().name}: {e.details()}); no engine kept it", param="lora_path"
-                       if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None, code=code)
+                       f"refused it ({failed.code.name}: {failed.details}); no engine kept it",
+                       param="lora_path" if failed.code == grpc.StatusCode.INVALID_ARGUMENT else None, code=code)

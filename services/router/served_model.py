@@ -9,7 +9,7 @@ import time
 
 from engine.processor import load_light_tokenizer
 
-from services.router.errors import RouterError, bad_request
+from services.router.errors import ModelNotFound, RouterError, bad_request
 from services.router.prompt_limits import PromptCharBound
 from services.router.reasoning import END, START, ReasoningParser
 
@@ -58,14 +58,6 @@ def _named_parameters(fn) -> set[str]:
     if fn is None:
         return set()
     return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD}
-
-
-class ModelNotFound(RouterError):
-    """A request's model is none the router serves (OpenAI's 404 model_not_found); `name` is it."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        self.name = name
 
 
 class ServedModel:
@@ -201,8 +193,13 @@ class ServedModel:
         return name if name in self.lora_modules else self.name
 
     def lora_of(self, name: str | None) -> str | None:
-        """The LoRA adapter a request's model name asks for (None: the base model)."""
-        return name if name in self.lora_modules else None
+        """The LoRA adapter a request's model name asks for (None: the base model); 404 for a name
+        served no more (an adapter unloaded since the request's name was checked)."""
+        if name is None or name in self.names:
+            return None
+        if name not in self.lora_modules:
+            raise ModelNotFound(name)
+        return name
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
         """The tokenizer's own strings for the ids (byte-level pieces such as "Ġhello")."""

@@ -122,6 +122,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         self.lora_enabled = True  # --enable-lora: LoadLoRAAdapter works (FAILED_PRECONDITION when not)
         self.lora_adapters: dict[str, str] = {}  # loaded at run time; a path under /bad does not load
         self.lora_folders: set[str] | None = None  # set: the only paths that hold an adapter
+        self.lora_busy = 0  # the next loads answer ABORTED (the name's previous adapter still finishing)
 
     @contextlib.contextmanager
     def _in_flight(self, rid: str):
@@ -217,13 +218,18 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         """The real engine's statuses (services.common.engine_host)."""
         if not self.lora_enabled:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this engine")
+        if self.lora_busy:
+            self.lora_busy -= 1
+            await context.abort(grpc.StatusCode.ABORTED, f"LoRA adapter {request.lora_name!r} still has requests")
+        if self.lora_adapters.get(request.lora_name) == request.lora_path:
+            return pb.LoRAAdapterResponse(loaded=False)
         if request.lora_name in self.lora_adapters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
         if request.lora_path.startswith("/bad") or (self.lora_folders is not None
                                                     and request.lora_path not in self.lora_folders):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: no adapter_config.json")
         self.lora_adapters[request.lora_name] = request.lora_path
-        return pb.LoRAAdapterResponse()
+        return pb.LoRAAdapterResponse(loaded=True)
 
     async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:
         if self.lora_adapters.pop(request.lora_name, None) is None:

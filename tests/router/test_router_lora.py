@@ -293,3 +293,56 @@ def test_the_resolver_keeps_the_most_recently_used_adapters(make_stack):
     with pytest.raises(ValueError, match="--lora-resolver-max-loras must be >= 1"):
         router_config("tiny", "--allow-runtime-lora-updating", "--lora-resolver-dir", "/a",
                       "--lora-resolver-max-loras", "0")
+
+
+def test_engines_that_had_the_adapter_keep_it_and_a_busy_engine_is_asked_again(runtime):
+    """An engine with the adapter from that path already (another router replica loaded it, or
+    this router before a restart) counts as loaded, and is not made to unload it when another
+    engine refuses; an engine still finishing the name's previous adapter is asked again."""
+    first, second = runtime.decodes[0].engine, runtime.decodes[1].engine
+    first.lora_adapters["pre"] = "/adapters/pre"
+    second.lora_enabled = False
+    status, _, _ = runtime.post("/v1/load_lora_adapter", {"lora_name": "pre", "lora_path": "/adapters/pre"})
+    assert status == 400
+    assert first.lora_adapters == {"pre": "/adapters/pre"} and runtime.prefills[0].engine.lora_adapters == {}
+    second.lora_enabled = True
+    second.lora_busy = 3
+    status, _, text = runtime.post("/v1/load_lora_adapter", {"lora_name": "pre", "lora_path": "/adapters/pre"})
+    assert status == 200, text
+    assert all(e.lora_adapters == {"pre": "/adapters/pre"} for e in engines(runtime)) and second.lora_busy == 0
+    # The name loaded from another path on one engine: a refusal that names it, the others undone.
+    second.lora_adapters["other"] = "/adapters/elsewhere"
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": "/adapters/x"})
+    assert status == 400 and "ALREADY_EXISTS" in err["error"]["message"]
+    assert "other" not in first.lora_adapters and second.lora_adapters["other"] == "/adapters/elsewhere"
+
+
+def test_an_engine_out_of_reach_at_the_unload_unloads_when_it_is_back(runtime, loop_thread):
+    runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    away = runtime.decodes[1]
+    inst = next(i for i in runtime.router.pool.instances("decode") if i.address == away.address)
+    loop_thread.run(away.set_serving(False))
+    wait_until(lambda: not inst.healthy, what="the decode to be seen down")
+    runtime.post("/v1/unload_lora_adapter", {"lora_name": "new"})
+    wait_until(lambda: "new" not in runtime.decodes[0].engine.lora_adapters, what="the reachable ones to unload")
+    assert away.engine.lora_adapters == {"new": "/adapters/new"}  # it never heard
+    loop_thread.run(away.set_serving(True))
+    wait_until(lambda: inst.healthy, what="the decode to be back")
+    assert away.engine.lora_adapters == {}  # its report showed it: unloaded before it took requests
+
+
+def test_a_request_whose_adapter_went_after_it_was_read_is_a_404_not_the_base_model(runtime, loop_thread):
+    from services.router.errors import ModelNotFound
+
+    router = runtime.router
+    with pytest.raises(ModelNotFound):  # read after the unload: no adapter, so no base model either
+        router.model.lora_of("gone")
+    assert router.model.lora_of("tiny") is None and router.model.lora_of("sql") == "sql"
+
+    async def dispatch():  # read while it was served, dispatched after it went
+        chunks = router.dispatcher.stream("r-gone", [5, 6, 7], pb.SamplingParams(max_tokens=2, lora_name="gone"))
+        with pytest.raises(ModelNotFound):
+            await chunks.__anext__()
+
+    loop_thread.run(dispatch())
+    assert not router.dispatcher.lora_streams
