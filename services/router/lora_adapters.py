@@ -3,13 +3,14 @@ and /v1/unload_lora_adapter, on when --allow-runtime-lora-updating or vLLM's
 VLLM_ALLOW_RUNTIME_LORA_UPDATING is set).
 
 A load goes to every healthy engine, prefill and decode alike (a request's adapter runs on both):
-all of them load it, or those that did unload it again and the caller gets the first refusal, so
-no engine serves an adapter the router does not list. Once loaded it is a model name like
---lora-modules' (the served map is the ServedModel's and the dispatcher's, changed in place). An
-unload takes the name off the router at once and off the engines once this router's requests on it
-have finished (so none is refused halfway, between its prefill and its decode). An
-engine that reports itself without one of these adapters (it joined later, or restarted) gets it
-loaded before the router routes to it: the pool awaits `sync` with each report it fetches.
+all of them load it (or had it from that path), or those that loaded it for this call unload it
+again and the caller gets the first refusal. Once loaded it is a model name like --lora-modules'
+(the served map is the ServedModel's and the dispatcher's, changed in place). An unload takes the
+name off the router at once and off the engines once this router's requests on it have finished
+(so none is refused halfway, between its prefill and its decode; one read before and dispatched
+after is a 404). Each engine report goes to `sync`: an engine without one of these adapters (it
+joined later, or restarted) gets it loaded, before it turns healthy; one that kept an adapter
+unloaded while it was out of reach unloads it.
 
 With --lora-resolver-dir DIR (vLLM's filesystem LoRA resolver, VLLM_LORA_RESOLVER_CACHE_DIR), a
 request naming a model the router does not serve loads DIR/<name> that way first, once however
