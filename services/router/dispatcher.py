@@ -139,6 +139,8 @@ class Dispatcher:
         """`pair_with`: a prefill's possible decodes, or a decode's prefill (KV will move
         between them); None for a decode that computes the prompt itself."""
         candidates = self._candidates(route.role, exclude, pair_with)
+        if route.lora is not None:  # those that serve the adapter (all, unless one refused it)
+            candidates = [i for i in candidates if i.loras is None or route.lora[1] in i.loras] or candidates
         if not candidates:
             reason = self.pool.unavailable_reason(route.role) if not exclude else (
                 f"no other healthy {route.role} instance to retry on")

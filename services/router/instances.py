@@ -38,6 +38,9 @@ class Instance:
         self.draining = False  # discovery removed it: no new requests, in-flight ones finish
         self.reason = "not checked yet"  # why it is unhealthy
         self.load: pb.LoadReport | None = None
+        # The LoRA adapters it serves, by its last report and the loads and unloads since (None:
+        # not reported yet): a request for an adapter goes to those that have it.
+        self.loras: set[str] | None = None
         # Its pairing descriptor (in `load`) is this life's: false from each start until a report
         # comes, for a pod restarted behind the same address may be another version.
         self.described = False
@@ -221,6 +224,7 @@ class InstancePool:
             logger.debug("GetLoad from %s failed: %s", inst, e.code().name)
             return
         previous, inst.load = inst.load, report
+        inst.loras = {a.name for a in report.lora_adapters} if report.lora_enabled else set()
         inst.routed_tokens = max(0, inst.routed_tokens - routed_before)
         if not inst.described or previous.HasField("pairing") != report.HasField("pairing") or (
                 previous.pairing != report.pairing):  # a first descriptor, or a pod of another version

@@ -150,6 +150,8 @@ class RuntimeLoRA:
                 raise _refusal(*failed[0], name)
             self.served[name] = self.loaded[name] = path
             self._gone.pop(name, None)
+            for inst in targets:
+                _note(inst, name, True)
         logger.info("LoRA adapter %s loaded from %s on %d engines", name, path, len(targets))
 
     async def unload(self, name) -> None:
@@ -176,7 +178,9 @@ class RuntimeLoRA:
             targets = [i for role in ROLES for i in self.pool.healthy(role)]
             results = await asyncio.gather(*(self._call(i, "unload", name) for i in targets))
         for inst, r in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
-            if isinstance(r, Failed) and r.code != grpc.StatusCode.NOT_FOUND:
+            if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND:
+                _note(inst, name, False)
+            else:
                 logger.warning("LoRA adapter %s (%s): unload on %s failed (%s: %s); it goes when that engine "
                                "next reports it", name, path, inst, r.code.name, r.details)
         logger.info("LoRA adapter %s unloaded from %d engines", name, len(targets))
@@ -215,6 +219,7 @@ class RuntimeLoRA:
                     continue  # unloaded (or replaced) while this waited
                 r = await self._call(inst, "load", name, path)
                 if not isinstance(r, Failed):
+                    _note(inst, name, True)
                     self._sync_failed.pop((inst.address, name), None)
                     logger.info("LoRA adapter %s loaded onto %s, which lacked it", name, inst)
                     continue
@@ -227,6 +232,7 @@ class RuntimeLoRA:
                     continue  # loaded again meanwhile
                 r = await self._call(inst, "unload", name)
                 if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND:
+                    _note(inst, name, False)
                     logger.info("LoRA adapter %s, unloaded while %s was out of reach, unloaded there", name, inst)
 
     def _targets(self) -> list[Instance]:
@@ -261,6 +267,12 @@ class Failed:
     """An engine's refusal of a load or unload."""
     code: grpc.StatusCode
     details: str
+
+
+def _note(inst: Instance, name: str, serves: bool) -> None:
+    """What routing knows of an instance's adapters, after a load or unload there."""
+    if inst.loras is not None:
+        (inst.loras.add if serves else inst.loras.discard)(name)
 
 
 def _detached(coro) -> asyncio.Task:

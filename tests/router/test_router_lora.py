@@ -346,3 +346,29 @@ def test_a_request_whose_adapter_went_after_it_was_read_is_a_404_not_the_base_mo
 
     loop_thread.run(dispatch())
     assert not router.dispatcher.lora_streams
+
+
+def test_requests_for_an_adapter_go_to_the_engines_that_have_it(runtime, loop_thread):
+    """A decode that joined and could not load a runtime adapter (its volume lacks the folder)
+    serves the base model, and the adapter's requests go to the decodes that have it."""
+    from router_fakes import start_fake
+
+    runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    pool = runtime.router.pool
+    joined = loop_thread.run(start_fake("decode", name="decode-joined"))
+    joined.engine.lora_folders = set()
+    try:
+        addresses = tuple(i.address for i in pool.instances("decode")) + (joined.address,)
+        loop_thread.run(_call(lambda: pool.update("decode", addresses)))
+        inst = next(i for i in pool.instances("decode") if i.address == joined.address)
+        wait_until(lambda: inst.healthy, what="the joined decode to turn healthy")
+        assert joined.engine.lora_adapters == {} and inst.loras == set()
+        for _ in range(6):
+            status, _, _ = runtime.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        assert not joined.engine.requests  # none of the adapter's reached it
+        for _ in range(6):
+            runtime.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert joined.engine.requests  # the base model's do
+    finally:
+        loop_thread.run(joined.stop(0))
