@@ -17,11 +17,13 @@ class Parts:
     token_ids: list[int] = field(default_factory=list)  # the tokens whose text `content` is
     logprobs: list = field(default_factory=list)  # theirs (pb.TokenLogprob), when asked for
     calls: list[dict] | None = None  # set once the answer is complete: its tool calls (OpenAI's shape)
+    call_deltas: list[dict] = field(default_factory=list)  # the calls as they come (ToolCallStream.take_deltas)
 
 
 class AnswerParts:
     """`choice` accumulates the answer (usage, finish reason); with tools the content outside the
-    calls streams as it comes and the calls come at the end. A token's logprob goes with the
+    calls streams as it comes, the calls as ToolCallStream makes them (`call_deltas`) and all of
+    them once the answer is complete (`calls`). A token's logprob goes with the
     content text it makes; those of the reasoning's tokens are not shown (nor, with tools, any)."""
 
     def __init__(self, choice: Choice) -> None:
@@ -39,6 +41,7 @@ class AnswerParts:
             if finished:
                 rest, parts.calls = self.tools.finish()
                 parts.content += rest
+            parts.call_deltas = self.tools.take_deltas()
             return parts
         parts.content = text
         self._pending.append((chunk.token_ids, chunk.logprobs))

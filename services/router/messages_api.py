@@ -263,10 +263,14 @@ class MessageOutput:
     """Content blocks as the answer comes (thinking, text, tool_use); each step returns the
     stream events it makes (a whole answer takes the blocks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = False) -> None:
         self.blocks: list[dict] = []
         self.open: dict | None = None
         self.calls: list[dict] = []
+        # Streamed: a tool_use block opens when its call begins and its input's JSON follows as
+        # written (input_json_delta); whole: the calls at the end.
+        self.stream = stream
+        self.streamed: dict[int, tuple[dict, str]] = {}  # a call's index -> (its block, its arguments so far)
 
     def _close(self) -> list[dict]:
         block, self.open = self.open, None
@@ -303,12 +307,40 @@ class MessageOutput:
     def text(self, text: str) -> list[dict]:
         return self._delta("text", text)
 
+    def tool_deltas(self, deltas: list[dict]) -> list[dict]:
+        if not self.stream:
+            return []
+        events = []
+        for delta in deltas:
+            fn = delta.get("function", {})
+            if "id" in delta:  # a call begins: the block before it is complete
+                events += self._close()
+                block = {"type": "tool_use", "id": delta["id"].replace("call_", "toolu_", 1), "name": fn["name"],
+                         "input": {}}
+                self.blocks.append(block)
+                self.open = block
+                self.streamed[delta["index"]] = (block, "")
+                events.append({"type": "content_block_start", "index": len(self.blocks) - 1,
+                               "content_block": dict(block)})
+            block, arguments = self.streamed[delta["index"]]
+            if fn.get("arguments"):
+                self.streamed[delta["index"]] = (block, arguments + fn["arguments"])
+                events.append({"type": "content_block_delta", "index": self.blocks.index(block),
+                               "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
+        return events
+
     def tool_uses(self, calls: list[dict]) -> list[dict]:
         """A call whose arguments are a JSON object is a tool_use block; one whose are not (a
-        constrained answer cut short) stays text."""
+        constrained answer cut short) stays text. Streamed already: its input, complete."""
         events = []
+        streamed = {block["id"]: block for block, _ in self.streamed.values()}
         for call in calls:
             fn = call["function"]
+            block = streamed.get(call["id"].replace("call_", "toolu_", 1))
+            if block is not None:
+                block["input"] = json.loads(fn["arguments"])
+                self.calls.append(call)
+                continue
             try:
                 args = json.loads(fn["arguments"])
             except ValueError:
@@ -353,12 +385,12 @@ class MessagesServing:
         prompt = req.prompts[0]
         choice = Choice(0, prompt, req, self.model, chat=True)
         answer = AnswerParts(choice)
-        out = MessageOutput()
+        out = MessageOutput(stream=req.stream)
         chunks = self.generator.stream(request_id, prompt)
 
         def step(chunk: TextChunk) -> list[dict]:
             parts = answer.feed(chunk)
-            events = out.thinking(parts.reasoning) + out.text(parts.content)
+            events = out.thinking(parts.reasoning) + out.text(parts.content) + out.tool_deltas(parts.call_deltas)
             if parts.calls is not None:
                 events += out.tool_uses(parts.calls) + out.finish()
             return events

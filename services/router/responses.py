@@ -402,15 +402,21 @@ class ResponseOutput:
     """Output items as the answer comes: reasoning, message text, function calls. Each step
     returns the stream events it makes (a whole response takes the items and drops them)."""
 
-    def __init__(self, model: ServedModel, logprobs: int | None, as_ids: bool) -> None:
+    def __init__(self, model: ServedModel, logprobs: int | None, as_ids: bool, stream: bool = False) -> None:
         self.model, self.top_logprobs, self.as_ids = model, logprobs, as_ids
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
+        # Streamed: function calls as they come (their arguments as written), one item each, the
+        # last open until the next begins or the answer ends. Whole: the calls at the end.
+        self.stream = stream
+        self.streamed: dict[int, dict] = {}  # a call's index in the answer -> its item
+        self.open_call: dict | None = None
 
     def _close(self) -> list[dict]:
+        events = self._close_call()
         item, self.open = self.open, None
         if item is None:
-            return []
+            return events
         index, part = len(self.items) - 1, item["content"][0]
         item["status"] = "completed"
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
@@ -418,8 +424,41 @@ class ResponseOutput:
             done = {"type": "response.reasoning_text.done", **ids, "text": part["text"]}
         else:
             done = {"type": "response.output_text.done", **ids, "text": part["text"], "logprobs": part["logprobs"]}
-        return [done, {"type": "response.content_part.done", **ids, "part": part},
+        return events + [done, {"type": "response.content_part.done", **ids, "part": part},
+                         {"type": "response.output_item.done", "output_index": index, "item": item}]
+
+    def _close_call(self) -> list[dict]:
+        item, self.open_call = self.open_call, None
+        if item is None:
+            return []
+        if item["status"] == "in_progress":
+            item["status"] = "completed"
+        index = self.items.index(item)
+        return [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                 "arguments": item["arguments"]},
                 {"type": "response.output_item.done", "output_index": index, "item": item}]
+
+    def call_deltas(self, deltas: list[dict]) -> list[dict]:
+        """Streamed: a call's item opens with its name, its arguments follow as they are written."""
+        if not self.stream:
+            return []
+        events = []
+        for delta in deltas:
+            fn = delta.get("function", {})
+            if "id" in delta:  # a call begins: what was open before it is complete
+                events += self._close()
+                item = {"type": "function_call", "id": _id("fc"), "call_id": delta["id"], "name": fn["name"],
+                        "arguments": "", "status": "in_progress"}
+                self.items.append(item)
+                self.streamed[delta["index"]] = self.open_call = item
+                events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                               "item": dict(item)})
+            item = self.streamed[delta["index"]]
+            if fn.get("arguments"):
+                item["arguments"] += fn["arguments"]
+                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                               "output_index": self.items.index(item), "delta": fn["arguments"]})
+        return events
 
     def _ensure(self, kind: str) -> list[dict]:
         if self.open is not None and self.open["type"] == kind:
@@ -466,8 +505,16 @@ class ResponseOutput:
         return events
 
     def calls(self, calls: list[dict]) -> list[dict]:
+        """The answer's calls, once it is complete: those not streamed as items yet."""
+        final = {call["id"] for call in calls}
+        for item in self.streamed.values():  # begun, but cut off (max_output_tokens) before it was a call
+            if item["call_id"] not in final:
+                item["status"] = "incomplete"
         events = self._close()
+        streamed = {item["call_id"] for item in self.streamed.values()}
         for call in calls:
+            if call["id"] in streamed:
+                continue
             fn = call["function"]
             item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
                     "arguments": fn["arguments"], "status": "completed"}
@@ -498,7 +545,7 @@ class _Turn:
         self.prompt = req.prompts[0]
         self.choice = Choice(0, self.prompt, req, serving.model, chat=True)
         self.answer = AnswerParts(self.choice)
-        self.out = ResponseOutput(serving.model, req.logprobs, req.tokens_as_ids)
+        self.out = ResponseOutput(serving.model, req.logprobs, req.tokens_as_ids, stream=req.stream)
         self.created = int(time.time())
         self.run: BackgroundRun | None = None  # set when generated in the background
 
@@ -527,6 +574,7 @@ class _Turn:
         parts = self.answer.feed(chunk)
         out = self.out
         events = out.reasoning(parts.reasoning) + out.content(parts.content, parts.token_ids, parts.logprobs)
+        events += out.call_deltas(parts.call_deltas)
         if parts.calls is not None:
             events += out.calls(parts.calls) + out.finish()
         return events

@@ -80,8 +80,13 @@ def test_tool_use_blocks_and_tool_results_going_back(make_stack, tokenizer):
         assert said.text == "Let me check." and use.type == "tool_use" and use.name == "get_weather"
         assert use.input == {"city": "Paris"} and use.id.startswith("toolu_") and out.stop_reason == "tool_use"
         with client.messages.stream(model="tiny", max_tokens=100, tools=TOOLS, messages=ask) as stream:
+            events = list(stream)
             final = stream.get_final_message()  # the SDK parses the input_json_delta pieces
         assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"city": "Paris"}
+        # The tool_use block opened with its name and its input came as the model wrote it.
+        pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
+        assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Paris"}
         assert final.stop_reason == "tool_use"
         # The assistant's turn (text + tool_use) and the user's tool_result go back as the chat
         # completion's assistant tool call and tool message.

@@ -102,8 +102,10 @@ def test_function_calls_come_back_as_items_and_go_back_as_input(calling_stack, t
             final = stream.get_final_response()
         assert [i.type for i in final.output] == ["message", "function_call"] and final.status == "completed"
         assert [e.type for e in events][-1] == "response.completed"  # the SDK's helper checked every event
-        args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-        assert json.loads(args) == {"city": "Paris"} and final.output[1].name == "get_weather"
+        pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert json.loads("".join(pieces)) == {"city": "Paris"} and final.output[1].name == "get_weather"
+        assert len(pieces) > 1  # the arguments came as the model wrote them
+        assert final.output[1].arguments == "".join(pieces) and final.output[1].status == "completed"
         # The call and its output go back as items: the assistant message carries the call, the
         # output is a tool message, as a chat completion would send them to the template.
         follow = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
