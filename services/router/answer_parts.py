@@ -28,7 +28,8 @@ class AnswerParts:
 
     def __init__(self, choice: Choice) -> None:
         self.choice = choice
-        self.tools = ToolCallStream(choice.req.tools) if choice.req.tools is not None else None
+        self.tools = ToolCallStream(choice.req.tools, stream_calls=choice.req.stream) \
+            if choice.req.tools is not None else None
         self._pending: list[tuple[list, list]] = []  # tokens whose text is not shown yet
 
     def feed(self, chunk: TextChunk) -> Parts:

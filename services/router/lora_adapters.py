@@ -48,7 +48,10 @@ UNRESOLVED_MAX = 4096  # names remembered as not loading, at most (the oldest go
 CALL_TIMEOUT_S = 120.0  # one engine's load: reading a checkpoint from a network volume can take a while
 BUSY_WAIT_S = 10.0  # an engine still finishing the name's previous adapter is asked again this long
 SYNC_RETRY_S = 30.0  # an engine that refused a runtime adapter is asked again after this long
-GONE_MAX = 1024  # names unloaded through this router remembered (to unload where they linger), at most
+GONE_MAX = 1024  # unloads remembered for the engines they did not reach, at most
+# An engine's answers that say nothing of what it did: a rollback unloads there too.
+_UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+               grpc.StatusCode.UNKNOWN)
 _HTTP = {grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.INVALID_ARGUMENT: 400,
          grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ABORTED: 409,
          grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
@@ -65,7 +68,8 @@ class RuntimeLoRA:
         self.idle = idle  # idle(name): returns once no request of this router runs with the adapter
         self._lock = asyncio.Lock()  # one load / unload at a time, and never beside a sync
         self._unloading: dict[str, asyncio.Task] = {}  # name -> its unload on the engines, under way
-        self._gone: dict[str, str] = {}  # unloaded through this router (and not loaded since) -> path
+        # Unloaded through this router (and not loaded since) -> (its path, the engines it did not reach)
+        self._missed: dict[str, tuple[str, set[str]]] = {}
         self._syncing: dict[str, asyncio.Task] = {}  # an engine's address -> its sync under way
         self._sync_failed: dict[tuple[str, str], float] = {}  # (address, adapter) -> when it refused
         self.resolver_dir = resolver_dir  # --lora-resolver-dir, as the engines see it
@@ -144,12 +148,15 @@ class RuntimeLoRA:
             targets = self._targets()
             results = await asyncio.gather(*(self._call(i, "load", name, path) for i in targets))
             failed = [(inst, r) for inst, r in zip(targets, results) if isinstance(r, Failed)]
-            if failed:  # those that loaded it now unload it again (not those that had it before)
-                fresh = [inst for inst, r in zip(targets, results) if not isinstance(r, Failed) and r.loaded]
-                await asyncio.gather(*(self._call(i, "unload", name) for i in fresh))
-                raise _refusal(*failed[0], name)
+            if failed:  # those that loaded it now unload it again (not those that had it before), and
+                # those whose answer did not come (the load may have gone on there)
+                undo = [inst for inst, r in zip(targets, results)
+                        if (r.code in _UNANSWERED if isinstance(r, Failed) else r.loaded)]
+                await asyncio.gather(*(self._call(i, "unload", name) for i in undo))
+                said = [(inst, r) for inst, r in failed if r.code not in _UNANSWERED]  # a reason first
+                raise _refusal(*(said or failed)[0], name)
             self.served[name] = self.loaded[name] = path
-            self._gone.pop(name, None)
+            self._missed.pop(name, None)
             for inst in targets:
                 _note(inst, name, True)
         logger.info("LoRA adapter %s loaded from %s on %d engines", name, path, len(targets))
@@ -165,9 +172,6 @@ class RuntimeLoRA:
                                   code="lora_adapter_not_found")
             path = self.served.pop(name)
             self.loaded.pop(name, None)
-            self._gone[name] = path
-            while len(self._gone) > GONE_MAX:
-                del self._gone[next(iter(self._gone))]
             task = asyncio.create_task(self._unload_engines(name, path))
             self._unloading[name] = task
             task.add_done_callback(lambda _: self._unloading.pop(name, None))
@@ -177,8 +181,16 @@ class RuntimeLoRA:
         async with self._lock:
             targets = [i for role in ROLES for i in self.pool.healthy(role)]
             results = await asyncio.gather(*(self._call(i, "unload", name) for i in targets))
+            # The engines it did not reach unload it when they next report it (if it is not loaded again).
+            done = {i.address for i, r in zip(targets, results)
+                    if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND}
+            missed = {i.address for role in ROLES for i in self.pool.instances(role)} - done
+            if missed and name not in self.served:
+                self._missed[name] = (path, missed)
+                while len(self._missed) > GONE_MAX:
+                    del self._missed[next(iter(self._missed))]
         for inst, r in zip(targets, results):  # NOT_FOUND: that engine never had it (a --lora-modules gap)
-            if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND:
+            if inst.address in done:
                 _note(inst, name, False)
             else:
                 logger.warning("LoRA adapter %s (%s): unload on %s failed (%s: %s); it goes when that engine "
@@ -203,7 +215,7 @@ class RuntimeLoRA:
         now = time.monotonic()
         missing = [(n, p) for n, p in self.loaded.items()
                    if has.get(n) != p and now - self._sync_failed.get((inst.address, n), -SYNC_RETRY_S) >= SYNC_RETRY_S]
-        strays = [(n, p) for n, p in has.items() if n not in self.served and self._gone.get(n) == p]
+        strays = [(n, p) for n, p in has.items() if self._stray(inst, n, p)]
         if not missing and not strays:
             return
         if not inst.healthy:
@@ -228,12 +240,22 @@ class RuntimeLoRA:
                              "there will be refused; asked again in %.0fs", name, inst, r.code.name, r.details,
                              SYNC_RETRY_S)
             for name, path in strays:
-                if name in self.served or self._gone.get(name) != path:
+                if not self._stray(inst, name, path):
                     continue  # loaded again meanwhile
                 r = await self._call(inst, "unload", name)
                 if not isinstance(r, Failed) or r.code == grpc.StatusCode.NOT_FOUND:
                     _note(inst, name, False)
+                    missed = self._missed.get(name)
+                    if missed is not None:
+                        missed[1].discard(inst.address)
+                        if not missed[1]:
+                            del self._missed[name]
                     logger.info("LoRA adapter %s, unloaded while %s was out of reach, unloaded there", name, inst)
+
+    def _stray(self, inst: Instance, name: str, path: str) -> bool:
+        """`inst` still has an adapter this router unloaded while it was out of reach."""
+        missed = self._missed.get(name)
+        return name not in self.served and missed is not None and missed[0] == path and inst.address in missed[1]
 
     def _targets(self) -> list[Instance]:
         decode = self.pool.healthy("decode")

@@ -313,6 +313,8 @@ class MessageOutput:
         events = []
         for delta in deltas:
             fn = delta.get("function", {})
+            if "id" in delta and fn.get("arguments") and not _json_object(fn["arguments"]):
+                continue  # a whole call whose arguments are no JSON object: text, at the end (tool_uses)
             if "id" in delta:  # a call begins: the block before it is complete
                 events += self._close()
                 block = {"type": "tool_use", "id": delta["id"].replace("call_", "toolu_", 1), "name": fn["name"],
@@ -338,14 +340,11 @@ class MessageOutput:
             fn = call["function"]
             block = streamed.get(call["id"].replace("call_", "toolu_", 1))
             if block is not None:
-                block["input"] = json.loads(fn["arguments"])
+                block["input"] = _json_object(fn["arguments"]) or {}
                 self.calls.append(call)
                 continue
-            try:
-                args = json.loads(fn["arguments"])
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
+            args = _json_object(fn["arguments"])
+            if args is None:
                 events += self.text(fn["arguments"])
                 continue
             events += self._close()
@@ -424,3 +423,12 @@ class MessagesServing:
             await send(response, [error_body(e)])
 
         return await stream_events(request, request_id, headers, chunks, self.generator.metrics, run, on_error)
+
+
+def _json_object(text: str) -> dict | None:
+    """The arguments as a mapping when they are a JSON object, else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

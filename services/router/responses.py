@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import secrets
 import threading
@@ -427,12 +428,18 @@ class ResponseOutput:
         return events + [done, {"type": "response.content_part.done", **ids, "part": part},
                          {"type": "response.output_item.done", "output_index": index, "item": item}]
 
+    def left_incomplete(self) -> None:
+        """The answer stopped short (cancelled, failed): what was being written is incomplete."""
+        for item in (self.open, self.open_call):
+            if item is not None:
+                item["status"] = "incomplete"
+
     def _close_call(self) -> list[dict]:
         item, self.open_call = self.open_call, None
         if item is None:
             return []
-        if item["status"] == "in_progress":
-            item["status"] = "completed"
+        if item["status"] == "in_progress":  # complete arguments (a JSON object), or cut short
+            item["status"] = "completed" if _json_object_text(item["arguments"]) else "incomplete"
         index = self.items.index(item)
         return [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
                  "arguments": item["arguments"]},
@@ -506,10 +513,6 @@ class ResponseOutput:
 
     def calls(self, calls: list[dict]) -> list[dict]:
         """The answer's calls, once it is complete: those not streamed as items yet."""
-        final = {call["id"] for call in calls}
-        for item in self.streamed.values():  # begun, but cut off (max_output_tokens) before it was a call
-            if item["call_id"] not in final:
-                item["status"] = "incomplete"
         events = self._close()
         streamed = {item["call_id"] for item in self.streamed.values()}
         for call in calls:
@@ -588,14 +591,12 @@ class _Turn:
 
     def cancelled(self) -> dict:
         """Stopped where it was: the item being written is left incomplete."""
-        if self.out.open is not None:
-            self.out.open["status"] = "incomplete"
+        self.out.left_incomplete()
         return self.response("cancelled", self.out.items)
 
     def failed(self, e: RouterError) -> tuple[dict, list[dict]]:
         """An error event, then the response failed with what it had written."""
-        if self.out.open is not None:
-            self.out.open["status"] = "incomplete"
+        self.out.left_incomplete()
         response = self.response("failed", self.out.items, None, {"code": e.code or e.type, "message": e.message})
         self.serving.keep(self.rr, response, self.run)
         return response, [{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param},
@@ -775,3 +776,10 @@ class ResponsesServing:
             self.keep(turn.rr, response, run)
         run.response = response
         run.emit(events)
+
+
+def _json_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -62,7 +62,9 @@ class Router:
         self.pool = InstancePool(
             config.prefill, config.decode, self.metrics,
             health_interval_s=config.health_check_interval_s,
-            load_interval_s=config.load_poll_interval_s if self.policy.needs_load_reports or conditional else None,
+            # Runtime LoRA adapters: each report says which an engine lacks or still has.
+            load_interval_s=config.load_poll_interval_s
+            if self.policy.needs_load_reports or conditional or config.allow_runtime_lora_updating else None,
             on_load=self.model.on_load_report, drain_grace_s=config.request_timeout_s, sources=sources,
             auth=config.engine_auth)
         self.dispatcher = Dispatcher(

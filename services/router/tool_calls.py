@@ -575,14 +575,16 @@ class ToolCallStream:
     model's JSON text as written). The others' calls, and any not sent yet, go at the finish.
     `finish` returns every call, with the ids the stream sent."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, stream_calls: bool = True) -> None:
+        """`stream_calls`: make the calls' deltas as they come (False: an answer read whole, its
+        calls at the end as the whole output parses)."""
         self.plan = plan
         self.text = ""
         self.shown = 0  # characters of text already streamed as content
         self.first_call = -1  # where the first <tool_call> starts, once seen
         self.openers = _OPENERS.get(plan.parser) if not plan.constrained else None
         self.whole: bool | None = None  # llama3_json / pythonic: the output opens calls (None: not known yet)
-        self.incremental = not plan.constrained and plan.parser in _CALL_ENDS
+        self.incremental = stream_calls and not plan.constrained and plan.parser in _CALL_ENDS
         self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
         self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
         self._open: _HermesBlock | None = None  # Hermes: the block being written
@@ -720,16 +722,14 @@ class ToolCallStream:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
         region = self.text[self.first_call:]
-        if self.plan.parser == "hermes":  # the content: what is outside the calls' blocks
+        if self.incremental and self.plan.parser == "hermes":  # the content: what is outside the calls' blocks
             self._advance(final=True)
             calls, kept, at = self._hermes_calls(), [], 0
-            ids = {c["id"] for c in calls}
             for m in _BLOCK.finditer(region):
-                k = self._blocks.get(m.start())
-                if k is not None and self.sent[k]["id"] in ids:
+                if m.start() in self._blocks:  # a call begun on the stream: never content too
                     kept.append(region[at:m.start()])
                     at = m.end()
-            content = "".join(kept + [region[at:]]).strip() if calls else region
+            content = "".join(kept + [region[at:]]).strip() if self.sent else region
             return self.text[self.shown:self.first_call] + content, calls
         content, calls = parse_auto(self.plan.parser, region, self.plan.tools)
         for call, sent in zip(calls, self.sent):  # the ids the stream has sent

@@ -123,6 +123,7 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
         self.lora_adapters: dict[str, str] = {}  # loaded at run time; a path under /bad does not load
         self.lora_folders: set[str] | None = None  # set: the only paths that hold an adapter
         self.lora_busy = 0  # the next loads answer ABORTED (the name's previous adapter still finishing)
+        self.lora_answer_lost = False  # a load is done but its caller hears DEADLINE_EXCEEDED
 
     @contextlib.contextmanager
     def _in_flight(self, rid: str):
@@ -229,6 +230,8 @@ class FakeEngine(pb_grpc.PrefillServicer, pb_grpc.DecodeServicer, pb_grpc.Engine
                                                     and request.lora_path not in self.lora_folders):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: no adapter_config.json")
         self.lora_adapters[request.lora_name] = request.lora_path
+        if self.lora_answer_lost:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         return pb.LoRAAdapterResponse(loaded=True)
 
     async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterResponse:

@@ -194,7 +194,8 @@ def test_an_unload_waits_for_the_adapters_running_requests(make_stack):
     running on it has finished, complete; a load of the same name (a new version) comes after."""
     import threading
 
-    stack = make_stack(decode_kwargs=[{"token_delay": 0.02}], allow_runtime_lora_updating=True)
+    stack = make_stack(decode_kwargs=[{"token_delay": 0.02}], allow_runtime_lora_updating=True,
+                       load_poll_interval_s=0.05)
     stack.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/v1"})
     done = {}
     reader = threading.Thread(target=lambda: done.update(out=stack.post(
@@ -204,7 +205,9 @@ def test_an_unload_waits_for_the_adapters_running_requests(make_stack):
     wait_until(lambda: decode.running, what="the request to run")
     status, _, _ = stack.post("/v1/unload_lora_adapter", {"lora_name": "new"})
     assert status == 200 and decode.running  # answered without waiting for it
-    assert decode.lora_adapters == {"new": "/adapters/v1"}  # still running on it
+    polls = decode.load_requests
+    wait_until(lambda: decode.load_requests >= polls + 3, what="load reports to come in meanwhile")
+    assert decode.running and decode.lora_adapters == {"new": "/adapters/v1"}  # still running on it
     status, _, _ = stack.post("/v1/completions", {"model": "new", "prompt": "hi", "max_tokens": 2})
     assert status == 404
     status, _, text = stack.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/v2"})
@@ -372,3 +375,15 @@ def test_requests_for_an_adapter_go_to_the_engines_that_have_it(runtime, loop_th
         assert joined.engine.requests  # the base model's do
     finally:
         loop_thread.run(joined.stop(0))
+
+
+
+def test_an_engine_whose_load_timed_out_is_undone_too(runtime, loop_thread):
+    """The rollback also unloads where the load's answer never came (the engine may have gone on
+    with it): no engine keeps an adapter the router does not list."""
+    slow, refusing = runtime.decodes[0].engine, runtime.decodes[1].engine
+    refusing.lora_enabled = False
+    slow.lora_answer_lost = True  # it loads, but its answer is lost
+    status, _, err = runtime.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+    assert status == 400 and runtime.decodes[1].address in err["error"]["message"]
+    assert not any(e.lora_adapters for e in engines(runtime))

@@ -207,3 +207,18 @@ def test_malformed_messages_bodies_are_anthropic_400s(stack, body):
     if "system" in body:  # the message names the field at fault
         assert err["error"]["message"].startswith("system"), err
     assert stack.post("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": HI})[0] == 200
+
+
+def test_a_streamed_call_whose_arguments_are_no_object_is_text():
+    """llama3_json / mistral calls come whole; arguments that are not a JSON object (a string) are
+    text, as in the unstreamed answer, and the stream goes on to its end."""
+    from services.router.messages_api import MessageOutput
+    from services.router.tool_calls import make_call
+
+    out = MessageOutput(stream=True)
+    call = make_call("f", '"hello"')
+    assert out.tool_deltas([{"index": 0, "id": call["id"], "type": "function",
+                             "function": {"name": "f", "arguments": '"hello"'}}]) == []
+    events = out.tool_uses([call]) + out.finish()
+    assert [e["type"] for e in events] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert out.blocks == [{"type": "text", "text": '"hello"'}] and out.calls == []

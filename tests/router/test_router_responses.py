@@ -333,3 +333,18 @@ def test_malformed_responses_bodies_are_400s(stack, body):
     assert status == 400, err
     assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"], err
     assert stack.post("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2})[0] == 200
+
+
+def test_a_streamed_call_whose_arguments_are_not_json_is_an_incomplete_item(make_stack, tokenizer):
+    text = ('Checking.<tool_call>{"name": "get_weather", "arguments": {"city": tru}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    script = tokenizer.encode(text, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, prefill_kwargs=[{"script": script}], decode_kwargs=[{"script": script}])
+    events = stack.sse("/v1/responses", {"input": "Weather?", "tools": TOOLS, "max_output_tokens": 200, "stream": True})
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i.get("status")) for i in done] == [("message", "completed"), ("function_call", "incomplete"),
+                                                            ("function_call", "completed")]
+    final = events[-1]["response"]
+    assert [i["status"] for i in final["output"]] == ["completed", "incomplete", "completed"]
+    assert final["output"][0]["content"][0]["text"] == "Checking."  # the call's text is not content too
+    assert json.loads(final["output"][2]["arguments"]) == {"city": "Oslo"}
