@@ -139,8 +139,7 @@ class Dispatcher:
         """`pair_with`: a prefill's possible decodes, or a decode's prefill (KV will move
         between them); None for a decode that computes the prompt itself."""
         candidates = self._candidates(route.role, exclude, pair_with)
-        if route.lora is not None:  # those that serve the adapter (all, unless one refused it)
-            candidates = [i for i in candidates if i.loras is None or route.lora[1] in i.loras] or candidates
+        candidates = _serving(candidates, route.lora) or candidates  # those with the request's adapter
         if not candidates:
             reason = self.pool.unavailable_reason(route.role) if not exclude else (
                 f"no other healthy {route.role} instance to retry on")
@@ -290,6 +289,7 @@ class Dispatcher:
         codes: set[grpc.StatusCode] = set()
         while True:
             decodes = [d for d in self.pool.healthy("decode") if d not in lost]  # only a prefill one can pull from
+            decodes = _serving(decodes, route.lora) or decodes  # those with the request's adapter
             inst = self._pick(route, tried, decodes)
             tried.append(inst)
             try:
@@ -405,3 +405,11 @@ class Dispatcher:
         """Waits for the aborts still on their way."""
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _serving(instances: list[Instance], lora: tuple | None) -> list[Instance]:
+    """Those of `instances` that serve the LoRA adapter of `lora` (its prefix-cache key; None: the
+    base model, which every instance serves); an instance not reported yet is taken to."""
+    if lora is None:
+        return instances
+    return [i for i in instances if i.loras is None or lora[1] in i.loras]
