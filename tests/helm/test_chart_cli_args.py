@@ -65,6 +65,7 @@ def test_rendered_args_parse_with_the_pdserve_clis(value_set, tmp_path):
                                                            else [])
             assert config.allow_runtime_lora_updating == (value_set == "model-pvc")
             assert config.lora_resolver_dir == ("/models/adapters" if value_set == "model-pvc" else None)
+            assert config.lora_resolver_max_loras == (8 if value_set == "model-pvc" else 32)
             if value_set == "router-tls":  # the files load, client certificates demanded
                 assert config.tls is not None and config.tls.cert_reqs == 2
             else:
