@@ -507,12 +507,51 @@ def _json_string(body: str) -> str | None:
         return None
 
 
-def _is_json(text: str) -> bool:
+def _is_json_object(text: str) -> bool:
     try:
-        json.loads(text)
+        return isinstance(_STRICT_JSON.decode(text), dict)
     except ValueError:
         return False
-    return True
+
+
+def _hermes_head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
+    """A Hermes block's head `{"name": ..., "arguments": ` in text[start:end]: (name, no id, where
+    the arguments object starts), once it is out."""
+    head = _HERMES_HEAD.match(text, start, end)
+    name = _json_string(head.group(1)) if head is not None else None
+    return (name, None, head.end()) if name is not None else None
+
+
+def _sep_head(sep: str, header):
+    """Heads that end at a separator, the arguments' JSON object after it (DeepSeek-V3.1: NAME then
+    `<｜tool▁sep｜>`; Kimi K2: functions.NAME:N, its id, then `<|tool_call_argument_begin|>`)."""
+    def head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
+        at = text.find(sep, start, end)
+        if at < 0:
+            return None
+        args = at + len(sep)
+        while args < end and text[args].isspace():
+            args += 1
+        if args >= end or text[args] != "{":
+            return None  # not yet out, or not an object (then no call: whole-output parsing agrees)
+        named = header(text[start:at].strip())
+        return (*named, args) if named is not None else None
+    return head
+
+
+def _kimi_header(header: str) -> tuple[str, str] | None:
+    m = re.fullmatch(r"(?:functions\.)?(.+):\d+", header)
+    return (m.group(1), header) if m is not None else None
+
+
+# Parsers whose calls' arguments are JSON objects streamed as written: (a call's opening marker,
+# its closing marker, its head: (name, id or None, where the arguments start) once out).
+_JSON_CALLS = {
+    "hermes": (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _hermes_head),
+    "deepseek_v31": (DEEPSEEK_CALL, DEEPSEEK_CALL_END,
+                     _sep_head(DEEPSEEK_SEP, lambda h: (h, None) if h and "<" not in h else None)),
+    "kimi_k2": (KIMI_CALL, KIMI_CALL_END, _sep_head(KIMI_ARGS, _kimi_header)),
+}
 
 
 class _JsonScan:
@@ -548,9 +587,9 @@ class _JsonScan:
 
 
 @dataclass
-class _HermesBlock:
-    """A `<tool_call>` block being streamed: where it starts (from the first call), where its body
-    starts and its close may be (in the text), and its call once its head is out."""
+class _CallBlock:
+    """A call's block being streamed: where it starts (from the first call), where its body starts
+    and its close may be (in the text), and its call once its head is out."""
     start: int
     body: int
     close_from: int = 0
@@ -587,7 +626,7 @@ class ToolCallStream:
         self.incremental = stream_calls and not plan.constrained and plan.parser in _CALL_ENDS
         self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
         self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
-        self._open: _HermesBlock | None = None  # Hermes: the block being written
+        self._open: _CallBlock | None = None  # Hermes: the block being written
         self._scan = 0  # Hermes: where in the text the next block is looked for
         self._parsed_to = -1  # the others: where the last call closed when the text was last parsed
         self._deltas: list[dict] = []
@@ -659,8 +698,8 @@ class ToolCallStream:
         call's arguments stream without the text before them being read again)."""
         if not self.incremental:
             return
-        if self.plan.parser == "hermes":
-            self._advance_hermes(final)
+        if self.plan.parser in _JSON_CALLS:
+            self._advance_json_calls(final)
             return
         marker = _CALL_ENDS[self.plan.parser]
         region = self.text[self.first_call:]
@@ -672,41 +711,42 @@ class ToolCallStream:
         for call in calls[len(self.sent):]:
             self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
 
-    def _advance_hermes(self, final: bool) -> None:
+    def _advance_json_calls(self, final: bool) -> None:
         text, base = self.text, self.first_call
+        opener, closer, read_head = _JSON_CALLS[self.plan.parser]
         while True:
             block = self._open
             if block is None:  # the next block, if one has opened
-                at = text.find(TOOL_CALL_OPEN, self._scan)
+                at = text.find(opener, self._scan)
                 if at < 0:
                     return
-                block = self._open = _HermesBlock(at - base, at + len(TOOL_CALL_OPEN))
-            close = text.find(TOOL_CALL_CLOSE, block.close_from)
-            block.close_from = max(block.body, len(text) - len(TOOL_CALL_CLOSE) + 1)
+                block = self._open = _CallBlock(at - base, at + len(opener))
+            close = text.find(closer, block.close_from)
+            block.close_from = max(block.body, len(text) - len(closer) + 1)
             closed = close >= 0 or final
             body_end = close if close >= 0 else len(text)
             if block.call is None and block.head_end < 0:
-                head = _HERMES_HEAD.match(text, block.body, body_end)
-                name = _json_string(head.group(1)) if head is not None else None
-                if name is not None:  # its name is known: the call begins, its arguments go as written
-                    block.head_end = head.end()
-                    block.call = self._blocks[block.start] = self._begin(name)
+                head = read_head(text, block.body, body_end)
+                if head is not None:  # its name is known: the call begins, its arguments go as written
+                    name, call_id, block.head_end = head
+                    block.call = self._blocks[block.start] = self._begin(name, call_id)
             if block.call is not None:
                 block.arguments.feed(text, block.head_end + block.arguments.length, body_end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
                 self.sent[block.call]["closed"] = closed
-            elif closed:  # another shape ("arguments" first, a string): the call whole, if it is one
+            elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
                 if calls:
                     self._blocks[block.start] = self._begin(calls[0]["function"]["name"],
                                                             arguments=calls[0]["function"]["arguments"], closed=True)
             if not closed or close < 0:
                 return
-            self._scan, self._open = close + len(TOOL_CALL_CLOSE), None
+            self._scan, self._open = close + len(closer), None
 
-    def _hermes_calls(self) -> list[dict]:
-        """The calls sent whose arguments are JSON (one cut off by the output's end is not a call)."""
-        return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent if _is_json(c["arguments"])]
+    def _json_calls(self) -> list[dict]:
+        """The calls sent whose arguments are a JSON object (one cut off by the output's end, or not
+        JSON, is not a call)."""
+        return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent if _is_json_object(c["arguments"])]
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""
@@ -722,9 +762,12 @@ class ToolCallStream:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
         region = self.text[self.first_call:]
-        if self.incremental and self.plan.parser == "hermes":  # the content: what is outside the calls' blocks
+        if self.incremental and self.plan.parser in _JSON_CALLS:
             self._advance(final=True)
-            calls, kept, at = self._hermes_calls(), [], 0
+            calls = self._json_calls()
+            if self.plan.parser != "hermes":  # DeepSeek's, Kimi's: the text before the calls is the content
+                return self.text[self.shown:self.first_call] + ("" if self.sent else region), calls
+            kept, at = [], 0  # Hermes': what is outside the calls' blocks
             for m in _BLOCK.finditer(region):
                 if m.start() in self._blocks:  # a call begun on the stream: never content too
                     kept.append(region[at:m.start()])

@@ -135,7 +135,16 @@ def test_a_stream_sends_each_call_once_its_block_closes(parser):
         fed = i + 4
         if deltas:
             break
-    assert first_end < fed < text.index("now")  # the first call went before the second was written
+    if parser in ("deepseek_v31", "kimi_k2"):  # JSON arguments: the call begins at its name, before its close
+        assert fed < first_end and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+        while fed < first_end:
+            stream.feed(text[fed:fed + 4])
+            deltas += stream.take_deltas()
+            fed += 4
+        assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
+    else:  # XML values, fenced JSON: the call whole once its block has closed
+        assert first_end < fed
+    assert fed < text.index("now")  # either way the first call went before the second was written
     assert calls_of(merged(deltas)) == WANT[:1]
     for i in range(fed, len(text), 4):
         stream.feed(text[i:i + 4])
@@ -161,8 +170,10 @@ def test_through_the_router_whole_and_streamed(make_stack, tokenizer, parser):
     assert stack.decodes[0].engine.requests[-1].sampling.skip_special_tokens is (parser != "kimi_k2")
     events = stack.sse("/v1/chat/completions", {**body, "stream": True})[:-1]
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Let me check."
-    streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
-    assert [c["function"]["name"] for c in streamed] == ["get_weather", "now"]
+    streamed = merged([c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []])
+    assert calls_of(streamed) == WANT
+    if parser == "kimi_k2":  # Kimi's ids are its headers: the same streamed or not
+        assert [c["id"] for c in streamed] == [c["id"] for c in message["tool_calls"]]
 
 
 def test_hermes_arguments_stream_through_the_router_as_written(make_stack, tokenizer):
@@ -211,3 +222,26 @@ def test_an_assistants_tool_calls_reach_the_template_as_mappings(make_stack, tok
         assert rendered(broken) == "user:hi;assistant:[f];tool:ok;"
     status, _, err = stack.post("/tokenize", {"messages": [{"role": "assistant", "content": "", "tool_calls": "f"}]})
     assert status == 400 and "tool_calls must be an array" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v31", "kimi_k2"])
+def test_json_arguments_stream_as_written_cut_anywhere(parser):
+    """Cut into pieces of any size, the stream's calls are the whole output's (their arguments the
+    model's JSON text, as written); the text before them is the content; a call whose arguments
+    are cut off is no call at the end."""
+    text = FORMATS[parser]
+    whole_content, whole_calls = parse_auto(parser, text, TOOLS)
+    for step in (1, 2, 3, 5, 11, len(text)):
+        stream, deltas, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), [], ""
+        for i in range(0, len(text), step):
+            shown += stream.feed(text[i:i + step])
+            deltas += stream.take_deltas()
+        rest, calls = stream.finish()
+        deltas += stream.take_deltas()
+        assert shown + rest == whole_content and calls_of(calls) == calls_of(whole_calls), step
+        assert merged(deltas) == calls
+    cut = text[:text.index("New York") + 4]
+    stream = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser))
+    shown = stream.feed(cut)
+    rest, calls = stream.finish()
+    assert calls == [] and shown + rest == "Let me check."
