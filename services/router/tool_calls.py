@@ -586,6 +586,31 @@ class _JsonScan:
             self.length += 1
 
 
+_QWEN_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+_NOT_TEXT = frozenset({"null", "integer", "number", "boolean", "object", "array"})
+
+
+@dataclass
+class _XmlCall:
+    """A Qwen3-Coder call being streamed: its arguments are written as JSON as its parameters come
+    (a text value piece by piece, a typed one whole at its end)."""
+    start: int  # where its <tool_call> starts, from the first call
+    body: int  # where its body starts, in the text
+    close_from: int = 0
+    call: int | None = None
+    pos: int = 0  # how far its parameters are read
+    count: int = 0  # parameters begun
+    key: str | None = None  # the parameter being written
+    value: int = 0  # where its value starts
+    value_scan: int = 0  # where its end is looked for from
+    text_value: bool = False  # a text value (streamed as a JSON string)
+    value_sent: int = 0  # characters of the value sent
+    done: bool = False  # its arguments' closing brace sent
+
+    def __post_init__(self) -> None:
+        self.close_from = self.pos = self.body
+
+
 @dataclass
 class _CallBlock:
     """A call's block being streamed: where it starts (from the first call), where its body starts
@@ -701,6 +726,9 @@ class ToolCallStream:
         if self.plan.parser in _JSON_CALLS:
             self._advance_json_calls(final)
             return
+        if self.plan.parser == "qwen3_coder":
+            self._advance_qwen(final)
+            return
         marker = _CALL_ENDS[self.plan.parser]
         region = self.text[self.first_call:]
         end = region.rfind(marker)
@@ -743,6 +771,80 @@ class ToolCallStream:
                 return
             self._scan, self._open = close + len(closer), None
 
+    def _advance_qwen(self, final: bool) -> None:
+        text, base = self.text, self.first_call
+        while True:
+            block = self._open
+            if block is None:
+                at = text.find(TOOL_CALL_OPEN, self._scan)
+                if at < 0:
+                    return
+                block = self._open = _XmlCall(at - base, at + len(TOOL_CALL_OPEN))
+            close = text.find(TOOL_CALL_CLOSE, block.close_from)
+            block.close_from = max(block.body, len(text) - len(TOOL_CALL_CLOSE) + 1)
+            end = close if close >= 0 else len(text)
+            if block.call is None:  # its name: <function=NAME>
+                at = text.find("<function=", block.body, end)
+                gt = text.find(">", at, end) if at >= 0 else -1
+                name = text[at + len("<function="):gt].strip() if gt >= 0 else ""
+                if name and "\n" not in name:
+                    block.call = self._blocks[block.start] = self._begin(name)
+                    block.pos = gt + 1
+            if block.call is not None and not block.done:
+                self._qwen_parameters(block, text, end, closed=close >= 0)
+            if close < 0:
+                return  # (at the finish, a call still open has arguments cut short: no call)
+            self._scan, self._open = close + len(TOOL_CALL_CLOSE), None
+
+    def _qwen_parameters(self, block: _XmlCall, text: str, end: int, closed: bool) -> None:
+        k = block.call
+        props = _properties(self.plan.tools, self.sent[k]["name"])
+        while True:
+            if block.key is None:  # between parameters: the next one, or the function's end
+                at = text.find("<parameter=", block.pos, end)
+                stop = text.find("</function>", block.pos, end)
+                if stop >= 0 and (at < 0 or stop < at) or at < 0 and closed:
+                    self._add(k, "}" if block.count else "{}")
+                    block.done = True
+                    return
+                gt = text.find(">", at, end) if at >= 0 else -1
+                if gt < 0:
+                    return
+                key = text[at + len("<parameter="):gt].strip()
+                block.text_value = not set(_schema_types(props.get(key))) & _NOT_TEXT
+                self._add(k, ("{" if not block.count else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+                          + ('"' if block.text_value else ""))
+                block.count += 1
+                block.key, block.value, block.value_scan, block.value_sent = key, gt + 1, gt + 1, 0
+            ends = [at for at in (text.find(marker, block.value_scan, end) for marker in _QWEN_VALUE_ENDS) if at >= 0]
+            value_end = min(ends) if ends else (end if closed else -1)
+            if value_end >= 0:  # the value is complete
+                value = _one_newline_off(text[block.value:value_end])
+                if block.text_value:
+                    self._add(k, json.dumps(value[block.value_sent:], ensure_ascii=False)[1:-1] + '"')
+                else:
+                    self._add(k, json.dumps(typed_value(value, props.get(block.key)), ensure_ascii=False))
+                block.pos = value_end + (len("</parameter>") if text.startswith("</parameter>", value_end) else 0)
+                block.key = None
+                continue
+            block.value_scan = max(block.value, end - len("</parameter>") + 1)
+            if block.text_value:  # what surely belongs to the value: not a newline or a tag's start at its end
+                value = text[block.value:end]
+                value = value[1:] if value.startswith("\n") else value
+                safe = len(value)
+                lt = value.rfind("<", max(0, safe - len("</parameter>")))
+                if lt >= 0 and any(m.startswith(value[lt:]) for m in _QWEN_VALUE_ENDS):
+                    safe = lt
+                if value[:safe].endswith("\n"):
+                    safe -= 1
+                if safe > block.value_sent:
+                    self._add(k, json.dumps(value[block.value_sent:safe], ensure_ascii=False)[1:-1])
+                    block.value_sent = safe
+            return
+
+    def _add(self, k: int, piece: str) -> None:
+        self._extend(k, self.sent[k]["arguments"] + piece)
+
     def _json_calls(self) -> list[dict]:
         """The calls sent whose arguments are a JSON object (one cut off by the output's end, or not
         JSON, is not a call)."""
@@ -762,10 +864,10 @@ class ToolCallStream:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
         region = self.text[self.first_call:]
-        if self.incremental and self.plan.parser in _JSON_CALLS:
+        if self.incremental and (self.plan.parser in _JSON_CALLS or self.plan.parser == "qwen3_coder"):
             self._advance(final=True)
             calls = self._json_calls()
-            if self.plan.parser != "hermes":  # DeepSeek's, Kimi's: the text before the calls is the content
+            if self.plan.parser != "hermes":  # the others: the text before the calls is the content
                 return self.text[self.shown:self.first_call] + ("" if self.sent else region), calls
             kept, at = [], 0  # Hermes': what is outside the calls' blocks
             for m in _BLOCK.finditer(region):

@@ -135,14 +135,14 @@ def test_a_stream_sends_each_call_once_its_block_closes(parser):
         fed = i + 4
         if deltas:
             break
-    if parser in ("deepseek_v31", "kimi_k2"):  # JSON arguments: the call begins at its name, before its close
+    if parser in ("deepseek_v31", "kimi_k2", "qwen3_coder"):  # the call begins at its name, before its close
         assert fed < first_end and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
         while fed < first_end:
             stream.feed(text[fed:fed + 4])
             deltas += stream.take_deltas()
             fed += 4
         assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
-    else:  # XML values, fenced JSON: the call whole once its block has closed
+    else:  # GLM's XML values, DeepSeek-V3's fenced JSON: the call whole once its block has closed
         assert first_end < fed
     assert fed < text.index("now")  # either way the first call went before the second was written
     assert calls_of(merged(deltas)) == WANT[:1]
@@ -245,3 +245,30 @@ def test_json_arguments_stream_as_written_cut_anywhere(parser):
     shown = stream.feed(cut)
     rest, calls = stream.finish()
     assert calls == [] and shown + rest == "Let me check."
+
+
+
+def test_qwen3_coder_arguments_stream_as_json_as_the_parameters_come():
+    """Each parameter as it comes: a text value piece by piece as a JSON string (quotes, newlines,
+    a "<" that starts no tag), a typed one whole at its end; cut anywhere, the stream's calls are
+    the whole output's."""
+    text = ("Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nSa\"o <Paulo> \\ a < b\nsecond line\n"
+            "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n"
+            "<parameter=metric>\nfalse\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
+            "</function>\n</tool_call>")
+    whole_content, whole_calls = parse_auto("qwen3_coder", text, TOOLS)
+    assert calls_of(whole_calls)[0][1]["city"] == 'Sa"o <Paulo> \\ a < b\nsecond line'
+    for step in (1, 2, 3, 7, 13, len(text)):
+        stream, deltas, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder")), [], ""
+        for i in range(0, len(text), step):
+            shown += stream.feed(text[i:i + step])
+            deltas += stream.take_deltas()
+        rest, calls = stream.finish()
+        deltas += stream.take_deltas()
+        assert shown + rest == whole_content and calls_of(calls) == calls_of(whole_calls), step
+        assert merged(deltas) == calls and calls[0]["function"]["arguments"] == whole_calls[0]["function"]["arguments"]
+    # The city's text streams before its parameter closes.
+    stream = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder"))
+    stream.feed(text[:text.index("second line") + 6])
+    sent = "".join(d["function"].get("arguments", "") for d in stream.take_deltas())
+    assert sent == '{"city": "Sa\\"o <Paulo> \\\\ a < b\\nsecond'
