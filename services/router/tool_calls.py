@@ -739,18 +739,27 @@ class ToolCallStream:
         for call in calls[len(self.sent):]:
             self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
 
+    def _next_block(self, opener: str, closer: str, make) -> tuple[object, int] | None:
+        """The block being written (`make(start from the first call, body)` when one opens) and
+        where its closer is (-1: not yet); None: no block has opened since the last one."""
+        text, block = self.text, self._open
+        if block is None:
+            at = text.find(opener, self._scan)
+            if at < 0:
+                return None
+            block = self._open = make(at - self.first_call, at + len(opener))
+        close = text.find(closer, block.close_from)
+        block.close_from = max(block.body, len(text) - len(closer) + 1)
+        return block, close
+
     def _advance_json_calls(self, final: bool) -> None:
         text, base = self.text, self.first_call
         opener, closer, read_head = _JSON_CALLS[self.plan.parser]
         while True:
-            block = self._open
-            if block is None:  # the next block, if one has opened
-                at = text.find(opener, self._scan)
-                if at < 0:
-                    return
-                block = self._open = _CallBlock(at - base, at + len(opener))
-            close = text.find(closer, block.close_from)
-            block.close_from = max(block.body, len(text) - len(closer) + 1)
+            found = self._next_block(opener, closer, _CallBlock)
+            if found is None:
+                return
+            block, close = found
             closed = close >= 0 or final
             body_end = close if close >= 0 else len(text)
             if block.call is None and block.head_end < 0:
@@ -772,16 +781,12 @@ class ToolCallStream:
             self._scan, self._open = close + len(closer), None
 
     def _advance_qwen(self, final: bool) -> None:
-        text, base = self.text, self.first_call
+        text = self.text
         while True:
-            block = self._open
-            if block is None:
-                at = text.find(TOOL_CALL_OPEN, self._scan)
-                if at < 0:
-                    return
-                block = self._open = _XmlCall(at - base, at + len(TOOL_CALL_OPEN))
-            close = text.find(TOOL_CALL_CLOSE, block.close_from)
-            block.close_from = max(block.body, len(text) - len(TOOL_CALL_CLOSE) + 1)
+            found = self._next_block(TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _XmlCall)
+            if found is None:
+                return
+            block, close = found
             end = close if close >= 0 else len(text)
             if block.call is None:  # its name: <function=NAME>
                 at = text.find("<function=", block.body, end)

@@ -224,6 +224,16 @@ def test_an_assistants_tool_calls_reach_the_template_as_mappings(make_stack, tok
     assert status == 400 and "tool_calls must be an array" in err["error"]["message"]
 
 
+def streamed_in_pieces(parser: str, text: str, step: int) -> tuple[str, list[dict], list[dict]]:
+    """(the content shown, the calls at the finish, every delta) of `text` fed `step` characters at a time."""
+    stream, deltas, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), [], ""
+    for i in range(0, len(text), step):
+        shown += stream.feed(text[i:i + step])
+        deltas += stream.take_deltas()
+    rest, calls = stream.finish()
+    return shown + rest, calls, deltas + stream.take_deltas()
+
+
 @pytest.mark.parametrize("parser", ["deepseek_v31", "kimi_k2"])
 def test_json_arguments_stream_as_written_cut_anywhere(parser):
     """Cut into pieces of any size, the stream's calls are the whole output's (their arguments the
@@ -232,13 +242,8 @@ def test_json_arguments_stream_as_written_cut_anywhere(parser):
     text = FORMATS[parser]
     whole_content, whole_calls = parse_auto(parser, text, TOOLS)
     for step in (1, 2, 3, 5, 11, len(text)):
-        stream, deltas, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), [], ""
-        for i in range(0, len(text), step):
-            shown += stream.feed(text[i:i + step])
-            deltas += stream.take_deltas()
-        rest, calls = stream.finish()
-        deltas += stream.take_deltas()
-        assert shown + rest == whole_content and calls_of(calls) == calls_of(whole_calls), step
+        content, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert content == whole_content and calls_of(calls) == calls_of(whole_calls), step
         assert merged(deltas) == calls
     cut = text[:text.index("New York") + 4]
     stream = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser))
@@ -259,13 +264,8 @@ def test_qwen3_coder_arguments_stream_as_json_as_the_parameters_come():
     whole_content, whole_calls = parse_auto("qwen3_coder", text, TOOLS)
     assert calls_of(whole_calls)[0][1]["city"] == 'Sa"o <Paulo> \\ a < b\nsecond line'
     for step in (1, 2, 3, 7, 13, len(text)):
-        stream, deltas, shown = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder")), [], ""
-        for i in range(0, len(text), step):
-            shown += stream.feed(text[i:i + step])
-            deltas += stream.take_deltas()
-        rest, calls = stream.finish()
-        deltas += stream.take_deltas()
-        assert shown + rest == whole_content and calls_of(calls) == calls_of(whole_calls), step
+        content, calls, deltas = streamed_in_pieces("qwen3_coder", text, step)
+        assert content == whole_content and calls_of(calls) == calls_of(whole_calls), step
         assert merged(deltas) == calls and calls[0]["function"]["arguments"] == whole_calls[0]["function"]["arguments"]
     # The city's text streams before its parameter closes.
     stream = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder"))
