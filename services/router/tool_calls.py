@@ -586,8 +586,51 @@ class _JsonScan:
             self.length += 1
 
 
-_QWEN_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
 _NOT_TEXT = frozenset({"null", "integer", "number", "boolean", "object", "array"})
+
+
+def _qwen_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
+    """Qwen3-Coder: `<function=NAME>`: (the name, where its parameters start), once out."""
+    at = text.find("<function=", start, end)
+    gt = text.find(">", at, end) if at >= 0 else -1
+    name = text[at + len("<function="):gt].strip() if gt >= 0 else ""
+    return (name, gt + 1) if name and "\n" not in name else None
+
+
+def _glm_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
+    """GLM-4.5: the text before the first `<arg_key>` (or the whole block, closed without one)."""
+    at = text.find("<arg_key>", start, end)
+    if at < 0 and not closed:
+        return None
+    at = end if at < 0 else at
+    name = text[start:at].strip()
+    return (name, at) if name and "<" not in name and "\n" not in name else None
+
+
+@dataclass(frozen=True)
+class _XmlDialect:
+    """How a format's XML calls write their name and parameters."""
+    name: object  # (text, body start, end, closed) -> (name, where the parameters start) or None
+    key_open: str
+    key_close: str
+    value_open: str  # "" when the value follows the key's tag
+    value_ends: tuple[str, ...]  # where a value ends (its closing tag first)
+    args_end: str | None  # where the parameters end, besides the block's close
+    trim: bool  # one newline each side of a value is the template's
+
+    @property
+    def value_close(self) -> str:
+        return self.value_ends[0]
+
+    def trimmed(self, value: str) -> str:
+        return _one_newline_off(value) if self.trim else value
+
+
+_XML_CALLS = {
+    "qwen3_coder": _XmlDialect(_qwen_name, "<parameter=", ">", "", ("</parameter>", "<parameter=", "</function>"),
+                               "</function>", True),
+    "glm45": _XmlDialect(_glm_name, "<arg_key>", "</arg_key>", "<arg_value>", ("</arg_value>",), None, False),
+}
 
 
 @dataclass
@@ -726,8 +769,8 @@ class ToolCallStream:
         if self.plan.parser in _JSON_CALLS:
             self._advance_json_calls(final)
             return
-        if self.plan.parser == "qwen3_coder":
-            self._advance_qwen(final)
+        if self.plan.parser in _XML_CALLS:
+            self._advance_xml_calls(final)
             return
         marker = _CALL_ENDS[self.plan.parser]
         region = self.text[self.first_call:]
@@ -780,67 +823,77 @@ class ToolCallStream:
                 return
             self._scan, self._open = close + len(closer), None
 
-    def _advance_qwen(self, final: bool) -> None:
-        text = self.text
+    def _advance_xml_calls(self, final: bool) -> None:
+        text, dialect = self.text, _XML_CALLS[self.plan.parser]
         while True:
             found = self._next_block(TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _XmlCall)
             if found is None:
                 return
             block, close = found
             end = close if close >= 0 else len(text)
-            if block.call is None:  # its name: <function=NAME>
-                at = text.find("<function=", block.body, end)
-                gt = text.find(">", at, end) if at >= 0 else -1
-                name = text[at + len("<function="):gt].strip() if gt >= 0 else ""
-                if name and "\n" not in name:
+            if block.call is None:
+                head = dialect.name(text, block.body, end, close >= 0)
+                if head is not None:
+                    name, block.pos = head
                     block.call = self._blocks[block.start] = self._begin(name)
-                    block.pos = gt + 1
             if block.call is not None and not block.done:
-                self._qwen_parameters(block, text, end, closed=close >= 0)
+                self._xml_parameters(block, dialect, text, end, closed=close >= 0)
             if close < 0:
                 return  # (at the finish, a call still open has arguments cut short: no call)
             self._scan, self._open = close + len(TOOL_CALL_CLOSE), None
 
-    def _qwen_parameters(self, block: _XmlCall, text: str, end: int, closed: bool) -> None:
+    def _xml_parameters(self, block: _XmlCall, d: "_XmlDialect", text: str, end: int, closed: bool) -> None:
         k = block.call
         props = _properties(self.plan.tools, self.sent[k]["name"])
         while True:
-            if block.key is None:  # between parameters: the next one, or the function's end
-                at = text.find("<parameter=", block.pos, end)
-                stop = text.find("</function>", block.pos, end)
+            if block.key is None:  # between parameters: the next one, or the arguments' end
+                at = text.find(d.key_open, block.pos, end)
+                stop = text.find(d.args_end, block.pos, end) if d.args_end else -1
                 if stop >= 0 and (at < 0 or stop < at) or at < 0 and closed:
                     self._add(k, "}" if block.count else "{}")
                     block.done = True
                     return
-                gt = text.find(">", at, end) if at >= 0 else -1
-                if gt < 0:
+                key_end = text.find(d.key_close, at + len(d.key_open), end) if at >= 0 else -1
+                if key_end < 0:
                     return
-                key = text[at + len("<parameter="):gt].strip()
+                value = key_end + len(d.key_close)
+                if d.value_open:  # GLM: <arg_value> after the key (and whitespace)
+                    while value < end and text[value].isspace():
+                        value += 1
+                    if not text.startswith(d.value_open, value):
+                        if end - value < len(d.value_open) and d.value_open.startswith(text[value:end]) and not closed:
+                            return  # not out yet
+                        block.pos = key_end + len(d.key_close)  # a key without a value: no parameter
+                        continue
+                    value += len(d.value_open)
+                key = text[at + len(d.key_open):key_end].strip()
                 block.text_value = not set(_schema_types(props.get(key))) & _NOT_TEXT
                 self._add(k, ("{" if not block.count else ", ") + json.dumps(key, ensure_ascii=False) + ": "
                           + ('"' if block.text_value else ""))
                 block.count += 1
-                block.key, block.value, block.value_scan, block.value_sent = key, gt + 1, gt + 1, 0
-            ends = [at for at in (text.find(marker, block.value_scan, end) for marker in _QWEN_VALUE_ENDS) if at >= 0]
+                block.key, block.value, block.value_scan, block.value_sent = key, value, value, 0
+            ends = [at for at in (text.find(marker, block.value_scan, end) for marker in d.value_ends) if at >= 0]
             value_end = min(ends) if ends else (end if closed else -1)
             if value_end >= 0:  # the value is complete
-                value = _one_newline_off(text[block.value:value_end])
+                value = d.trimmed(text[block.value:value_end])
                 if block.text_value:
                     self._add(k, json.dumps(value[block.value_sent:], ensure_ascii=False)[1:-1] + '"')
                 else:
                     self._add(k, json.dumps(typed_value(value, props.get(block.key)), ensure_ascii=False))
-                block.pos = value_end + (len("</parameter>") if text.startswith("</parameter>", value_end) else 0)
+                block.pos = value_end + (len(d.value_close) if text.startswith(d.value_close, value_end) else 0)
                 block.key = None
                 continue
-            block.value_scan = max(block.value, end - len("</parameter>") + 1)
+            longest = max(len(m) for m in d.value_ends)
+            block.value_scan = max(block.value, end - longest + 1)
             if block.text_value:  # what surely belongs to the value: not a newline or a tag's start at its end
                 value = text[block.value:end]
-                value = value[1:] if value.startswith("\n") else value
+                if d.trim and value.startswith("\n"):
+                    value = value[1:]
                 safe = len(value)
-                lt = value.rfind("<", max(0, safe - len("</parameter>")))
-                if lt >= 0 and any(m.startswith(value[lt:]) for m in _QWEN_VALUE_ENDS):
+                lt = value.rfind("<", max(0, safe - longest))
+                if lt >= 0 and any(m.startswith(value[lt:]) for m in d.value_ends):
                     safe = lt
-                if value[:safe].endswith("\n"):
+                if d.trim and value[:safe].endswith("\n"):
                     safe -= 1
                 if safe > block.value_sent:
                     self._add(k, json.dumps(value[block.value_sent:safe], ensure_ascii=False)[1:-1])
@@ -869,7 +922,7 @@ class ToolCallStream:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
         region = self.text[self.first_call:]
-        if self.incremental and (self.plan.parser in _JSON_CALLS or self.plan.parser == "qwen3_coder"):
+        if self.incremental and (self.plan.parser in _JSON_CALLS or self.plan.parser in _XML_CALLS):
             self._advance(final=True)
             calls = self._json_calls()
             if self.plan.parser != "hermes":  # the others: the text before the calls is the content

@@ -135,14 +135,14 @@ def test_a_stream_sends_each_call_once_its_block_closes(parser):
         fed = i + 4
         if deltas:
             break
-    if parser in ("deepseek_v31", "kimi_k2", "qwen3_coder"):  # the call begins at its name, before its close
+    if parser != "deepseek_v3":  # the call begins at its name, before its close
         assert fed < first_end and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
-        while fed < first_end:
+        while fed < first_end + len("</tool_call>"):  # (GLM's arguments close with the block)
             stream.feed(text[fed:fed + 4])
             deltas += stream.take_deltas()
             fed += 4
         assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
-    else:  # GLM's XML values, DeepSeek-V3's fenced JSON: the call whole once its block has closed
+    else:  # DeepSeek-V3's fenced JSON: the call whole once its block has closed
         assert first_end < fed
     assert fed < text.index("now")  # either way the first call went before the second was written
     assert calls_of(merged(deltas)) == WANT[:1]
@@ -253,22 +253,32 @@ def test_json_arguments_stream_as_written_cut_anywhere(parser):
 
 
 
-def test_qwen3_coder_arguments_stream_as_json_as_the_parameters_come():
+XML_TEXTS = {
+    "qwen3_coder": ("Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nSa\"o <Paulo> \\ a < b\nsecond line"
+                    "\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n"
+                    "<parameter=metric>\nfalse\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
+                    "</function>\n</tool_call>"),
+    "glm45": ("Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Sa\"o <Paulo> \\ a < b\nsecond line"
+              "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n"
+              "<arg_value>{\"a\": [1, 2]}</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>false</arg_value>\n"
+              "</tool_call><tool_call>now</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("parser", XML_TEXTS)
+def test_xml_arguments_stream_as_json_as_the_parameters_come(parser):
     """Each parameter as it comes: a text value piece by piece as a JSON string (quotes, newlines,
     a "<" that starts no tag), a typed one whole at its end; cut anywhere, the stream's calls are
     the whole output's."""
-    text = ("Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nSa\"o <Paulo> \\ a < b\nsecond line\n"
-            "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n"
-            "<parameter=metric>\nfalse\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
-            "</function>\n</tool_call>")
-    whole_content, whole_calls = parse_auto("qwen3_coder", text, TOOLS)
+    text = XML_TEXTS[parser]
+    whole_content, whole_calls = parse_auto(parser, text, TOOLS)
     assert calls_of(whole_calls)[0][1]["city"] == 'Sa"o <Paulo> \\ a < b\nsecond line'
     for step in (1, 2, 3, 7, 13, len(text)):
-        content, calls, deltas = streamed_in_pieces("qwen3_coder", text, step)
+        content, calls, deltas = streamed_in_pieces(parser, text, step)
         assert content == whole_content and calls_of(calls) == calls_of(whole_calls), step
         assert merged(deltas) == calls and calls[0]["function"]["arguments"] == whole_calls[0]["function"]["arguments"]
     # The city's text streams before its parameter closes.
-    stream = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder"))
+    stream = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser))
     stream.feed(text[:text.index("second line") + 6])
     sent = "".join(d["function"].get("arguments", "") for d in stream.take_deltas())
     assert sent == '{"city": "Sa\\"o <Paulo> \\\\ a < b\\nsecond'
