@@ -407,12 +407,14 @@ def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
         m = _QWEN_FUNCTION.search(block.split(TOOL_CALL_CLOSE, 1)[0])
         if m is None or not m.group(1).strip():
             return None
-        pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(m.group(2))]
+        # A value whose </parameter> is missing ends at </function> (kept there: a closed function).
+        body = m.group(2) + ("</function>" if m.group(0).endswith("</function>") else "")
+        pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(body)]
         return _typed_call(tools, m.group(1).strip(), pairs)
     return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
 
 
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_GLM_ARG = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)  # a key is no markup
 
 
 def parse_glm45(text: str, tools=()) -> tuple[str | None, list[dict]]:
@@ -507,9 +509,9 @@ def _json_string(body: str) -> str | None:
         return None
 
 
-def _is_json_object(text: str) -> bool:
+def _is_json_object(text: str, strict: bool = True) -> bool:
     try:
-        return isinstance(_STRICT_JSON.decode(text), dict)
+        return isinstance((_STRICT_JSON.decode if strict else json.loads)(text), dict)
     except ValueError:
         return False
 
@@ -640,6 +642,7 @@ class _XmlCall:
     start: int  # where its <tool_call> starts, from the first call
     body: int  # where its body starts, in the text
     close_from: int = 0
+    open_from: int = 0
     call: int | None = None
     pos: int = 0  # how far its parameters are read
     count: int = 0  # parameters begun
@@ -651,7 +654,7 @@ class _XmlCall:
     done: bool = False  # its arguments' closing brace sent
 
     def __post_init__(self) -> None:
-        self.close_from = self.pos = self.body
+        self.close_from = self.open_from = self.pos = self.body
 
 
 @dataclass
@@ -661,12 +664,13 @@ class _CallBlock:
     start: int
     body: int
     close_from: int = 0
+    open_from: int = 0
     head_end: int = -1  # where its arguments object starts, once its head is out
     call: int | None = None  # its call's index in ToolCallStream.sent
     arguments: _JsonScan = field(default_factory=_JsonScan)
 
     def __post_init__(self) -> None:
-        self.close_from = self.body
+        self.close_from = self.open_from = self.body
 
 
 class ToolCallStream:
@@ -782,9 +786,11 @@ class ToolCallStream:
         for call in calls[len(self.sent):]:
             self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
 
-    def _next_block(self, opener: str, closer: str, make) -> tuple[object, int] | None:
-        """The block being written (`make(start from the first call, body)` when one opens) and
-        where its closer is (-1: not yet); None: no block has opened since the last one."""
+    def _next_block(self, opener: str, closer: str, make) -> tuple[object, int, int] | None:
+        """The block being written (`make(start from the first call, body)` when one opens), where
+        its body ends (-1: not yet) and where the next block may start; None: no block has opened
+        since the last one. Except Hermes' (read by a regular expression to its closer), a block
+        also ends where the next one opens, its closer left out, as the whole output parses."""
         text, block = self.text, self._open
         if block is None:
             at = text.find(opener, self._scan)
@@ -793,7 +799,12 @@ class ToolCallStream:
             block = self._open = make(at - self.first_call, at + len(opener))
         close = text.find(closer, block.close_from)
         block.close_from = max(block.body, len(text) - len(closer) + 1)
-        return block, close
+        if self.plan.parser != "hermes":
+            following = text.find(opener, block.open_from)
+            block.open_from = max(block.body, len(text) - len(opener) + 1)
+            if following >= 0 and (close < 0 or following < close):
+                return block, following, following
+        return block, close, close + len(closer)
 
     def _advance_json_calls(self, final: bool) -> None:
         text, base = self.text, self.first_call
@@ -802,7 +813,7 @@ class ToolCallStream:
             found = self._next_block(opener, closer, _CallBlock)
             if found is None:
                 return
-            block, close = found
+            block, close, after = found
             closed = close >= 0 or final
             body_end = close if close >= 0 else len(text)
             if block.call is None and block.head_end < 0:
@@ -814,6 +825,9 @@ class ToolCallStream:
                 block.arguments.feed(text, block.head_end + block.arguments.length, body_end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
                 self.sent[block.call]["closed"] = closed
+                if closed and self.plan.parser != "hermes" and text[block.head_end + block.arguments.length:
+                                                                    body_end].strip():
+                    self.sent[block.call]["invalid"] = True  # more after the object: no call, as parsed whole
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
                 if calls:
@@ -821,7 +835,7 @@ class ToolCallStream:
                                                             arguments=calls[0]["function"]["arguments"], closed=True)
             if not closed or close < 0:
                 return
-            self._scan, self._open = close + len(closer), None
+            self._scan, self._open = after, None
 
     def _advance_xml_calls(self, final: bool) -> None:
         text, dialect = self.text, _XML_CALLS[self.plan.parser]
@@ -829,7 +843,7 @@ class ToolCallStream:
             found = self._next_block(TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _XmlCall)
             if found is None:
                 return
-            block, close = found
+            block, close, after = found
             end = close if close >= 0 else len(text)
             if block.call is None:
                 head = dialect.name(text, block.body, end, close >= 0)
@@ -840,7 +854,7 @@ class ToolCallStream:
                 self._xml_parameters(block, dialect, text, end, closed=close >= 0)
             if close < 0:
                 return  # (at the finish, a call still open has arguments cut short: no call)
-            self._scan, self._open = close + len(TOOL_CALL_CLOSE), None
+            self._scan, self._open = after, None
 
     def _xml_parameters(self, block: _XmlCall, d: "_XmlDialect", text: str, end: int, closed: bool) -> None:
         k = block.call
@@ -885,13 +899,14 @@ class ToolCallStream:
                 continue
             longest = max(len(m) for m in d.value_ends)
             block.value_scan = max(block.value, end - longest + 1)
+            held = (*d.value_ends, TOOL_CALL_CLOSE, TOOL_CALL_OPEN)  # a tag that may end the value, or the block
             if block.text_value:  # what surely belongs to the value: not a newline or a tag's start at its end
                 value = text[block.value:end]
                 if d.trim and value.startswith("\n"):
                     value = value[1:]
                 safe = len(value)
-                lt = value.rfind("<", max(0, safe - longest))
-                if lt >= 0 and any(m.startswith(value[lt:]) for m in d.value_ends):
+                lt = value.rfind("<", max(0, safe - max(len(m) for m in held)))
+                if lt >= 0 and any(m.startswith(value[lt:]) for m in held):
                     safe = lt
                 if d.trim and value[:safe].endswith("\n"):
                     safe -= 1
@@ -905,8 +920,10 @@ class ToolCallStream:
 
     def _json_calls(self) -> list[dict]:
         """The calls sent whose arguments are a JSON object (one cut off by the output's end, or not
-        JSON, is not a call)."""
-        return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent if _is_json_object(c["arguments"])]
+        JSON, is not a call; NaN and Infinity are Hermes' JSON, as Python reads it, not the others')."""
+        strict = self.plan.parser != "hermes"
+        return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent
+                if not c.get("invalid") and _is_json_object(c["arguments"], strict)]
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""

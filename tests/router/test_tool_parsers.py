@@ -282,3 +282,42 @@ def test_xml_arguments_stream_as_json_as_the_parameters_come(parser):
     stream.feed(text[:text.index("second line") + 6])
     sent = "".join(d["function"].get("arguments", "") for d in stream.take_deltas())
     assert sent == '{"city": "Sa\\"o <Paulo> \\\\ a < b\\nsecond'
+
+
+KIMI_CALL = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}"
+ODD_OUTPUTS = [  # what models write now and then; the stream reads each as the whole output parses
+    ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("now", 0, "{}")  # a call's end left out
+     + KIMI_CALL.format("get_weather", 1, '{"city": "X"}') + "<|tool_call_end|>"),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁begin｜>get_weather'
+     '<｜tool▁sep｜>{"city": "X"}<｜tool▁call▁end｜>'),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n<tool_call>\n<function=get_weather>\n"
+     "<parameter=city>\nX\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", "Hi.<tool_call>now\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>X</arg_value>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+     "</tool_call>"),  # a key without its value
+    ("deepseek_v31", 'Hi.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "X"}}'
+     '<｜tool▁call▁end｜>'),  # more after the arguments: no call
+    ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("get_weather", 0, '{"city": "X"} and so')
+     + "<|tool_call_end|>" + KIMI_CALL.format("now", 1, "{}") + "<|tool_call_end|>"),
+]
+
+
+@pytest.mark.parametrize("parser,text", ODD_OUTPUTS)
+def test_odd_outputs_stream_as_they_parse_whole(parser, text):
+    whole_content, whole_calls = parse_auto(parser, text, TOOLS)
+    for step in (1, 2, 5, len(text)):
+        content, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert calls_of(calls) == calls_of(whole_calls), step
+        assert content.strip() == (whole_content or "").strip() or not whole_calls, step
+
+
+def test_a_value_cut_by_the_blocks_end_reads_the_same_whatever_the_pieces():
+    text = "Hi.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>"
+    got = {json.dumps(calls_of(streamed_in_pieces("qwen3_coder", text, step)[1])) for step in (1, 2, 3, 5, 7, 11, 99)}
+    assert len(got) == 1
+
+
+def test_hermes_reads_nan_as_python_does():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"ratio": NaN}}</tool_call>'
+    assert [c["function"]["name"] for c in streamed_in_pieces("hermes", text, 3)[1]] == ["get_weather"]
