@@ -19,6 +19,7 @@ from services.router.openai_protocol import Body, parse_chat, tokenize
 from services.router.openai_serving import Choice, sse_event, stream_events
 from services.router.sampling import RequestLimits
 from services.router.served_model import ServedModel
+from services.router.tool_calls import arguments_object
 
 _encode = msgspec.json.Encoder().encode
 
@@ -270,7 +271,7 @@ class MessageOutput:
         # Streamed: a tool_use block opens when its call begins and its input's JSON follows as
         # written (input_json_delta); whole: the calls at the end.
         self.stream = stream
-        self.streamed: dict[int, tuple[dict, str]] = {}  # a call's index -> (its block, its arguments so far)
+        self.streamed: dict[int, int] = {}  # a call's index -> its block's
 
     def _close(self) -> list[dict]:
         block, self.open = self.open, None
@@ -313,7 +314,7 @@ class MessageOutput:
         events = []
         for delta in deltas:
             fn = delta.get("function", {})
-            if "id" in delta and fn.get("arguments") and not _json_object(fn["arguments"]):
+            if "id" in delta and fn.get("arguments") and arguments_object(fn["arguments"]) is None:
                 continue  # a whole call whose arguments are no JSON object: text, at the end (tool_uses)
             if "id" in delta:  # a call begins: the block before it is complete
                 events += self._close()
@@ -321,13 +322,12 @@ class MessageOutput:
                          "input": {}}
                 self.blocks.append(block)
                 self.open = block
-                self.streamed[delta["index"]] = (block, "")
+                self.streamed[delta["index"]] = len(self.blocks) - 1
                 events.append({"type": "content_block_start", "index": len(self.blocks) - 1,
                                "content_block": dict(block)})
-            block, arguments = self.streamed[delta["index"]]
+            block_index = self.streamed[delta["index"]]
             if fn.get("arguments"):
-                self.streamed[delta["index"]] = (block, arguments + fn["arguments"])
-                events.append({"type": "content_block_delta", "index": self.blocks.index(block),
+                events.append({"type": "content_block_delta", "index": block_index,
                                "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
         return events
 
@@ -335,15 +335,15 @@ class MessageOutput:
         """A call whose arguments are a JSON object is a tool_use block; one whose are not (a
         constrained answer cut short) stays text. Streamed already: its input, complete."""
         events = []
-        streamed = {block["id"]: block for block, _ in self.streamed.values()}
+        streamed = {self.blocks[i]["id"]: self.blocks[i] for i in self.streamed.values()}
         for call in calls:
             fn = call["function"]
             block = streamed.get(call["id"].replace("call_", "toolu_", 1))
             if block is not None:
-                block["input"] = _json_object(fn["arguments"]) or {}
+                block["input"] = arguments_object(fn["arguments"]) or {}
                 self.calls.append(call)
                 continue
-            args = _json_object(fn["arguments"])
+            args = arguments_object(fn["arguments"])
             if args is None:
                 events += self.text(fn["arguments"])
                 continue
@@ -423,12 +423,3 @@ class MessagesServing:
             await send(response, [error_body(e)])
 
         return await stream_events(request, request_id, headers, chunks, self.generator.metrics, run, on_error)
-
-
-def _json_object(text: str) -> dict | None:
-    """The arguments as a mapping when they are a JSON object, else None."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import secrets
 import threading
@@ -43,6 +42,7 @@ from services.router.openai_serving import (ADMISSION_SLOT, CLIENT_CLOSED, SSE_H
                                             sse_event, stream_events)
 from services.router.sampling import RequestLimits
 from services.router.served_model import ServedModel
+from services.router.tool_calls import arguments_object
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -439,7 +439,7 @@ class ResponseOutput:
         if item is None:
             return []
         if item["status"] == "in_progress":  # complete arguments (a JSON object), or cut short
-            item["status"] = "completed" if _json_object_text(item["arguments"]) else "incomplete"
+            item["status"] = "completed" if arguments_object(item["arguments"]) is not None else "incomplete"
         index = self.items.index(item)
         return [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
                  "arguments": item["arguments"]},
@@ -776,10 +776,3 @@ class ResponsesServing:
             self.keep(turn.rr, response, run)
         run.response = response
         run.emit(events)
-
-
-def _json_object_text(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False

@@ -509,6 +509,15 @@ def _json_string(body: str) -> str | None:
         return None
 
 
+def arguments_object(text: str) -> dict | None:
+    """A call's arguments as a mapping when they are a JSON object, else None (as Python reads JSON)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _is_json_object(text: str, strict: bool = True) -> bool:
     try:
         return isinstance((_STRICT_JSON.decode if strict else json.loads)(text), dict)
