@@ -20,7 +20,8 @@ class LoRAConfig:
     modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # vLLM's default
     # vLLM's --max-loras: distinct adapters among the running requests at most (a request for
-    # another is passed over, keeping its place); None: no cap (every adapter is resident here).
+    # another is passed over, keeping its place), and the device's adapter slots, allocated at
+    # start (the rest wait in host memory); None: no cap (every adapter loaded is on the device).
     max_loras: int | None = None
 
     def __post_init__(self) -> None:

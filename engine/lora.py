@@ -13,9 +13,11 @@ What a PEFT checkpoint may hold and this does not serve is refused at start, by 
 embeddings or the LM head, DoRA, biases, `modules_to_save`, ranks above --max-lora-rank.
 
 Adapters come and go at run time too (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
-through the router to every engine): `LoRAManager.add` loads one into a free slot between steps;
-an unloaded one takes no new request at once and frees its slot once its last request finishes
-(`EngineCore.remove_lora`).
+through the router to every engine): `LoRAManager.add` loads one between steps; an unloaded one
+takes no new request at once and frees its memory once its last request finishes
+(`EngineCore.remove_lora`). Under --max-loras N the device holds N adapter slots, allocated at
+start (the KV cache is sized around them, as vLLM's), and any number of adapters wait in host
+memory for a step that runs them (`LoRAManager`).
 """
 from __future__ import annotations
 
@@ -132,97 +134,207 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """The adapters of one (fused) projection. Per slot one (A, B) pair: the targets' A stacked
-    ([sum of their ranks, in]) and their B placed block-diagonally in the projection's output
-    ([out, sum of ranks], zeros elsewhere), so a group costs two matmuls whichever of the fused
-    slices (q, k, v; gate, up) the adapter has."""
+    """The adapters of one (fused) projection. Per slot one (A, B^T) pair: the targets' A stacked
+    ([sum of their ranks, in]) and their B^T beside each other in the projection's output
+    ([sum of ranks, out], zeros outside each target's slice), so a group costs two matmuls
+    whichever of the fused slices (q, k, v; gate, up) the adapter has. Under --max-loras the
+    slots are buffers at the widest rank allocated at start, an adapter's pair a view of its
+    first rows (the same shapes, and the same sums, as an adapter of its own)."""
 
-    def __init__(self, batch: LoRABatch, slices: list[tuple[int, int]]) -> None:
+    def __init__(self, batch: LoRABatch, in_features: int, slices: list[tuple[int, int]]) -> None:
         self.batch = batch
+        self.in_features = in_features
         self.slices = slices  # (offset, size) in the projection's output
+        self.out_features = slices[-1][0] + slices[-1][1]
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def add(self, slot: int, parts: list) -> None:
+    def stack(self, parts: list) -> tuple[torch.Tensor, torch.Tensor]:
         """`parts`: per output slice, (A [r, in], B [size, r]) or None (not adapted)."""
         present = [(i, pair) for i, pair in enumerate(parts) if pair is not None]
         a = torch.cat([pair[0] for _, pair in present])
-        b = a.new_zeros(self.slices[-1][0] + self.slices[-1][1], a.shape[0])
+        bt = a.new_zeros(a.shape[0], self.out_features)
         at = 0
         for i, (_, part_b) in present:
             offset, size = self.slices[i]
-            b[offset:offset + size, at:at + part_b.shape[1]] = part_b
+            bt[at:at + part_b.shape[1], offset:offset + size] = part_b.t()
             at += part_b.shape[1]
-        self.weights[slot] = (a.contiguous(), b.contiguous())
+        return a.contiguous(), bt
+
+    def reserve(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """--max-loras: the slots' memory, taken now (before the KV cache is sized around it)."""
+        width = len(self.slices) * max_rank
+        self.buffers = {slot: (torch.zeros(width, self.in_features, dtype=dtype, device=device),
+                               torch.zeros(width, self.out_features, dtype=dtype, device=device))
+                        for slot in range(1, num_slots + 1)}
+
+    def put(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A stacked pair into a slot: its own tensors, or copied into the slot's buffers (from
+        host memory: ordered after the steps already launched, which may read the slot's last)."""
+        if self.buffers is None:
+            self.weights[slot] = pair
+            return
+        a, bt = pair
+        buf_a, buf_bt = self.buffers[slot]
+        rank = a.shape[0]
+        buf_a[:rank].copy_(a, non_blocking=True)
+        buf_bt[:rank].copy_(bt, non_blocking=True)
+        self.weights[slot] = (buf_a[:rank], buf_bt[:rank])
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Adds each group's deltas to `out` (the projection of `x`) in place."""
         for slot, rows in self.batch.groups:
             pair = self.weights.get(slot)
             if pair is not None:
-                a, b = pair
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                a, bt = pair
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ bt)
         return out
 
 
 class LoRAManager:
-    """The engine's adapters, attached to its model: each in a slot of its own (1, 2, ...; 0 is the
-    base model), --lora-modules' at start and those loaded at run time (`add` / `remove`)."""
+    """The engine's adapters, attached to its model: --lora-modules' at start and those loaded at
+    run time (`add` / `remove`), each in a slot of its own on the device (1, 2, ...; 0 is the
+    base model).
+
+    Without --max-loras every adapter loaded is on the device. With --max-loras N (vLLM's rule
+    and memory): N slots at --max-lora-rank are allocated at start, before the KV cache is sized,
+    so adapters never take memory the cache was given; every adapter loaded is kept in host memory
+    (pinned on CUDA) and comes to the device when a step runs a request of it, into a free slot or
+    in place of the one least recently run that this step does not need (the scheduler runs N
+    adapters at most at a time)."""
 
     def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
         self.batch = LoRABatch(device)
-        self.slots: dict[str, int] = {}
+        self.slots: dict[str, int] = {}  # the adapters on the device
         self.max_rank, self.dtype, self.device, self.arch = config.max_lora_rank, dtype, device, model.arch
+        self.num_slots = config.max_loras  # None: no cap, every adapter on the device
+        # --max-loras: every adapter loaded, stacked per projection, in host memory.
+        self.host: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._last_run: dict[str, int] = {}
+        self._steps = 0
+        self.swaps = 0  # adapters brought to the device for a step (--max-loras)
         self.layers: dict[int, dict[str, LoRALayer]] = {}
+        h = self.arch.hidden_size
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, kv = attn.q_size, attn.kv_size
-            attn.qkv_lora = LoRALayer(self.batch, [(0, q), (q, kv), (q + kv, kv)])
-            attn.o_lora = LoRALayer(self.batch, [(0, self.arch.hidden_size)])
-            mlp.gate_up_lora = LoRALayer(self.batch, [(0, mlp.intermediate_size),
-                                                       (mlp.intermediate_size, mlp.intermediate_size)])
-            mlp.down_lora = LoRALayer(self.batch, [(0, self.arch.hidden_size)])
+            q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+            attn.qkv_lora = LoRALayer(self.batch, h, [(0, q), (q, kv), (q + kv, kv)])
+            attn.o_lora = LoRALayer(self.batch, q, [(0, h)])
+            mlp.gate_up_lora = LoRALayer(self.batch, h, [(0, inter), (inter, inter)])
+            mlp.down_lora = LoRALayer(self.batch, inter, [(0, h)])
             self.layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora, "gate_up": mlp.gate_up_lora,
                               "down": mlp.down_lora}
+            if self.num_slots is not None:
+                for fused in self.layers[i].values():
+                    fused.reserve(self.num_slots, self.max_rank, dtype, device)
         for name, path in config.modules:
             self.add(name, path)
 
+    @property
+    def loaded(self) -> set[str]:
+        return set(self.host) if self.num_slots is not None else set(self.slots)
+
+    def device_bytes(self) -> int:
+        """The device memory the adapters hold (the slots' buffers under --max-loras)."""
+        tensors = [t for m in self.layers.values() for layer in m.values()
+                   for pair in (layer.buffers or layer.weights).values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def add(self, name: str, path: str) -> None:
-        """Loads an adapter into the lowest free slot; raises ValueError (the checkpoint does not
-        fit, or is not a LoRA adapter this serves; a file unreadable) with nothing changed."""
-        if name in self.slots:
+        """Loads an adapter (into the lowest free slot, or host memory under --max-loras); raises
+        ValueError (the checkpoint does not fit, or is not a LoRA adapter this serves; a file
+        unreadable) with nothing changed."""
+        if name in self.loaded:
             raise LoRAAdapterExistsError(f"LoRA adapter {name!r} is already loaded")
-        taken = set(self.slots.values())
-        slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
+        slot = None
         try:
-            adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype, self.device)
+            on_host = self.num_slots is not None
+            adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype,
+                                       torch.device("cpu") if on_host else self.device)
             parts: dict[tuple[int, str], list] = {}
             for (layer, module), pair in adapter.weights.items():
                 fused, part = TARGETS[module]
                 parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
+            stacked = {}
             for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
-                self.layers[layer][fused].add(slot, pairs)
+                a, bt = self.layers[layer][fused].stack(pairs)
+                if on_host and self.device.type == "cuda":  # copied to the device asynchronously
+                    a, bt = a.pin_memory(), bt.pin_memory()
+                stacked[(layer, fused)] = (a, bt)
+            if on_host:
+                self.host[name] = stacked
+                slot = self._free_slot()
+                if slot is not None:  # on the device now: its first request does not wait for it
+                    self._bring(name, slot)
+            else:
+                slot = next(s for s in range(1, len(self.slots) + 2) if s not in self.slots.values())
+                for key, pair in stacked.items():
+                    self.layers[key[0]][key[1]].put(slot, pair)
+                self.slots[name] = slot
         except torch.OutOfMemoryError as e:
-            self._clear(slot)
-            raise LoRAOutOfMemoryError(f"LoRA adapter {name!r}: no device memory left for its weights ({e})") from None
+            self._drop(name, slot)
+            where = "host" if self.num_slots is not None else "device"
+            raise LoRAOutOfMemoryError(f"LoRA adapter {name!r}: no {where} memory left for its weights ({e})") \
+                from None
         except BaseException:
-            self._clear(slot)  # no layer keeps a part of it for the next adapter in this slot
+            self._drop(name, slot)  # no layer keeps a part of it for the next adapter in this slot
             raise
-        self.slots[name] = slot
 
     def remove(self, name: str) -> None:
         """Frees an adapter's weights and slot: no request of the batch may still use it."""
-        self._clear(self.slots.pop(name))
+        if name not in self.loaded:
+            raise KeyError(name)
+        self._drop(name, self.slots.get(name))
+
+    def _drop(self, name: str, slot: int | None) -> None:
+        self.host.pop(name, None)
+        self._last_run.pop(name, None)
+        if slot is not None:
+            if self.slots.get(name) == slot:
+                del self.slots[name]
+            self._clear(slot)
 
     def _clear(self, slot: int) -> None:
         for modules in self.layers.values():
             for layer in modules.values():
                 layer.weights.pop(slot, None)
 
+    def _free_slot(self) -> int | None:
+        taken = set(self.slots.values())
+        return next((s for s in range(1, self.num_slots + 1) if s not in taken), None)
+
+    def _bring(self, name: str, slot: int) -> None:
+        self._clear(slot)  # the last adapter's projections this one does not adapt
+        for (layer, fused), pair in self.host[name].items():
+            self.layers[layer][fused].put(slot, pair)
+        self.slots[name] = slot
+
+    def _to_device(self, names: set[str]) -> None:
+        """--max-loras: this step's adapters on the device, each missing one into a free slot or
+        that of the adapter run least recently that this step does not run."""
+        self._steps += 1
+        for name in sorted(names):
+            if name not in self.slots and name in self.host:
+                slot = self._free_slot()
+                if slot is None:
+                    idle = [n for n in self.slots if n not in names]
+                    if not idle:
+                        raise RuntimeError(f"a step runs {len(names)} LoRA adapters; --max-loras "
+                                           f"{self.num_slots} slots hold them")
+                    victim = min(idle, key=lambda n: self._last_run.get(n, 0))
+                    slot = self.slots.pop(victim)
+                self._bring(name, slot)
+                self.swaps += 1
+            self._last_run[name] = self._steps
+
     def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
         """The step's rows: each request's tokens in order, then padding (no adapter)."""
+        names = [r.sampling_params.lora_name for r in requests]
+        if self.num_slots is not None:
+            self._to_device({n for n in names if n is not None})
         slots = np.zeros(total_rows, dtype=np.int64)
         at = 0
-        for r, n in zip(requests, tokens_per_request):
-            slots[at:at + n] = self.slots.get(r.sampling_params.lora_name, 0)  # None: the base model
+        for name, n in zip(names, tokens_per_request):
+            slots[at:at + n] = self.slots.get(name, 0)  # None: the base model
             at += n
         self.batch.set(slots)

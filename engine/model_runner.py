@@ -90,6 +90,10 @@ class ModelRunner:
             from engine.lora import LoRAManager
 
             self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device)
+            if self.device.type == "cuda" and config.lora.max_loras is None:
+                logger.warning("LoRA without --max-loras: each adapter loaded at run time takes device memory the "
+                               "KV cache was not sized around; --max-loras N reserves N adapter slots at start "
+                               "and keeps the adapters beyond them in host memory (vLLM's default is 1)")
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
                                          self.block_size, self.dtype, self.device, tp_size, 0, arch.num_kv_heads)
         if connector is not None and self.tp is not None:
@@ -323,8 +327,11 @@ class ModelRunner:
     @property
     def stats(self) -> dict:
         g = self.decode_graphs
-        return {"decode_buffer_steps": g.num_steps, "cuda_graph_replays": g.num_replays,
-                "cuda_graphs_captured": len(g.graphs)}
+        stats = {"decode_buffer_steps": g.num_steps, "cuda_graph_replays": g.num_replays,
+                 "cuda_graphs_captured": len(g.graphs)}
+        if self.lora is not None:
+            stats.update(lora_adapters_on_device=len(self.lora.slots), lora_swaps=self.lora.swaps)
+        return stats
 
     @torch.inference_mode()
     def _launch_model(self, so: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:

@@ -64,8 +64,10 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--max-lora-rank", type=int, default=16, help="the largest adapter rank served (vLLM's flag)")
     add(p, "--max-loras", type=int, default=None,
         help="distinct adapters among the running requests at most (vLLM's flag and rule: a request for "
-             "another is passed over, keeping its place, while the rest go on); default: no cap (every adapter "
-             "stays loaded here)")
+             "another is passed over, keeping its place, while the rest go on), and the adapter slots on the "
+             "device: allocated at start at --max-lora-rank, before the KV cache is sized; more adapters may be "
+             "loaded, kept in host memory until a step runs them; default: no cap (every adapter loaded stays "
+             "on the device, its memory not reserved)")
     add(p, "--stream-interval", type=int, default=1,
         help="tokens a streamed request's updates carry at least after its first, as vLLM's and SGLang's flag: "
              "fewer gRPC, router and HTTP messages per token, each update later by up to N - 1 steps")

@@ -17,6 +17,8 @@ _GAUGES = {
     "num_pinned_blocks": ("pdserve:kv_pinned_blocks", "Prefill: KV blocks pinned for decode pulls."),
     "outstanding_tokens": ("pdserve:outstanding_tokens", "Tokens still to compute or generate."),
     "cuda_graphs_captured": ("pdserve:cuda_graphs_captured", "Decode batch sizes with a captured CUDA graph."),
+    "lora_adapters_on_device": ("pdserve:lora_adapters_on_device",
+                                "LoRA adapters in device memory (at most --max-loras when given)."),
     "spec_decode_acceptance_rate": ("pdserve:spec_decode_acceptance_rate",
                                     "Speculative decoding: accepted / proposed tokens since start (0-1)."),
     "spec_decode_mean_accepted_length": ("pdserve:spec_decode_mean_accepted_length",
@@ -54,6 +56,8 @@ _COUNTERS = {
     "spec_decode_num_draft_tokens": ("pdserve:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
     "spec_decode_num_accepted_tokens": ("pdserve:spec_decode_num_accepted_tokens",
                                         "Speculative decoding: proposed tokens accepted."),
+    "lora_swaps": ("pdserve:lora_swaps",
+                   "LoRA adapters brought from host memory to a device slot for a step (--max-loras)."),
     "kv_events_dropped": ("pdserve:kv_events_dropped",
                           "KV events dropped because the publisher's queue was full (subscribers see a gap)."),
 }

@@ -336,15 +336,15 @@ def test_a_load_that_fails_half_way_leaves_no_part_of_it(tiny_llama, adapters, r
     from engine.lora_errors import LoRAOutOfMemoryError
 
     llm = LLM(tiny_llama, enable_lora=True)
-    added, add = [], LoRALayer.add
+    added, put = [], LoRALayer.put
 
-    def short_of_memory(layer, slot, parts):
+    def short_of_memory(layer, slot, pair):
         added.append(slot)
         if len(added) == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        add(layer, slot, parts)
+        put(layer, slot, pair)
 
-    monkeypatch.setattr(LoRALayer, "add", short_of_memory)
+    monkeypatch.setattr(LoRALayer, "put", short_of_memory)
     with pytest.raises(LoRAOutOfMemoryError, match="'all': no device memory left"):
         llm.engine.add_lora("all", adapters["all"])
     monkeypatch.undo()
@@ -353,3 +353,90 @@ def test_a_load_that_fails_half_way_leaves_no_part_of_it(tiny_llama, adapters, r
     assert "all" not in llm.lora_adapters
     out = llm.generate(PROMPTS[0], greedy(None), lora_request=LoRARequest("qv", 1, adapters["qv"]))  # slot 1 again
     assert out[0].outputs[0].token_ids == reference[("qv", 0)]
+
+
+def _slot_bytes(arch, max_rank: int, element_size: int) -> int:
+    """One --max-loras slot: per layer and fused projection, A [targets x rank, in] and
+    B^T [targets x rank, out]."""
+    h, q, kv, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
+        arch.intermediate_size
+    per_layer = 3 * max_rank * (h + q + 2 * kv) + max_rank * (q + h) + 2 * max_rank * (h + 2 * i) + max_rank * (i + h)
+    return arch.num_layers * per_layer * element_size
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_max_loras_slots_are_taken_at_start_and_adapters_beyond_them_wait_in_host_memory(
+        tiny_llama, adapters, reference, async_scheduling):
+    """vLLM's --max-loras memory rule: N slots at --max-lora-rank allocated before the KV cache is
+    sized, whatever is loaded later; more adapters than slots load (host memory) and each comes to
+    the device for the steps that run it, in place of the one run least recently: every answer
+    token-exact against PEFT, the moves counted."""
+    from engine.lora_errors import LoRAAdapterNotFoundError
+
+    llm = LLM(tiny_llama, enable_lora=True, max_loras=1, lora_modules=[f"all={adapters['all']}"],
+              async_scheduling=async_scheduling)
+    lora = llm.engine.runner.lora
+    slot = _slot_bytes(lora.arch, 16, 4)
+    assert lora.device_bytes() == slot  # one slot at --max-lora-rank 16, float32
+    assert lora.slots == {"all": 1} and set(lora.host) == {"all"}  # a free slot: on the device at once
+    llm.engine.add_lora("qv", adapters["qv"])  # no slot left: held in host memory
+    assert lora.slots == {"all": 1} and set(lora.host) == {"all", "qv"} and lora.device_bytes() == slot
+    order = [("qv", 0), ("all", 1), ("qv", 2), (None, 0), ("all", 0)]
+    for name, i in order:
+        assert llm.generate(PROMPTS[i], greedy(name))[0].outputs[0].token_ids == reference[(name, i)]
+    stats = llm.engine.stats()
+    assert stats["lora_swaps"] == 4 and stats["lora_adapters_on_device"] == 1  # qv, all, qv, (base), all
+    # Every prompt under both adapters and none in one generate: the scheduler runs one adapter at
+    # a time, the slot changes hands between them.
+    cases = [(name, i) for name in ("all", "qv", None) for i in range(len(PROMPTS))]
+    outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
+    assert lora.device_bytes() == slot
+    llm.remove_lora("qv")  # on the device or not, its memory goes
+    llm.remove_lora("all")
+    assert lora.slots == {} and lora.host == {} and lora.device_bytes() == slot
+    with pytest.raises(LoRAAdapterNotFoundError):
+        llm.remove_lora("qv")
+    llm.engine.add_lora("qv", adapters["qv"])  # the free slot again
+    assert lora.slots == {"qv": 1}
+    assert llm.generate(PROMPTS[1], greedy("qv"))[0].outputs[0].token_ids == reference[("qv", 1)]
+    llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_without_max_loras_each_adapter_takes_its_own_device_memory(tiny_llama, adapters):
+    """No cap: adapters live on the device as loaded, at their own ranks (nothing reserved)."""
+    llm = LLM(tiny_llama, enable_lora=True)
+    lora = llm.engine.runner.lora
+    assert lora.device_bytes() == 0
+    llm.engine.add_lora("all", adapters["all"])  # rank 8 on every projection
+    assert lora.device_bytes() == _slot_bytes(lora.arch, 8, 4) and lora.host == {}
+    llm.engine.add_lora("qv", adapters["qv"])  # rank 4 on q and v: A [8, h], B^T [8, q + 2 kv]
+    arch = lora.arch
+    qkv = arch.num_heads * arch.head_dim + 2 * arch.num_kv_heads * arch.head_dim
+    assert lora.device_bytes() == _slot_bytes(arch, 8, 4) + arch.num_layers * 8 * (arch.hidden_size + qkv) * 4
+    assert lora.slots == {"all": 1, "qv": 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_max_loras_slots_come_out_of_the_share_before_the_kv_cache(tiny_llama, adapters, reference):
+    """--gpu-memory-utilization with --max-loras: the slots are allocated before the KV cache is
+    sized (what is not KV cache grows by their bytes), adapters come in from pinned host memory
+    token-exact, and loading more does not take device memory."""
+    import gc
+
+    def engine(**kwargs) -> LLM:
+        return LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.3, enable_lora=True, **kwargs)
+
+    plain = engine().engine.runner.memory_budget.non_kv
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = engine(max_loras=32, max_lora_rank=64)
+    lora = llm.engine.runner.lora
+    assert llm.engine.runner.memory_budget.non_kv - plain >= 0.9 * lora.device_bytes() > 0
+    slots = lora.device_bytes()
+    for name, path in adapters.items():
+        llm.engine.add_lora(name, path)
+    cases = [(name, i) for name in ("all", "qv", None) for i in range(len(PROMPTS))]
+    outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
+    assert lora.device_bytes() == slots and all(t.is_pinned() for pair in lora.host["all"].values() for t in pair)

@@ -212,6 +212,11 @@ def test_lora_adapters_reach_both_engines_and_the_router():
     runtime = by_kind(render("3", None, {"engine.lora.runtimeUpdating": True}), "Deployment")
     args = container(runtime["pd-pdserve-decode"])["args"]
     assert "--enable-lora" in args and "--lora-modules" not in args and "--max-lora-rank=16" in args
+    assert not any(a.startswith("--max-loras") for a in args)
+    capped = by_kind(render("3", None, {"engine.lora.runtimeUpdating": True, "engine.lora.maxLoras": 4}),
+                     "Deployment")
+    for role in ("prefill", "decode"):
+        assert "--max-loras=4" in container(capped[f"pd-pdserve-{role}"])["args"]
     assert "--allow-runtime-lora-updating" in container(runtime["pd-pdserve-router"])["args"]
     assert not any("resolver" in a for a in container(runtime["pd-pdserve-router"])["args"])
     result = template("3", None, {"engine.lora.resolverDir": "/models/adapters"}, check=False)
