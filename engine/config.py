@@ -73,6 +73,8 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly at its own batch size
     # Linear layers on the CPU (kernels.cpu_linear): auto | onednn (weights packed once) | torch (F.linear).
     linear_backend: str = "auto"
+    # vLLM's --quantization: None reads the checkpoint's quantization_config; a method must match it.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

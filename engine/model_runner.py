@@ -15,7 +15,7 @@ from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
 from engine.memory import MemoryBudget, check_start, default_size_warning, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
-from engine.models.loader import resolve_dtype
+from engine.models.loader import check_quantization, resolve_dtype
 from engine.parallel import TPLayout
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -57,6 +57,7 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
+        check_quantization(hf_config, tp_size, config.model.quantization)  # before any worker starts
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
         self.num_kv_heads = self.tp_layout.local_kv_heads

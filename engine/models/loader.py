@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.llama import LlamaArch, LlamaForCausalLM
+from engine.models.quantization import QuantizedWeights
 from engine.models.rope import cos_sin_cache
 from kernels import KernelBackend
 from kernels.cpu_linear import pack_linears
@@ -68,7 +69,9 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
+    quant = check_quantization(hf_config, tp_size=1 if tp is None else tp.layout.size)
     files = safetensors_files(path)
+    companions = _companions(files, quant) if quant is not None else {}
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, kernels, tp)
     model = model.to_empty(device=device).to(dtype)
@@ -81,6 +84,12 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
+                if quant is not None:
+                    if not quant.is_companion(hf_name):
+                        tensor = quant.dequantize(hf_name, f.get_tensor(hf_name),
+                                                  companions.get(hf_name.rsplit(".", 1)[0], {}), dtype)
+                        _load_one(model, params, quant.main_name(hf_name), tensor, loaded)
+                    continue
                 tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(hf_name, f.get_slice(hf_name))
                 if tensor is not None:
                     _load_one(model, params, hf_name, tensor, loaded)
@@ -95,6 +104,41 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     del params
     pack_linears(model, linear_backend)
     return model.eval()
+
+
+def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None = None) -> QuantizedWeights | None:
+    """A quantized checkpoint's scheme (None: not quantized); ValueError, at start, for what is
+    not served. `requested`: vLLM's --quantization, which must name the checkpoint's method."""
+    quant = QuantizedWeights.from_hf_config(hf_config)
+    if requested is not None and requested.lower() != (quant.method if quant is not None else None):
+        if quant is None:
+            raise ValueError(f"--quantization {requested}: the checkpoint is not quantized, and pdserve does not "
+                             "quantize weights as they load; serve a quantized checkpoint (its quantization_config "
+                             "is read), or leave --quantization out")
+        raise ValueError(f"--quantization {requested} does not match the checkpoint's quant_method "
+                         f"{quant.method!r}; leave it out to read the checkpoint's")
+    if quant is None:
+        return None
+    if (hf_config.get("quantization_config") or {}).get("kv_cache_scheme"):
+        raise ValueError("the checkpoint quantizes the KV cache (kv_cache_scheme); pdserve's KV cache is the "
+                         "model's dtype (--kv-cache-dtype auto) and its scales are not read")
+    if tp_size > 1:
+        raise ValueError(f"{quant.describe()} checkpoints are not served with tensor parallelism yet "
+                         "(--tensor-parallel-size 1)")
+    return quant
+
+
+def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str, torch.Tensor]]:
+    """Every quantized weight's scales (and zero points, shapes), by module, from any shard."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if quant.is_companion(name):
+                    module, suffix = name.rsplit(".", 1)
+                    found.setdefault(module, {})[suffix] = f.get_tensor(name)
+    logger.info("%s checkpoint: weights dequantized as they load (activations not quantized)", quant.describe())
+    return found
 
 
 def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:

@@ -54,6 +54,9 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
     add(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the KV cache's dtype (vLLM's flag): auto, the model's; fp8 caches are not supported yet (an "
              "error at start, not a silent full-precision cache)")
+    add(p, "--quantization", default=None,
+        help="the checkpoint's quantization method (vLLM's flag): read from its quantization_config when left "
+             "out; served: fp8, fbgemm_fp8, compressed-tensors (weights dequantized to --dtype as they load)")
     add(p, "--enable-lora", action="store_true",
         help="serve LoRA adapters (vLLM's flag): --lora-modules' PEFT checkpoints, one per request by its model "
              "name at the router, mixed with the base model in a batch (no CUDA graphs, tensor parallel size 1)")

@@ -144,7 +144,8 @@ def engine_kwargs(args) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size,
                 kv_cache_memory_bytes=(None if args.kv_cache_memory_gb is None
                                        else int(args.kv_cache_memory_gb * (1 << 30))),
-                gpu_memory_utilization=args.gpu_memory_utilization, **_lora_kwargs(args))
+                gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+                **_lora_kwargs(args))
 
 
 def _lora_kwargs(args) -> dict:

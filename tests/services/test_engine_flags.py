@@ -42,6 +42,8 @@ def test_cpu_and_linear_backends_reach_the_engine_config(tiny_llama):
     config = EngineConfig.create(tiny_llama, **engine_kwargs(args))
     assert (config.model.linear_backend, config.parallel.cpu_allocator) == ("torch", "system")
     assert config.stream_interval == 8
+    quantized = parse(Role.PREFILL, "--quantization", "compressed-tensors")
+    assert EngineConfig.create(tiny_llama, **engine_kwargs(quantized)).model.quantization == "compressed-tensors"
     assert EngineConfig.create(tiny_llama, **engine_kwargs(parse(Role.DECODE))).parallel.cpu_allocator == "auto"
 
 

@@ -1,0 +1,164 @@
+"""Quantized checkpoints: the weights of FP8, INT8 and packed INT4 checkpoints (as vLLM serves
+them: `quant_method` "fp8" — DeepSeek's and Qwen's block-scaled FP8, per-tensor AutoFP8 —,
+"fbgemm_fp8", and "compressed-tensors" from llm-compressor: float-quantized FP8, int-quantized
+INT8, pack-quantized W4A16 / W8A16) are dequantized to the engine's dtype as they load. The
+model then serves what the checkpoint holds: every weight exactly `(q - zero_point) * scale`,
+token-exact against transformers; activations are not quantized (a W8A8 checkpoint answers as its
+W8A16 form), and the weights take the engine dtype's memory, not the checkpoint's.
+
+Anything else (AWQ, GPTQ, bitsandbytes, GGUF, ...) is refused at start, by name."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+SERVED = ("fp8", "fbgemm_fp8", "compressed-tensors")
+_CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
+# A quantized weight's companions in the checkpoint (module prefix + suffix).
+COMPANIONS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale",
+              "input_zero_point", "output_scale")
+
+
+@dataclass(frozen=True)
+class _Scheme:
+    """One config group's weights: bits, and the block a scale covers ((rows, columns); None:
+    read from the scale's shape: per tensor, per output channel)."""
+    num_bits: int = 8
+    block: tuple[int, int] | None = None
+    symmetric: bool = True
+    targets: tuple[str, ...] = ("Linear",)
+
+
+class QuantizedWeights:
+    """A checkpoint's quantization_config, read at start; `dequantize` rebuilds each weight."""
+
+    def __init__(self, method: str, schemes: list[_Scheme], packed: bool) -> None:
+        self.method, self.schemes, self.packed = method, schemes, packed
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict) -> "QuantizedWeights | None":
+        qc = hf_config.get("quantization_config")
+        if not qc:
+            return None
+        method = str(qc.get("quant_method", "")).lower()
+        if method not in SERVED:
+            raise ValueError(f"quantized checkpoint (quant_method {method or '?'!r}) is not served; pdserve serves "
+                             f"{', '.join(SERVED)} checkpoints (FP8, INT8 and packed INT4/INT8 weights) and "
+                             "unquantized ones")
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+            return cls(method, [_Scheme(8, tuple(block) if block else None)], packed=False)
+        if method == "fbgemm_fp8":
+            return cls(method, [_Scheme(8)], packed=False)
+        fmt = qc.get("format", "")
+        if fmt not in _CT_FORMATS:
+            raise ValueError(f"compressed-tensors checkpoint of format {fmt!r} is not served; pdserve serves "
+                             f"{', '.join(_CT_FORMATS)}")
+        schemes = []
+        for name, group in (qc.get("config_groups") or {}).items():
+            w = group.get("weights") or {}
+            where = f"compressed-tensors config group {name!r}"
+            if w.get("type", "int") not in ("int", "float"):
+                raise ValueError(f"{where}: weights of type {w.get('type')!r} are not served")
+            bits = int(w.get("num_bits", 8))
+            if w.get("type") == "float" and bits != 8 or bits not in (4, 8):
+                raise ValueError(f"{where}: {bits}-bit {w.get('type', 'int')} weights are not served "
+                                 "(8-bit float, 4- and 8-bit int are)")
+            strategy = w.get("strategy") or "tensor"
+            if w.get("actorder") not in (None, False, "static", "weight") or strategy == "tensor_group":
+                raise ValueError(f"{where}: strategy {strategy!r} with actorder {w.get('actorder')!r} is not served")
+            block = None
+            if strategy == "group":
+                block = (1, int(w["group_size"]))
+            elif strategy == "block":
+                block = tuple(int(x) for x in w["block_structure"])
+            elif strategy not in ("tensor", "channel"):
+                raise ValueError(f"{where}: weight strategy {strategy!r} is not served")
+            schemes.append(_Scheme(bits, block, bool(w.get("symmetric", True)),
+                                   tuple(group.get("targets") or ("Linear",))))
+        if not schemes:
+            raise ValueError("compressed-tensors checkpoint without config_groups")
+        return cls(method, schemes, packed=fmt == "pack-quantized")
+
+    def describe(self) -> str:
+        return f"{self.method} ({', '.join(sorted({f'{s.num_bits}-bit' for s in self.schemes}))} weights)"
+
+    def _scheme(self, module: str) -> _Scheme:
+        """The config group whose targets name the module (a `Linear` target takes any)."""
+        for scheme in self.schemes:
+            for target in scheme.targets:
+                if target == "Linear" or module == target or module.endswith("." + target) or (
+                        target.startswith("re:") and re.match(target[3:], module)):
+                    return scheme
+        return self.schemes[0]
+
+    def is_companion(self, hf_name: str) -> bool:
+        return hf_name.rsplit(".", 1)[-1] in COMPANIONS
+
+    def main_name(self, hf_name: str) -> str | None:
+        """The weight a stored tensor is (`weight_packed` holds `weight`); None: not a weight."""
+        if self.packed and hf_name.endswith(".weight_packed"):
+            return hf_name[:-len("_packed")]
+        return hf_name
+
+    def dequantize(self, hf_name: str, tensor: torch.Tensor, companions: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` as stored under `hf_name` (the weight, or `weight_packed`), with its module's
+        companions ({suffix: tensor}); a tensor with no scale is returned as it is."""
+        module = hf_name.rsplit(".", 1)[0]
+        scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
+        if scale is None:
+            if hf_name.endswith(".weight_packed") or tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.int32):
+                raise ValueError(f"quantized weight {hf_name!r} has no weight_scale in the checkpoint")
+            return tensor
+        scheme = self._scheme(module)
+        if hf_name.endswith(".weight_packed"):
+            shape = companions.get("weight_shape")
+            if shape is None:
+                raise ValueError(f"packed weight {hf_name!r} has no weight_shape in the checkpoint")
+            q = unpack_int32(tensor, scheme.num_bits, tuple(int(x) for x in shape.tolist()))
+        else:
+            q = tensor.to(torch.float32)
+        out, inp = q.shape
+        zero = companions.get("weight_zero_point")
+        if zero is not None and self.packed and not scheme.symmetric:  # packed along the output rows
+            grid = scale.reshape(scale.shape[0], -1).shape if scale.numel() > 1 else (1, 1)
+            zero = unpack_int32(zero.t().contiguous(), scheme.num_bits, (grid[1], grid[0])).t()
+        full = expand_scale(scale.to(torch.float32), out, inp, scheme.block, hf_name)
+        if zero is not None and zero.numel() and bool(zero.any()):
+            q = q - expand_scale(zero.to(torch.float32), out, inp, scheme.block, hf_name)
+        return (q * full).to(dtype)
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """compressed-tensors' pack-quantized: 32 // num_bits signed values per int32 along a row,
+    lowest bits first, each stored offset by 2^(num_bits - 1); `shape`: the unpacked rows and
+    columns."""
+    per = 32 // num_bits
+    mask = (1 << num_bits) - 1
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    values = torch.stack([(p >> (num_bits * k)) & mask for k in range(per)], dim=-1)
+    values = values.reshape(packed.shape[0], -1)[:, :shape[1]]
+    if values.shape[0] != shape[0]:
+        raise ValueError(f"packed weight of {packed.shape[0]} rows for a weight of shape {shape}")
+    return (values - (1 << (num_bits - 1))).to(torch.float32)
+
+
+def expand_scale(scale: torch.Tensor, out: int, inp: int, block: tuple[int, int] | None, name: str) -> torch.Tensor:
+    """A scale (or zero point) grid as one value per weight: per tensor, per output channel, per
+    group of input columns, or per block (the grid's cells cover `block`, the last ones cut)."""
+    if scale.numel() == 1:
+        return scale.reshape(1, 1)
+    grid = scale.reshape(scale.shape[0], -1) if scale.dim() != 2 else scale
+    rows, cols = grid.shape
+    if block is None:
+        if cols != 1 or rows != out:
+            raise ValueError(f"{name}: a scale of shape {tuple(scale.shape)} does not fit a weight of ({out}, {inp})")
+        return grid
+    bm, bn = block
+    if rows != -(-out // bm) or cols != -(-inp // bn):
+        raise ValueError(f"{name}: a scale grid of {tuple(grid.shape)} does not cover a weight of ({out}, {inp}) "
+                         f"in blocks of {bm} x {bn}")
+    return grid.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:out, :inp]

@@ -1,0 +1,288 @@
+"""Quantized checkpoints (vLLM's quant_method fp8, fbgemm_fp8 and compressed-tensors): greedy
+outputs token-exact against transformers loading the same checkpoint (its FP8 dequantization and
+the compressed-tensors library's decompression are the references), and what is not served
+refused at start, by name.
+
+The checkpoints are a tiny random model's projections quantized here into each format: FP8 in
+128 x 128 blocks (DeepSeek's and Qwen3-FP8's layout), FP8 and INT8 per output channel or per
+tensor, INT4 in groups of 32 packed into int32 by compressed-tensors' own packer (symmetric, and
+with zero points)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 60)), [400, 3, 77, 12, 9, 250, 251, 252, 11]]
+MAX_TOKENS = 12
+FP8_MAX = 448.0
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_factory) -> str:
+    """Dimensions that fill 128-wide blocks (hidden 128, MLP 384) and one that does not (k and v: 64)."""
+    return tiny_model_factory("llama", hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2)
+
+
+def _projections(base: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    return tensors, {k: w for k, w in tensors.items() if k.endswith("_proj.weight")}
+
+
+def _write(base: str, out: str, tensors: dict, quantization_config: dict) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(base):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(base, name), out)
+    # Two shards, a weight's scale in the other one than the weight: read from any shard.
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k].contiguous() for k in part}, os.path.join(out, file), metadata={"format": "pt"})
+        weight_map.update((k, file) for k in part)
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        os.remove(os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out
+
+
+def fp8_blocks(base: str, out: str, block: int = 128) -> str:
+    """quant_method fp8 with weight_block_size: float8_e4m3fn weights, weight_scale_inv per block."""
+    tensors, projections = _projections(base)
+    for name, w in projections.items():
+        rows, cols = w.shape
+        grid = (-(-rows // block), -(-cols // block))
+        padded = torch.zeros(grid[0] * block, grid[1] * block)
+        padded[:rows, :cols] = w
+        scale = (padded.view(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+        tensors[name] = (w / full).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+    return _write(base, out, tensors, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                       "weight_block_size": [block, block]})
+
+
+def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, group_size: int = 32,
+               symmetric: bool = True, activations: bool = False) -> str:
+    """compressed-tensors: float-quantized FP8, pack-quantized INT4 / INT8 (weight-only), or
+    int-quantized INT8 (with activations)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    tensors, projections = _projections(base)
+    top = FP8_MAX if kind == "float" else float((1 << (bits - 1)) - 1)
+    packed = kind == "int" and not activations  # llm-compressor's W4A16 / W8A16; W8A8 INT8 is int-quantized
+    for name, w in projections.items():
+        rows, cols = w.shape
+        view = w.view(rows, cols // group_size, group_size) if strategy == "group" else w
+        if strategy == "tensor":
+            lo, hi = w.min().reshape(1), w.max().reshape(1)
+        elif strategy == "channel":
+            lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        else:
+            lo, hi = view.amin(dim=2), view.amax(dim=2)
+        if symmetric:
+            scale, zero = torch.maximum(hi.abs(), lo.abs()) / top, torch.zeros_like(hi)
+        else:  # the range [lo, hi] onto [-2^(b-1), 2^(b-1) - 1]
+            scale = (hi - lo) / (2 * top + 1)
+            zero = torch.round(-(1 << (bits - 1)) - lo / scale)
+        expand = (lambda t: t.repeat_interleave(group_size, 1)) if strategy == "group" else (lambda t: t)
+        q = w / expand(scale) + expand(zero)
+        module = name[:-len(".weight")]
+        weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False}
+        if strategy == "group":
+            weights["group_size"] = group_size
+        if packed:  # compressed-tensors' own compressor: its rounding, its packing (zero points too)
+            scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+            del tensors[name]
+            state = {"weight": w, "weight_scale": scale.float(), "weight_zero_point": zero.to(torch.int8)}
+            tensors.update((f"{module}.{k}", v) for k, v in
+                           PackedQuantizationCompressor.compress(state, scheme).items())
+            continue
+        if kind == "float":
+            tensors[name] = q.to(torch.float8_e4m3fn)
+        else:
+            tensors[name] = torch.round(q).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
+        tensors[module + ".weight_scale"] = scale.float()
+        if not symmetric:
+            tensors[module + ".weight_zero_point"] = zero.to(torch.int8)
+    group = {"targets": ["Linear"], "weights": weights}
+    if activations:  # W8A8: dynamic per-token activations (served as W8A16, documented)
+        group["input_activations"] = {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True,
+                                      "dynamic": True}
+    fmt = "pack-quantized" if packed else f"{kind}-quantized"
+    return _write(base, out, tensors, {"quant_method": "compressed-tensors", "format": fmt,
+                                       "quantization_status": "compressed", "config_groups": {"group_0": group},
+                                       "ignore": ["lm_head"], "kv_cache_scheme": None})
+
+
+def decompressed(path: str, out: str) -> str:
+    """A dense checkpoint of the weights compressed-tensors' own decompressor reads from a
+    pack-quantized one (transformers cannot load packed zero points yet)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    group = config.pop("quantization_config")["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+    dense, modules = {}, {}
+    for name, t in tensors.items():
+        module, suffix = name.rsplit(".", 1)
+        if suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+            modules.setdefault(module, {})[suffix] = t
+        else:
+            dense[name] = t
+    for module, state in modules.items():
+        dense[module + ".weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    os.makedirs(out)
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors") and name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(os.path.join(path, name), out)
+    save_file(dense, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def transformers_greedy(path: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            t = torch.tensor([ids])
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def pdserve_greedy(path: str, **kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in LLM(path, **kwargs).generate(PROMPTS, params)]
+
+
+CASES = {
+    "fp8-block-128": lambda base, out: fp8_blocks(base, out),
+    "fp8-channel": lambda base, out: compressed(base, out, "float", "channel"),
+    "fp8-tensor": lambda base, out: compressed(base, out, "float", "tensor"),
+    "int8-channel": lambda base, out: compressed(base, out, "int", "channel"),
+    "int4-group-32": lambda base, out: compressed(base, out, "int", "group", bits=4),
+    "int4-group-32-zero-points": lambda base, out: compressed(base, out, "int", "group", bits=4, symmetric=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_is_token_exact_against_transformers(base, case, tmp_path):
+    path = CASES[case](base, str(tmp_path / case))
+    packed_zero_points = case.endswith("zero-points")
+    want = transformers_greedy(decompressed(path, str(tmp_path / "dense")) if packed_zero_points else path)
+    assert pdserve_greedy(path) == want
+    if case.startswith("int4"):  # four bits do change this model's answers: the weights were not read as they were
+        assert want != pdserve_greedy(base)
+
+
+def test_the_same_weights_in_other_formats_answer_the_same(base, tmp_path):
+    """FBGEMM's FP8 (per-channel weight_scale) and W8A8 compressed-tensors checkpoints (FP8, and
+    int-quantized INT8) hold the same weights as the W8A16 ones: the same answers (activations
+    are not quantized)."""
+    int8 = compressed(base, str(tmp_path / "int8-w8a16"), "int", "channel")
+    assert pdserve_greedy(compressed(base, str(tmp_path / "int8-w8a8"), "int", "channel", activations=True)) == \
+        pdserve_greedy(int8)
+    w8a16 = compressed(base, str(tmp_path / "w8a16"), "float", "channel")
+    w8a8 = compressed(base, str(tmp_path / "w8a8"), "float", "channel", activations=True)
+    fbgemm = str(tmp_path / "fbgemm")
+    shutil.copytree(w8a16, fbgemm)
+    with open(os.path.join(fbgemm, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                     "modules_to_not_convert": ["lm_head"]}
+    with open(os.path.join(fbgemm, "config.json"), "w") as f:
+        json.dump(config, f)
+    want = pdserve_greedy(w8a16)
+    assert pdserve_greedy(w8a8) == want and pdserve_greedy(fbgemm) == want
+
+
+def _with_config(base: str, out: str, quantization_config: dict) -> str:
+    shutil.copytree(base, out)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, r"quant_method 'awq'\) is not served; pdserve serves "
+                                                            r"fp8, fbgemm_fp8, compressed-tensors"),
+    ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq'\) is not served"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes'\) is not served"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}},
+     "format 'marlin-24' is not served"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 16}}}}, "4-bit float weights are not served"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                 "strategy": "channel"}}}},
+     "quantizes the KV cache"),
+])
+def test_what_is_not_served_is_refused_at_start(base, tmp_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(_with_config(base, str(tmp_path / "ckpt"), config))
+
+
+def test_a_quantized_checkpoint_with_tensor_parallelism_is_refused_before_workers_start(base, tmp_path):
+    path = fp8_blocks(base, str(tmp_path / "fp8"))
+    with pytest.raises(ValueError, match="not served with tensor parallelism yet"):
+        LLM(path, tensor_parallel_size=2)
+
+
+def test_a_weight_whose_scale_is_missing_is_named(base, tmp_path):
+    path = fp8_blocks(base, str(tmp_path / "fp8"))
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(os.path.join(path, name))
+            tensors.pop("model.layers.1.mlp.down_proj.weight_scale_inv", None)
+            save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj.weight' has no weight_scale"):
+        LLM(path)
+
+
+def test_vllms_quantization_flag_must_name_the_checkpoints_method(base, tmp_path):
+    """--quantization (vLLM's): the checkpoint's own method is accepted; another, or one for an
+    unquantized checkpoint (on-the-fly quantization), is refused at start."""
+    path = fp8_blocks(base, str(tmp_path / "fp8"))
+    assert pdserve_greedy(path, quantization="fp8") == pdserve_greedy(path)
+    with pytest.raises(ValueError, match="--quantization compressed-tensors does not match the checkpoint's "
+                                         "quant_method 'fp8'"):
+        LLM(path, quantization="compressed-tensors")
+    with pytest.raises(ValueError, match="the checkpoint is not quantized, and pdserve does not quantize weights"):
+        LLM(base, quantization="fp8")
