@@ -10,7 +10,10 @@
     transport, greedy completions through the HTTP gateway compared with a colocated stack, and the
     decode's KV transfer rate against the device copy bandwidth;
 (d) decode step time at batch 1, 32 and 256 with CUDA graphs and with --enforce-eager, against the
-    step's memory-bound floor (the weights and the batch's KV read once at the copy bandwidth).
+    step's memory-bound floor (the weights and the batch's KV read once at the copy bandwidth);
+(e) the fused 8-bit linear (--quantized-weights keep: FP8 weights, 128 x 128 blocks) against bf16
+    F.linear on the same shapes (a Llama-8B projection, 1 to 2,048 rows): seconds and the ratio,
+    and its largest difference from dequantize-then-F.linear.
 A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
 Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
 `python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
@@ -305,6 +308,37 @@ def memory_share(model: str, size: dict, device: str) -> dict:
             "within_share": held <= b.requested}
 
 
+def quantized_linear(small: bool) -> dict:
+    """(e): per shape and row count, the fused FP8 linear's time against bf16 F.linear's."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.quant_linear import w8a16_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = [(128, 64)] if small else [(4096, 4096), (14336, 4096), (4096, 14336)]
+    out: dict = {}
+    for n, k in shapes:
+        w = torch.randn(n, k, device=device) * 0.02
+        grid = (-(-n // 128), -(-k // 128))
+        padded = torch.zeros(grid[0] * 128, grid[1] * 128, device=device)
+        padded[:n, :k] = w
+        block_scale = padded.view(grid[0], 128, grid[1], 128).abs().amax(dim=(1, 3)) / 448.0
+        full = block_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        scale = block_scale.repeat_interleave(128, 0)[:n].contiguous()
+        dense = (q.float() * full).to(dtype)
+        for m in ([1, 8] if small else [1, 16, 64, 256, 2048]):
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            fused = timed(lambda: w8a16_linear(x, q, scale, 128))
+            plain = timed(lambda: F.linear(x, dense))
+            err = (w8a16_linear(x, q, scale, 128).float() - F.linear(x, dense).float()).abs().max().item()
+            out[f"{n}x{k} m={m}"] = {"fp8_s": fused, "bf16_s": plain, "bf16_over_fp8": plain / fused,
+                                     "max_abs_diff": err}
+    return out
+
+
 def failing_tests(pytest_output: str, limit: int = 40) -> list[str]:
     """The FAILED/ERROR lines of pytest's short summary (test id and the error's first line)."""
     lines = [line.strip() for line in pytest_output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
@@ -315,7 +349,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", default=str(ROOT / "build" / "gpu-check" / "report.json"))
     p.add_argument("--small", action="store_true", help="toy sizes (also runs on CPU): checks the script")
-    p.add_argument("--parts", default="tests,engine,stack,decode,memory")
+    p.add_argument("--parts", default="tests,engine,stack,decode,memory,quant")
     args = p.parse_args()
     import torch
 
@@ -335,6 +369,7 @@ def main() -> int:
         steps = {"tests": lambda: gpu_tests(args.small), "engine": lambda: engine_throughput(model, size, device, rates),
                  "decode": lambda: decode_steps(model, size, device, rates),
                  "memory": lambda: memory_share(model, size, device),
+                 "quant": lambda: quantized_linear(args.small),
                  "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
                                                 device, rates, 24 if args.small else 800)}
         for part in parts:

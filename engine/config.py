@@ -75,10 +75,15 @@ class ModelConfig:
     linear_backend: str = "auto"
     # vLLM's --quantization: None reads the checkpoint's quantization_config; a method must match it.
     quantization: str | None = None
+    # A quantized checkpoint's weights: "dequantize"d to dtype as they load, or "keep" (8-bit
+    # FP8 / INT8 kept as stored, a fused kernel on the Triton backend: kernels.quant_linear).
+    quantized_weights: str = "dequantize"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantized_weights not in ("dequantize", "keep"):
+            raise ValueError(f"quantized_weights must be dequantize or keep, got {self.quantized_weights!r}")
         if self.linear_backend not in ("auto", "onednn", "torch"):
             raise ValueError(f"linear_backend must be auto, onednn or torch, got {self.linear_backend!r}")
         if not os.path.isdir(self.path):

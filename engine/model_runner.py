@@ -85,7 +85,8 @@ class ModelRunner:
                                                     kv_connector_factory if connector is not None else None)
         else:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
-                                    self.device, show_progress, linear_backend=config.model.linear_backend)
+                                    self.device, show_progress, linear_backend=config.model.linear_backend,
+                                    quantized_weights=config.model.quantized_weights)
         self.lora = None
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager

@@ -8,6 +8,7 @@ import sys
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.models.llama import LlamaArch, LlamaForCausalLM
 from engine.models.quantization import QuantizedWeights
@@ -64,17 +65,24 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
                device: torch.device | str = "cpu", show_progress: bool = False, tp=None,
-               linear_backend: str = "auto") -> LlamaForCausalLM:
+               linear_backend: str = "auto", quantized_weights: str = "dequantize") -> LlamaForCausalLM:
     """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file.
-    linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN."""
+    linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN.
+    quantized_weights: a quantized checkpoint's weights "dequantize"d to `dtype` as they load, or
+    kept 8-bit ("keep": kernels.quant_linear)."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
     quant = check_quantization(hf_config, tp_size=1 if tp is None else tp.layout.size)
     files = safetensors_files(path)
     companions = _companions(files, quant) if quant is not None else {}
+    if quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ValueError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, got {quantized_weights!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, kernels, tp)
+        kept = _keep_quantized(model, quant, companions, kernels) if quantized_weights == "keep" else {}
     model = model.to_empty(device=device).to(dtype)
+    for module in kept.values():
+        module.allocate(torch.device(device))
     # Buffers made on the meta device hold no data: compute the rotary table for real.
     model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -84,6 +92,16 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
+                if kept and not quant.is_companion(hf_name) and _target(quant.main_name(hf_name))[0] in kept:
+                    module_name = hf_name.rsplit(".", 1)[0]
+                    target, shard = _target(quant.main_name(hf_name))
+                    linear = kept[target]
+                    q, scales, _ = quant.kept(module_name, f.get_tensor(hf_name), companions.get(module_name, {}),
+                                              linear.in_features)
+                    start = 0 if shard is None else sum(_shard_sizes(model.get_submodule(target.rsplit(".", 1)[0]),
+                                                                     target.rsplit(".", 1)[1])[:shard])
+                    linear.load_rows(start, q, scales)
+                    continue
                 if quant is not None:
                     if not quant.is_companion(hf_name):
                         tensor = quant.dequantize(hf_name, f.get_tensor(hf_name),
@@ -99,11 +117,57 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = [n for n in params if n not in loaded]
+    missing += [f"{name}.weight" for name, m in kept.items() if m.rows_loaded != m.out_features]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
     del params
     pack_linears(model, linear_backend)
     return model.eval()
+
+
+QUANTIZED_WEIGHTS = ("dequantize", "keep")
+
+
+def _target(hf_name: str) -> tuple[str, int | None]:
+    """A checkpoint weight's module here, and its shard in a fused one (None: the whole)."""
+    name = hf_name.removeprefix("model.").rsplit(".", 1)[0]
+    for frag, (fused, shard) in _FUSED.items():
+        if name.endswith(f".{frag}"):
+            return name[:-len(frag)] + fused, shard
+    return name, None
+
+
+def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, kernels: KernelBackend) -> dict:
+    """--quantized-weights keep: each projection the checkpoint quantized becomes a
+    QuantizedLinear (on the meta device, before anything is allocated); {module name: it}."""
+    from kernels.quant_linear import QuantizedLinear
+
+    if quant is None:
+        raise ValueError("--quantized-weights keep: the checkpoint is not quantized")
+    shards: dict[str, set] = {}
+    for module in companions:
+        target, shard = _target(module + ".weight")
+        shards.setdefault(target, set()).add(shard)
+    kept = {}
+    for target, have in shards.items():
+        linear = model.get_submodule(target)
+        if not isinstance(linear, nn.Linear):
+            continue
+        fused = target.rsplit(".", 1)[1]
+        need = {None} if fused not in ("qkv_proj", "gate_up_proj") else set(range(3 if fused == "qkv_proj" else 2))
+        if have != need:
+            raise ValueError(f"--quantized-weights keep: {target} is quantized in part (shards {sorted(map(str, have))}); "
+                             "use --quantized-weights dequantize")
+        first = next(m for m in companions if _target(m + ".weight")[0] == target)
+        weight_dtype = torch.float8_e4m3fn if quant.is_float(first) else torch.int8
+        group = quant.group_of(first, linear.in_features)
+        parent, _, child = target.rpartition(".")
+        kept[target] = QuantizedLinear(linear.in_features, linear.out_features, weight_dtype, group,
+                                       linear.bias is not None, use_triton=kernels.name == "triton")
+        setattr(model.get_submodule(parent), child, kept[target])
+    logger.info("%s checkpoint: %d projections kept in 8 bits (%s)", quant.describe(), len(kept),
+                "fused Triton kernel" if kernels.name == "triton" else "dequantized per call")
+    return kept
 
 
 def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None = None) -> QuantizedWeights | None:

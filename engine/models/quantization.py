@@ -28,6 +28,7 @@ class _Scheme:
     num_bits: int = 8
     block: tuple[int, int] | None = None
     symmetric: bool = True
+    kind: str = "float"  # the stored values: float (FP8) or int
     targets: tuple[str, ...] = ("Linear",)
 
 
@@ -76,7 +77,7 @@ class QuantizedWeights:
                 block = tuple(int(x) for x in w["block_structure"])
             elif strategy not in ("tensor", "channel"):
                 raise ValueError(f"{where}: weight strategy {strategy!r} is not served")
-            schemes.append(_Scheme(bits, block, bool(w.get("symmetric", True)),
+            schemes.append(_Scheme(bits, block, bool(w.get("symmetric", True)), w.get("type", "int"),
                                    tuple(group.get("targets") or ("Linear",))))
         if not schemes:
             raise ValueError("compressed-tensors checkpoint without config_groups")
@@ -93,6 +94,44 @@ class QuantizedWeights:
                         target.startswith("re:") and re.match(target[3:], module)):
                     return scheme
         return self.schemes[0]
+
+    def kept(self, module: str, stored: torch.Tensor, companions: dict[str, torch.Tensor],
+             in_features: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """--quantized-weights keep: (the 8-bit weight, its float32 scales per row and group of
+        columns, the group's width) of one stored weight; ValueError for what the fused 8-bit
+        linear does not run (4 bits, zero points)."""
+        scheme = self._scheme(module)
+        scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
+        where = f"{module}: --quantized-weights keep"
+        if scheme.num_bits != 8 or (companions.get("weight_zero_point") is not None
+                                    and bool(companions["weight_zero_point"].any())):
+            raise ValueError(f"{where} runs 8-bit weights without zero points; this checkpoint's are "
+                             f"{scheme.num_bits}-bit{'' if scheme.symmetric else ' with zero points'}: use "
+                             "--quantized-weights dequantize")
+        if stored.dtype == torch.int32:  # pack-quantized W8A16: four to an int32
+            shape = companions.get("weight_shape")
+            if shape is None:
+                raise ValueError(f"packed weight {module!r} has no weight_shape in the checkpoint")
+            q = unpack_int32(stored, 8, tuple(int(x) for x in shape.tolist())).to(torch.int8)
+        elif stored.dtype in (torch.float8_e4m3fn, torch.int8):
+            q = stored
+        else:
+            raise ValueError(f"{where}: weights stored as {stored.dtype} are not 8-bit")
+        out = q.shape[0]
+        scale = scale.to(torch.float32)
+        if scheme.block is None or scale.numel() == 1:
+            return q, expand_scale(scale, out, in_features, None, module).expand(out, 1).contiguous(), in_features
+        bm, bn = scheme.block
+        grid = expand_scale(scale, out, in_features, scheme.block, module)  # checks the grid's shape
+        return q, grid[:, ::bn].contiguous(), bn
+
+    def is_float(self, module: str) -> bool:
+        return self._scheme(module).kind == "float"
+
+    def group_of(self, module: str, in_features: int) -> int:
+        """The width of a kept weight's column groups (the row, or the block / group)."""
+        block = self._scheme(module).block
+        return in_features if block is None else block[1]
 
     def is_companion(self, hf_name: str) -> bool:
         return hf_name.rsplit(".", 1)[-1] in COMPANIONS

@@ -145,6 +145,7 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory_bytes=(None if args.kv_cache_memory_gb is None
                                        else int(args.kv_cache_memory_gb * (1 << 30))),
                 gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+                quantized_weights=args.quantized_weights,
                 **_lora_kwargs(args))
 
 

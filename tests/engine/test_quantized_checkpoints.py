@@ -286,3 +286,42 @@ def test_vllms_quantization_flag_must_name_the_checkpoints_method(base, tmp_path
         LLM(path, quantization="compressed-tensors")
     with pytest.raises(ValueError, match="the checkpoint is not quantized, and pdserve does not quantize weights"):
         LLM(base, quantization="fp8")
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["fp8-block-128", "fp8-channel", "fp8-tensor", "int8-channel"])
+def test_kept_8bit_weights_answer_as_transformers(base, case, kernel_backend, tmp_path):
+    """--quantized-weights keep: the projections stay one byte a weight (the fused Triton kernel
+    on the triton backend, run here by its interpreter; dequantized per call on torch), and the
+    answers are still transformers'."""
+    from kernels.quant_linear import QuantizedLinear
+
+    path = CASES[case](base, str(tmp_path / case))
+    llm = LLM(path, quantized_weights="keep", kernel_backend=kernel_backend)
+    layer = llm.engine.runner.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, QuantizedLinear) and linear.qweight.element_size() == 1
+        assert linear.use_triton == (kernel_backend == "triton")
+    assert not any(name.endswith("proj.weight") for name, _ in llm.engine.runner.model.named_parameters())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == transformers_greedy(path)
+
+
+def test_keep_is_refused_where_the_fused_linear_does_not_run(base, tmp_path):
+    path = CASES["int4-group-32"](base, str(tmp_path / "int4"))
+    with pytest.raises(ValueError, match="runs 8-bit weights without zero points; this checkpoint's are 4-bit"):
+        LLM(path, quantized_weights="keep")
+    with pytest.raises(ValueError, match="--quantized-weights keep: the checkpoint is not quantized"):
+        LLM(base, quantized_weights="keep")
+    with pytest.raises(ValueError, match="quantized_weights must be dequantize or keep"):
+        LLM(base, quantized_weights="fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantized_weights", ["dequantize", "keep"])
+def test_on_cuda_an_fp8_checkpoint_answers_as_transformers(base, tmp_path, quantized_weights):
+    """On the GPU (make gpu-check): block-scaled FP8 dequantized at load, and kept in FP8 through
+    the fused Triton kernel (CUDA graphs on)."""
+    path = fp8_blocks(base, str(tmp_path / "fp8"))
+    assert pdserve_greedy(path, device="cuda", quantized_weights=quantized_weights) == transformers_greedy(path)
