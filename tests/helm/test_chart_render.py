@@ -274,3 +274,7 @@ def test_gpu_memory_utilization_reaches_both_engines_and_parses():
         assert "--gpu-memory-utilization=0.9" in args and not any(a.startswith("--kv-cache-memory-gb") for a in args)
         parsed = p.parse_args(args)
         assert parsed.gpu_memory_utilization == 0.9 and parsed.kv_cache_memory_gb is None
+        assert parsed.quantized_weights == "dequantize" and not any("quantized" in a for a in args)
+    docs = render("3", "gpu-ucx-rdma", sets={"engine.quantizedWeights": "keep"})
+    for name in ENGINES:
+        assert p.parse_args(container(by_kind(docs, "Deployment")[name])["args"]).quantized_weights == "keep"
