@@ -357,6 +357,8 @@ def main() -> int:
     if device == "cpu" and not args.small:
         print("gpu-check needs a CUDA GPU (torch sees none); --small runs it at toy sizes on CPU")
         return 1
+    if device == "cpu":  # part (e)'s kernel through Triton's interpreter (before triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     size = SMALL if args.small else FULL
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "torch": torch.__version__, "small": args.small}

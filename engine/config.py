@@ -75,8 +75,8 @@ class ModelConfig:
     linear_backend: str = "auto"
     # vLLM's --quantization: None reads the checkpoint's quantization_config; a method must match it.
     quantization: str | None = None
-    # A quantized checkpoint's weights: "dequantize"d to dtype as they load, or "keep" (8-bit
-    # FP8 / INT8 kept as stored, a fused kernel on the Triton backend: kernels.quant_linear).
+    # A quantized checkpoint's weights: "dequantize"d to dtype as they load, or "keep" (FP8 /
+    # INT8 / packed INT4 kept as stored, a fused kernel on the Triton backend: kernels.quant_linear).
     quantized_weights: str = "dequantize"
 
     def __post_init__(self) -> None:

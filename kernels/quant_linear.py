@@ -1,9 +1,10 @@
-"""Linear layers on 8-bit weights kept as the checkpoint stores them (FP8 e4m3 or INT8, one byte
-a weight: half a bfloat16 model's memory), each output row scaled per group of input columns:
-`W[n, k] = q[n, k] * scale[n, k // group]` (a group: the row for per-tensor and per-channel
-scales, the block's width for block-scaled FP8).
+"""Linear layers on weights kept as a quantized checkpoint stores them: FP8 e4m3 or INT8 (one
+byte a weight: half a bfloat16 model's memory) or INT4 packed eight to an int32 (a quarter), each
+output row scaled per group of input columns, with or without zero points:
+`W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group]` (a group: the row for
+per-tensor and per-channel scales, the block's width for block-scaled FP8, the group for W4A16).
 
-On the Triton backend a fused kernel reads the 8-bit tiles and dequantizes them next to the
+On the Triton backend a fused kernel reads the stored tiles and dequantizes them next to the
 matmul, so the full-precision weight is never in memory; elsewhere (the torch backends) each call
 dequantizes the layer's weight and runs F.linear. Both round the dequantized weight to the
 activations' dtype before the product, as the dequantize-at-load path and transformers do.
@@ -20,106 +21,176 @@ try:
 except ImportError:  # pragma: no cover - the torch path needs no triton
     triton = None
 
+KINDS = ("fp8", "int8", "int4")
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """[rows, ceil(columns / 8)] int32 -> [rows, columns] float32 signed values (compressed-tensors'
+    layout: lowest bits first, each stored plus 8)."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=packed.device)
+    values = (p.unsqueeze(-1) >> shifts) & 0xF
+    return (values.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.float32)
+
 
 class QuantizedLinear(nn.Module):
-    """A projection's 8-bit weight [out, in] and float32 scales [out, ceil(in / group)]."""
+    """A projection's stored weight, float32 scales [out, ceil(in / group)] and, when the
+    checkpoint has them, int8 zero points of the same shape."""
 
-    def __init__(self, in_features: int, out_features: int, weight_dtype: torch.dtype, group: int,
-                 bias: bool, use_triton: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, kind: str, group: int, bias: bool,
+                 use_triton: bool, has_zero: bool = False) -> None:
         super().__init__()
-        if weight_dtype not in (torch.float8_e4m3fn, torch.int8):
-            raise ValueError(f"8-bit weights are float8_e4m3fn or int8, not {weight_dtype}")
+        if kind not in KINDS:
+            raise ValueError(f"kept weights are one of {', '.join(KINDS)}, not {kind!r}")
         self.in_features, self.out_features = in_features, out_features
-        self.weight_dtype, self.group, self.use_triton = weight_dtype, group, use_triton
+        self.kind, self.group, self.use_triton, self.has_zero = kind, group, use_triton, has_zero
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.qweight: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
         self.rows_loaded = 0
 
     def allocate(self, device: torch.device) -> None:
-        """The weight's storage, once the model is on its device: int8 bytes (FP8 viewed through
-        them), so the model's dtype cast never touches them, and float32 scales."""
-        self.qweight = torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=device)
+        """The weight's storage, once the model is on its device (plain tensors: the model's
+        dtype cast never touches them): int8 bytes (FP8 viewed through them) or int32 words."""
+        if self.kind == "int4":
+            self.qweight = torch.empty(self.out_features, -(-self.in_features // 8), dtype=torch.int32, device=device)
+        else:
+            self.qweight = torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=device)
         groups = -(-self.in_features // self.group)
         self.scale = torch.empty(self.out_features, groups, dtype=torch.float32, device=device)
+        if self.has_zero:
+            self.zero = torch.zeros(self.out_features, groups, dtype=torch.int8, device=device)
 
-    def load_rows(self, start: int, q: torch.Tensor, scale_rows: torch.Tensor) -> None:
+    def load_rows(self, start: int, q: torch.Tensor, scale_rows: torch.Tensor, zero_rows: torch.Tensor | None) -> None:
         """One shard (q, k, v; gate, up; or the whole weight) at output row `start`."""
-        if q.dtype != self.weight_dtype or q.shape[1] != self.in_features or scale_rows.shape != (
-                q.shape[0], self.scale.shape[1]):
+        rows = q.shape[0]
+        want = self.qweight.shape[1]
+        stored = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.int32}[self.kind]
+        if q.dtype != stored or q.shape[1] != want or scale_rows.shape != (rows, self.scale.shape[1]) or (
+                zero_rows is not None and (self.zero is None or zero_rows.shape != scale_rows.shape)):
             raise ValueError(f"a {tuple(q.shape)} {q.dtype} shard with scales {tuple(scale_rows.shape)} does not fit "
-                             f"an {self.weight_dtype} weight of ({self.out_features}, {self.in_features}) in "
-                             f"groups of {self.group}")
-        rows = slice(start, start + q.shape[0])
-        self.qweight[rows].copy_(q.view(torch.int8))
-        self.scale[rows].copy_(scale_rows)
-        self.rows_loaded += q.shape[0]
+                             f"a kept {self.kind} weight of ({self.out_features}, {self.in_features}) in groups of "
+                             f"{self.group}")
+        at = slice(start, start + rows)
+        self.qweight[at].copy_(q if self.kind == "int4" else q.view(torch.int8))
+        self.scale[at].copy_(scale_rows)
+        if zero_rows is not None:
+            self.zero[at].copy_(zero_rows)
+        self.rows_loaded += rows
 
-    def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight in `dtype` (the torch path, and the reference)."""
-        q = self.qweight.view(self.weight_dtype).to(torch.float32)
+    def values(self) -> torch.Tensor:
+        """The stored values as float32 [out, in], less their zero points."""
+        if self.kind == "int4":
+            q = unpack_int4(self.qweight, self.in_features)
+        else:
+            q = self.qweight.view(torch.float8_e4m3fn if self.kind == "fp8" else torch.int8).to(torch.float32)
+        if self.zero is not None:
+            q = q - self.zero.repeat_interleave(self.group, dim=1)[:, :self.in_features].to(torch.float32)
+        return q
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (the torch path, and the reference)."""
         scale = self.scale.repeat_interleave(self.group, dim=1)[:, :self.in_features]
-        return (q * scale).to(dtype)
+        return (self.values() * scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.use_triton:
-            out = w8a16_linear(flat, self.qweight.view(self.weight_dtype), self.scale, self.group)
+            stored = self.qweight.view(torch.float8_e4m3fn) if self.kind == "fp8" else self.qweight
+            out = quantized_linear(flat, stored, self.kind, self.scale, self.zero, self.group, self.in_features)
             if self.bias is not None:
                 out += self.bias
         else:
-            out = F.linear(flat, self.weight(x.dtype), self.bias)
+            out = F.linear(flat, self.dequantized(x.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight_dtype}, "
-                f"group={self.group}, bias={self.bias is not None}, triton={self.use_triton}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
+                f"group={self.group}, zero_points={self.has_zero}, bias={self.bias is not None}, "
+                f"triton={self.use_triton}")
 
 
 if triton is not None:
     @triton.jit
-    def _w8a16_kernel(x, w, scale, out, M, N, K, group, num_groups,
-                      stride_xm, stride_wn, stride_om,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # out[m, n] = sum_k x[m, k] * round_to_x_dtype(q[n, k] * scale[n, k // group]), accumulated
-        # in float32: the dequantized tile is made next to the dot, never stored.
+    def _quantized_linear_kernel(x, w, scale, zero, out, M, N, K, group, num_groups,
+                                 stride_xm, stride_wn, stride_om,
+                                 INT4: tl.constexpr, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr,
+                                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[m, n] = sum_k x[m, k] * round_to_x_dtype((q[n, k] - zero) * scale), accumulated in
+        # float32: the dequantized tile is made next to the dot, never stored. TILE_SCALE: a group
+        # spans whole K tiles, so a tile has one scale (and zero point) a row.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         x_ty = x.dtype.element_ty
+        row_n = rn[:, None].to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
             a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
             wmask = (rn[:, None] < N) & (k[None, :] < K)
-            q = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + k[None, :], mask=wmask, other=0.0)
-            s = tl.load(scale + rn[:, None].to(tl.int64) * num_groups + k[None, :] // group, mask=wmask, other=0.0)
-            deq = (q.to(tl.float32) * s).to(x_ty)
-            acc += tl.dot(a, tl.trans(deq), out_dtype=tl.float32)
+            if INT4:  # eight to an int32 word, lowest bits first, each stored plus 8
+                word = tl.load(w + row_n * stride_wn + k[None, :] // 8, mask=wmask, other=0)
+                q = (((word >> ((k[None, :] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+            else:
+                q = tl.load(w + row_n * stride_wn + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            if TILE_SCALE:
+                at = row_n * num_groups + k0 // group
+                s = tl.load(scale + at, mask=rn[:, None] < N, other=0.0)
+                if HAS_ZERO:
+                    q = q - tl.load(zero + at, mask=rn[:, None] < N, other=0).to(tl.float32)
+            else:
+                at = row_n * num_groups + k[None, :] // group
+                s = tl.load(scale + at, mask=wmask, other=0.0)
+                if HAS_ZERO:
+                    q = q - tl.load(zero + at, mask=wmask, other=0).to(tl.float32)
+            deq = (q * s).to(x_ty)
+            if UPCAST:  # the interpreter's bf16 dot is wrong: the same rounded values, in float32
+                acc += tl.dot(a.to(tl.float32), tl.trans(deq.to(tl.float32)), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(a, tl.trans(deq), input_precision=DOT_PRECISION, out_dtype=tl.float32)
         tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] @ dequantized(qweight [N, K], scale [N, ceil(K / group)]).T -> [M, N] in x's dtype."""
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, kind: str, scale: torch.Tensor,
+                     zero: torch.Tensor | None, group: int, in_features: int) -> torch.Tensor:
+    """x [M, K] @ dequantized(qweight).T -> [M, N] in x's dtype. qweight: [N, K] FP8 / INT8, or
+    [N, ceil(K / 8)] int32 (INT4); scale float32 and zero int8 [N, ceil(K / group)]."""
     if triton is None:
-        raise RuntimeError("the fused 8-bit linear needs triton")
+        raise RuntimeError("the fused quantized linear needs triton")
+    from kernels.triton_paged import dot_options
+
     m, k = x.shape
     n = qweight.shape[0]
-    if qweight.shape[1] != k or scale.shape != (n, -(-k // group)) or scale.dtype != torch.float32:
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(qweight.shape)} and scale {tuple(scale.shape)} "
+    groups = -(-k // group)
+    if k != in_features or qweight.shape[1] != (-(-k // 8) if kind == "int4" else k) or \
+            scale.shape != (n, groups) or scale.dtype != torch.float32 or \
+            (zero is not None and (zero.shape != scale.shape or zero.dtype != torch.int8)):
+        raise ValueError(f"x {tuple(x.shape)}, {kind} weight {tuple(qweight.shape)} and scale {tuple(scale.shape)} "
                          f"({scale.dtype}) do not fit groups of {group}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m = 16 if m <= 16 else 64
-    block_n, block_k = 64, 64
+    block_n = 32 if m <= 16 else 64  # a decode step's few rows: more programs over N
+    block_k = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w8a16_kernel[grid](x, qweight, scale, out, m, n, k, group, scale.shape[1],
-                        x.stride(0), qweight.stride(0), out.stride(0),
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _quantized_linear_kernel[grid](
+        x, qweight, scale, zero if zero is not None else scale, out, m, n, k, group, groups,
+        x.stride(0), qweight.stride(0), out.stride(0),
+        INT4=kind == "int4", HAS_ZERO=zero is not None, TILE_SCALE=group % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_options(x.dtype))
     return out
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """8-bit weights (FP8 or INT8, by qweight's dtype) without zero points."""
+    kind = "fp8" if qweight.dtype == torch.float8_e4m3fn else "int8"
+    return quantized_linear(x, qweight, kind, scale, None, group, x.shape[1])

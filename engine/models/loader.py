@@ -69,7 +69,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file.
     linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN.
     quantized_weights: a quantized checkpoint's weights "dequantize"d to `dtype` as they load, or
-    kept 8-bit ("keep": kernels.quant_linear)."""
+    kept as stored ("keep": 8-bit and packed 4-bit projections, kernels.quant_linear)."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
     quant = check_quantization(hf_config, tp_size=1 if tp is None else tp.layout.size)
@@ -79,7 +79,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         raise ValueError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, got {quantized_weights!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, kernels, tp)
-        kept = _keep_quantized(model, quant, companions, kernels) if quantized_weights == "keep" else {}
+        kept = _keep_quantized(model, quant, companions, kernels, torch.device(device)) \
+            if quantized_weights == "keep" else {}
     model = model.to_empty(device=device).to(dtype)
     for module in kept.values():
         module.allocate(torch.device(device))
@@ -92,15 +93,16 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                if kept and not quant.is_companion(hf_name) and _target(quant.main_name(hf_name))[0] in kept:
+                if kept and hf_name.endswith((".weight", ".weight_packed")) and \
+                        _target(hf_name)[0] in kept:  # a kept projection's weight (its bias loads as any)
                     module_name = hf_name.rsplit(".", 1)[0]
-                    target, shard = _target(quant.main_name(hf_name))
+                    target, shard = _target(hf_name)
                     linear = kept[target]
-                    q, scales, _ = quant.kept(module_name, f.get_tensor(hf_name), companions.get(module_name, {}),
-                                              linear.in_features)
+                    w = quant.kept(module_name, f.get_tensor(hf_name), companions.get(module_name, {}),
+                                   linear.in_features)
                     start = 0 if shard is None else sum(_shard_sizes(model.get_submodule(target.rsplit(".", 1)[0]),
                                                                      target.rsplit(".", 1)[1])[:shard])
-                    linear.load_rows(start, q, scales)
+                    linear.load_rows(start, w.q, w.scale, w.zero)
                     continue
                 if quant is not None:
                     if not quant.is_companion(hf_name):
@@ -137,9 +139,11 @@ def _target(hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, kernels: KernelBackend) -> dict:
-    """--quantized-weights keep: each projection the checkpoint quantized becomes a
-    QuantizedLinear (on the meta device, before anything is allocated); {module name: it}."""
+def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, kernels: KernelBackend,
+                    device: torch.device) -> dict:
+    """--quantized-weights keep: each attention and MLP projection the checkpoint quantized becomes
+    a QuantizedLinear (on the meta device, before anything is allocated); {module name: it}. The
+    LM head, quantized or not, is dequantized (a tied one is the embedding's)."""
     from kernels.quant_linear import QuantizedLinear
 
     if quant is None:
@@ -147,25 +151,35 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
     shards: dict[str, set] = {}
     for module in companions:
         target, shard = _target(module + ".weight")
-        shards.setdefault(target, set()).add(shard)
+        if target.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            shards.setdefault(target, set()).add(shard)
     kept = {}
-    for target, have in shards.items():
+    for target, have in sorted(shards.items()):
         linear = model.get_submodule(target)
-        if not isinstance(linear, nn.Linear):
-            continue
         fused = target.rsplit(".", 1)[1]
         need = {None} if fused not in ("qkv_proj", "gate_up_proj") else set(range(3 if fused == "qkv_proj" else 2))
         if have != need:
             raise ValueError(f"--quantized-weights keep: {target} is quantized in part (shards {sorted(map(str, have))}); "
                              "use --quantized-weights dequantize")
-        first = next(m for m in companions if _target(m + ".weight")[0] == target)
-        weight_dtype = torch.float8_e4m3fn if quant.is_float(first) else torch.int8
-        group = quant.group_of(first, linear.in_features)
+        parts = [m for m in companions if _target(m + ".weight")[0] == target]
+        bits = {quant.bits_of(m) for m in parts}
+        kinds = {"fp8" if quant.is_float(m) else "int4" if quant.bits_of(m) == 4 else "int8" for m in parts}
+        groups = {quant.group_of(m, linear.in_features) for m in parts}
+        if len(kinds) != 1 or len(groups) != 1 or bits - {4, 8}:
+            raise ValueError(f"--quantized-weights keep: {target}'s parts are quantized differently ({sorted(kinds)}, "
+                             f"groups {sorted(groups)}); use --quantized-weights dequantize")
+        kind = kinds.pop()
+        if kind == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"--quantized-weights keep: FP8 weights need a GPU of compute capability 8.9 or later "
+                             f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}: use "
+                             "--quantized-weights dequantize")
+        has_zero = any(companions[m].get("weight_zero_point") is not None and companions[m]["weight_zero_point"].numel()
+                       and bool(companions[m]["weight_zero_point"].any()) for m in parts)
         parent, _, child = target.rpartition(".")
-        kept[target] = QuantizedLinear(linear.in_features, linear.out_features, weight_dtype, group,
-                                       linear.bias is not None, use_triton=kernels.name == "triton")
+        kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, groups.pop(),
+                                       linear.bias is not None, use_triton=kernels.name == "triton", has_zero=has_zero)
         setattr(model.get_submodule(parent), child, kept[target])
-    logger.info("%s checkpoint: %d projections kept in 8 bits (%s)", quant.describe(), len(kept),
+    logger.info("%s checkpoint: %d projections kept as stored (%s)", quant.describe(), len(kept),
                 "fused Triton kernel" if kernels.name == "triton" else "dequantized per call")
     return kept
 

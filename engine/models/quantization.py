@@ -1,10 +1,11 @@
 """Quantized checkpoints: the weights of FP8, INT8 and packed INT4 checkpoints (as vLLM serves
 them: `quant_method` "fp8" — DeepSeek's and Qwen's block-scaled FP8, per-tensor AutoFP8 —,
 "fbgemm_fp8", and "compressed-tensors" from llm-compressor: float-quantized FP8, int-quantized
-INT8, pack-quantized W4A16 / W8A16) are dequantized to the engine's dtype as they load. The
-model then serves what the checkpoint holds: every weight exactly `(q - zero_point) * scale`,
+INT8, pack-quantized W4A16 / W8A16) are dequantized to the engine's dtype as they load, or (with
+--quantized-weights keep) the projections are kept as stored for kernels.quant_linear (`kept`).
+The model then serves what the checkpoint holds: every weight exactly `(q - zero_point) * scale`,
 token-exact against transformers; activations are not quantized (a W8A8 checkpoint answers as its
-W8A16 form), and the weights take the engine dtype's memory, not the checkpoint's.
+W8A16 form).
 
 Anything else (AWQ, GPTQ, bitsandbytes, GGUF, ...) is refused at start, by name."""
 from __future__ import annotations
@@ -19,6 +20,17 @@ _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quan
 # A quantized weight's companions in the checkpoint (module prefix + suffix).
 COMPANIONS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale",
               "input_zero_point", "output_scale")
+
+
+@dataclass(frozen=True)
+class KeptWeight:
+    """A weight as --quantized-weights keep holds it: `q` [out, in] FP8 / INT8 values, or INT4
+    packed [out, ceil(in / 8)] int32; scales float32 [out, groups]; zero points int8 or None."""
+    q: torch.Tensor
+    kind: str  # fp8 | int8 | int4
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group: int
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,12 @@ class QuantizedWeights:
             return cls(method, [_Scheme(8, tuple(block) if block else None)], packed=False)
         if method == "fbgemm_fp8":
             return cls(method, [_Scheme(8)], packed=False)
+        sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
+        if sparsity not in ("dense", None):
+            raise ValueError(f"compressed-tensors checkpoint with {sparsity!r} sparsity is not served (dense only)")
+        if qc.get("transform_config"):
+            raise ValueError("compressed-tensors checkpoint with a transform_config (online rotations: SpinQuant, "
+                             "QuIP) is not served")
         fmt = qc.get("format", "")
         if fmt not in _CT_FORMATS:
             raise ValueError(f"compressed-tensors checkpoint of format {fmt!r} is not served; pdserve serves "
@@ -87,43 +105,71 @@ class QuantizedWeights:
         return f"{self.method} ({', '.join(sorted({f'{s.num_bits}-bit' for s in self.schemes}))} weights)"
 
     def _scheme(self, module: str) -> _Scheme:
-        """The config group whose targets name the module (a `Linear` target takes any)."""
-        for scheme in self.schemes:
-            for target in scheme.targets:
-                if target == "Linear" or module == target or module.endswith("." + target) or (
-                        target.startswith("re:") and re.match(target[3:], module)):
-                    return scheme
+        """The config group whose targets name the module, as compressed-tensors ranks them: a
+        module's name over a `re:` pattern over a class (`Linear` takes any projection)."""
+        for rank in range(3):
+            for scheme in self.schemes:
+                for target in scheme.targets:
+                    if rank == 0 and (module == target or module.endswith("." + target)) or \
+                            rank == 1 and target.startswith("re:") and re.match(target[3:], module) or \
+                            rank == 2 and target == "Linear":
+                        return scheme
         return self.schemes[0]
 
     def kept(self, module: str, stored: torch.Tensor, companions: dict[str, torch.Tensor],
-             in_features: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """--quantized-weights keep: (the 8-bit weight, its float32 scales per row and group of
-        columns, the group's width) of one stored weight; ValueError for what the fused 8-bit
-        linear does not run (4 bits, zero points)."""
+             in_features: int) -> "KeptWeight":
+        """--quantized-weights keep: one stored weight as the fused linear reads it (8-bit FP8
+        or INT8 values, or INT4 packed eight to an int32 as compressed-tensors stores them), its
+        float32 scales per row and group of columns, and int8 zero points when it has them."""
         scheme = self._scheme(module)
         scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
-        where = f"{module}: --quantized-weights keep"
-        if scheme.num_bits != 8 or (companions.get("weight_zero_point") is not None
-                                    and bool(companions["weight_zero_point"].any())):
-            raise ValueError(f"{where} runs 8-bit weights without zero points; this checkpoint's are "
-                             f"{scheme.num_bits}-bit{'' if scheme.symmetric else ' with zero points'}: use "
-                             "--quantized-weights dequantize")
-        if stored.dtype == torch.int32:  # pack-quantized W8A16: four to an int32
+        if scale is None:
+            raise ValueError(f"quantized weight {module}.weight has no weight_scale in the checkpoint")
+        if stored.dtype == torch.int32:  # pack-quantized
             shape = companions.get("weight_shape")
             if shape is None:
                 raise ValueError(f"packed weight {module!r} has no weight_shape in the checkpoint")
-            q = unpack_int32(stored, 8, tuple(int(x) for x in shape.tolist())).to(torch.int8)
+            out, cols = (int(x) for x in shape.tolist())
+            if scheme.num_bits == 4:
+                if stored.shape != (out, -(-cols // 8)):
+                    raise ValueError(f"{module}: a packed weight of {tuple(stored.shape)} for ({out}, {cols}) "
+                                     "at 4 bits")
+                q, kind = stored, "int4"
+            else:
+                q, kind = unpack_int32(stored, 8, (out, cols)).to(torch.int8), "int8"
         elif stored.dtype in (torch.float8_e4m3fn, torch.int8):
-            q = stored
+            q, kind = stored, "fp8" if stored.dtype == torch.float8_e4m3fn else "int8"
         else:
-            raise ValueError(f"{where}: weights stored as {stored.dtype} are not 8-bit")
+            raise ValueError(f"{module}: --quantized-weights keep runs 8-bit and packed 4-bit weights, not "
+                             f"weights stored as {stored.dtype}: use --quantized-weights dequantize")
         out = q.shape[0]
-        scale = scale.to(torch.float32)
-        if scheme.block is None or scale.numel() == 1:
-            return q, expand_scale(scale, out, in_features, None, module).expand(out, 1).contiguous(), in_features
-        bm, bn = scheme.block
-        grid = expand_scale(scale, out, in_features, scheme.block, module)  # checks the grid's shape
-        return q, grid[:, ::bn].contiguous(), bn
+        group = self.group_of(module, in_features)
+        zero = self._zero_point(companions, scale, scheme)
+        rows = []
+        for grid in (scale.to(torch.float32), zero):
+            if grid is None:
+                rows.append(None)
+            elif scheme.block is None or grid.numel() == 1:
+                rows.append(expand_scale(grid.float(), out, in_features, None, module).expand(out, 1).contiguous())
+            else:
+                rows.append(expand_scale(grid.float(), out, in_features, scheme.block, module)[:, ::group].contiguous())
+        zero_rows = None if rows[1] is None or not bool(rows[1].any()) else rows[1].to(torch.int8)
+        return KeptWeight(q, kind, rows[0], zero_rows, group)
+
+    @staticmethod
+    def _zero_point(companions: dict[str, torch.Tensor], scale: torch.Tensor, scheme: _Scheme) -> torch.Tensor | None:
+        """The weight's zero points as stored values (compressed-tensors packs those of the group
+        and channel strategies into int32 along the output rows)."""
+        zero = companions.get("weight_zero_point")
+        if zero is None or not zero.numel():
+            return None
+        if zero.dtype == torch.int32:
+            grid = scale.reshape(scale.shape[0], -1).shape if scale.numel() > 1 else (1, 1)
+            zero = unpack_int32(zero.t().contiguous(), scheme.num_bits, (grid[1], grid[0])).t()
+        return zero
+
+    def bits_of(self, module: str) -> int:
+        return self._scheme(module).num_bits
 
     def is_float(self, module: str) -> bool:
         return self._scheme(module).kind == "float"
@@ -145,7 +191,10 @@ class QuantizedWeights:
     def dequantize(self, hf_name: str, tensor: torch.Tensor, companions: dict[str, torch.Tensor],
                    dtype: torch.dtype) -> torch.Tensor:
         """`tensor` as stored under `hf_name` (the weight, or `weight_packed`), with its module's
-        companions ({suffix: tensor}); a tensor with no scale is returned as it is."""
+        companions ({suffix: tensor}); a tensor with no scale (a bias, a norm, an unquantized
+        module's weight) is returned as it is."""
+        if not hf_name.endswith((".weight", ".weight_packed")):
+            return tensor
         module = hf_name.rsplit(".", 1)[0]
         scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
         if scale is None:
@@ -161,10 +210,7 @@ class QuantizedWeights:
         else:
             q = tensor.to(torch.float32)
         out, inp = q.shape
-        zero = companions.get("weight_zero_point")
-        if zero is not None and self.packed and not scheme.symmetric:  # packed along the output rows
-            grid = scale.reshape(scale.shape[0], -1).shape if scale.numel() > 1 else (1, 1)
-            zero = unpack_int32(zero.t().contiguous(), scheme.num_bits, (grid[1], grid[0])).t()
+        zero = self._zero_point(companions, scale, scheme)
         full = expand_scale(scale.to(torch.float32), out, inp, scheme.block, hf_name)
         if zero is not None and zero.numel() and bool(zero.any()):
             q = q - expand_scale(zero.to(torch.float32), out, inp, scheme.block, hf_name)
@@ -177,6 +223,9 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) ->
     columns."""
     per = 32 // num_bits
     mask = (1 << num_bits) - 1
+    if packed.shape[-1] != -(-shape[1] // per):
+        raise ValueError(f"{packed.shape[-1]} int32 words a row do not hold {shape[1]} {num_bits}-bit values "
+                         "(another bit width than the config's?)")
     p = packed.to(torch.int64) & 0xFFFFFFFF
     values = torch.stack([(p >> (num_bits * k)) & mask for k in range(per)], dim=-1)
     values = values.reshape(packed.shape[0], -1)[:, :shape[1]]

@@ -58,9 +58,9 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
         help="the checkpoint's quantization method (vLLM's flag): read from its quantization_config when left "
              "out; served: fp8, fbgemm_fp8, compressed-tensors (weights dequantized to --dtype as they load)")
     add(p, "--quantized-weights", default="dequantize", choices=["dequantize", "keep"],
-        help="a quantized checkpoint's weights: dequantize (to --dtype as they load) or keep (8-bit FP8 / INT8 "
-             "weights stay 8-bit, half bfloat16's memory; a fused Triton kernel with --kernel-backend triton or "
-             "auto on a GPU, dequantized per call otherwise)")
+        help="a quantized checkpoint's weights: dequantize (to --dtype as they load) or keep (the projections "
+             "as stored: FP8 / INT8 one byte a weight, INT4 half; a fused Triton kernel with --kernel-backend "
+             "triton or auto on a GPU, dequantized per call otherwise)")
     add(p, "--enable-lora", action="store_true",
         help="serve LoRA adapters (vLLM's flag): --lora-modules' PEFT checkpoints, one per request by its model "
              "name at the router, mixed with the base model in a batch (no CUDA graphs, tensor parallel size 1)")

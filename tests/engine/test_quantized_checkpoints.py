@@ -79,58 +79,74 @@ def fp8_blocks(base: str, out: str, block: int = 128) -> str:
                                        "weight_block_size": [block, block]})
 
 
-def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, group_size: int = 32,
-               symmetric: bool = True, activations: bool = False) -> str:
-    """compressed-tensors: float-quantized FP8, pack-quantized INT4 / INT8 (weight-only), or
-    int-quantized INT8 (with activations)."""
+def _quantize(module: str, w: torch.Tensor, kind: str, strategy: str, bits: int, group_size: int, symmetric: bool,
+              packed: bool) -> tuple[dict, dict]:
+    """One module's tensors as compressed-tensors stores them, and its weights' config."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    tensors, projections = _projections(base)
     top = FP8_MAX if kind == "float" else float((1 << (bits - 1)) - 1)
+    rows, cols = w.shape
+    if strategy == "tensor":
+        lo, hi = w.min().reshape(1), w.max().reshape(1)
+    elif strategy == "channel":
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    else:
+        view = w.view(rows, cols // group_size, group_size)
+        lo, hi = view.amin(dim=2), view.amax(dim=2)
+    if symmetric:
+        scale, zero = torch.maximum(hi.abs(), lo.abs()) / top, torch.zeros_like(hi)
+    else:  # the range [lo, hi] onto [-2^(b-1), 2^(b-1) - 1]
+        scale = (hi - lo) / (2 * top + 1)
+        zero = torch.round(-(1 << (bits - 1)) - lo / scale)
+    weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False}
+    if strategy == "group":
+        weights["group_size"] = group_size
+    if packed:  # compressed-tensors' own compressor: its rounding, its packing (zero points too)
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+        state = {"weight": w, "weight_scale": scale.float(), "weight_zero_point": zero.to(torch.int8)}
+        return {f"{module}.{k}": v for k, v in PackedQuantizationCompressor.compress(state, scheme).items()}, weights
+    expand = (lambda t: t.repeat_interleave(group_size, 1)) if strategy == "group" else (lambda t: t)
+    q = w / expand(scale) + expand(zero)
+    out = {f"{module}.weight_scale": scale.float()}
+    if kind == "float":
+        out[f"{module}.weight"] = q.to(torch.float8_e4m3fn)
+    else:
+        out[f"{module}.weight"] = torch.round(q).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
+    if not symmetric:
+        out[f"{module}.weight_zero_point"] = zero.to(torch.int8)
+    return out, weights
+
+
+def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, group_size: int = 32,
+               symmetric: bool = True, activations: bool = False, lm_head: bool = False,
+               down: dict | None = None) -> str:
+    """compressed-tensors: float-quantized FP8, pack-quantized INT4 / INT8 (weight-only), or
+    int-quantized INT8 (with activations). `lm_head`: quantized too; `down`: another scheme for
+    the down projections (bits, strategy), a second config group targeting them by pattern."""
+    tensors, projections = _projections(base)
+    if lm_head:
+        projections["lm_head.weight"] = tensors["lm_head.weight"]
     packed = kind == "int" and not activations  # llm-compressor's W4A16 / W8A16; W8A8 INT8 is int-quantized
+    groups = {}
     for name, w in projections.items():
-        rows, cols = w.shape
-        view = w.view(rows, cols // group_size, group_size) if strategy == "group" else w
-        if strategy == "tensor":
-            lo, hi = w.min().reshape(1), w.max().reshape(1)
-        elif strategy == "channel":
-            lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
-        else:
-            lo, hi = view.amin(dim=2), view.amax(dim=2)
-        if symmetric:
-            scale, zero = torch.maximum(hi.abs(), lo.abs()) / top, torch.zeros_like(hi)
-        else:  # the range [lo, hi] onto [-2^(b-1), 2^(b-1) - 1]
-            scale = (hi - lo) / (2 * top + 1)
-            zero = torch.round(-(1 << (bits - 1)) - lo / scale)
-        expand = (lambda t: t.repeat_interleave(group_size, 1)) if strategy == "group" else (lambda t: t)
-        q = w / expand(scale) + expand(zero)
         module = name[:-len(".weight")]
-        weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False}
-        if strategy == "group":
-            weights["group_size"] = group_size
-        if packed:  # compressed-tensors' own compressor: its rounding, its packing (zero points too)
-            scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
-            del tensors[name]
-            state = {"weight": w, "weight_scale": scale.float(), "weight_zero_point": zero.to(torch.int8)}
-            tensors.update((f"{module}.{k}", v) for k, v in
-                           PackedQuantizationCompressor.compress(state, scheme).items())
-            continue
-        if kind == "float":
-            tensors[name] = q.to(torch.float8_e4m3fn)
-        else:
-            tensors[name] = torch.round(q).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
-        tensors[module + ".weight_scale"] = scale.float()
-        if not symmetric:
-            tensors[module + ".weight_zero_point"] = zero.to(torch.int8)
-    group = {"targets": ["Linear"], "weights": weights}
+        args = dict(kind=kind, strategy=strategy, bits=bits, group_size=group_size, symmetric=symmetric)
+        key = "group_0"
+        if down is not None and module.endswith("down_proj"):
+            args.update(down)
+            key = "group_1"
+        del tensors[name]
+        stored, weights = _quantize(module, w, packed=packed, **args)
+        tensors.update(stored)
+        groups[key] = {"targets": ["re:.*down_proj$"] if key == "group_1" else ["Linear"], "weights": weights}
     if activations:  # W8A8: dynamic per-token activations (served as W8A16, documented)
-        group["input_activations"] = {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True,
-                                      "dynamic": True}
+        groups["group_0"]["input_activations"] = {"num_bits": 8, "type": kind, "strategy": "token",
+                                                  "symmetric": True, "dynamic": True}
     fmt = "pack-quantized" if packed else f"{kind}-quantized"
     return _write(base, out, tensors, {"quant_method": "compressed-tensors", "format": fmt,
-                                       "quantization_status": "compressed", "config_groups": {"group_0": group},
-                                       "ignore": ["lm_head"], "kv_cache_scheme": None})
+                                       "quantization_status": "compressed", "config_groups": groups,
+                                       "ignore": [] if lm_head else ["lm_head"], "kv_cache_scheme": None})
 
 
 def decompressed(path: str, out: str) -> str:
@@ -142,8 +158,8 @@ def decompressed(path: str, out: str) -> str:
 
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    group = config.pop("quantization_config")["config_groups"]["group_0"]
-    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    schemes = {key: QuantizationScheme(targets=g["targets"], weights=QuantizationArgs(**g["weights"]))
+               for key, g in config.pop("quantization_config")["config_groups"].items()}
     tensors = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
@@ -156,6 +172,7 @@ def decompressed(path: str, out: str) -> str:
         else:
             dense[name] = t
     for module, state in modules.items():
+        scheme = schemes["group_1" if "group_1" in schemes and module.endswith("down_proj") else "group_0"]
         dense[module + ".weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
     os.makedirs(out)
     for name in os.listdir(path):
@@ -171,14 +188,20 @@ def transformers_greedy(path: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos: an end token is a token like any
     out = []
     for ids in PROMPTS:
         with torch.no_grad():
             t = torch.tensor([ids])
-            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, do_sample=False)
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS, do_sample=False)
         out.append(gen[0, len(ids):].tolist())
     return out
+
+
+def reference_greedy(case: str, path: str, tmp_path) -> list[list[int]]:
+    """transformers on the checkpoint; on compressed-tensors' own decompression of it where
+    transformers cannot load it (packed zero points)."""
+    return transformers_greedy(decompressed(path, str(tmp_path / "dense")) if case.endswith("zero-points") else path)
 
 
 def pdserve_greedy(path: str, **kwargs) -> list[list[int]]:
@@ -199,8 +222,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_is_token_exact_against_transformers(base, case, tmp_path):
     path = CASES[case](base, str(tmp_path / case))
-    packed_zero_points = case.endswith("zero-points")
-    want = transformers_greedy(decompressed(path, str(tmp_path / "dense")) if packed_zero_points else path)
+    want = reference_greedy(case, path, tmp_path)
     assert pdserve_greedy(path) == want
     if case.startswith("int4"):  # four bits do change this model's answers: the weights were not read as they were
         assert want != pdserve_greedy(base)
@@ -247,6 +269,10 @@ def _with_config(base: str, out: str, quantization_config: dict) -> str:
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                            "group_size": 16}}}}, "4-bit float weights are not served"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+      "sparsity_config": {"format": "sparse-24-bitmask"}}, "'sparse-24-bitmask' sparsity is not served"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+      "transform_config": {"config_groups": {"u": {}}}}, "transform_config .* is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
                                                                  "strategy": "channel"}}}},
@@ -289,29 +315,28 @@ def test_vllms_quantization_flag_must_name_the_checkpoints_method(base, tmp_path
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
-@pytest.mark.parametrize("case", ["fp8-block-128", "fp8-channel", "fp8-tensor", "int8-channel"])
-def test_kept_8bit_weights_answer_as_transformers(base, case, kernel_backend, tmp_path):
-    """--quantized-weights keep: the projections stay one byte a weight (the fused Triton kernel
-    on the triton backend, run here by its interpreter; dequantized per call on torch), and the
-    answers are still transformers'."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_kept_weights_answer_as_transformers(base, case, kernel_backend, tmp_path):
+    """--quantized-weights keep: the projections stay as stored, FP8 / INT8 one byte a weight,
+    INT4 half a byte (the fused Triton kernel on the triton backend, run here by its
+    interpreter; dequantized per call on torch), and the answers are still transformers'."""
     from kernels.quant_linear import QuantizedLinear
 
     path = CASES[case](base, str(tmp_path / case))
     llm = LLM(path, quantized_weights="keep", kernel_backend=kernel_backend)
     layer = llm.engine.runner.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert isinstance(linear, QuantizedLinear) and linear.qweight.element_size() == 1
-        assert linear.use_triton == (kernel_backend == "triton")
+        assert isinstance(linear, QuantizedLinear) and linear.use_triton == (kernel_backend == "triton")
+        stored = linear.qweight.numel() * linear.qweight.element_size()
+        assert stored == linear.out_features * linear.in_features // (2 if case.startswith("int4") else 1)
+        assert (linear.zero is not None) == case.endswith("zero-points")
     assert not any(name.endswith("proj.weight") for name, _ in llm.engine.runner.model.named_parameters())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert got == transformers_greedy(path)
+    assert got == reference_greedy(case, path, tmp_path)
 
 
-def test_keep_is_refused_where_the_fused_linear_does_not_run(base, tmp_path):
-    path = CASES["int4-group-32"](base, str(tmp_path / "int4"))
-    with pytest.raises(ValueError, match="runs 8-bit weights without zero points; this checkpoint's are 4-bit"):
-        LLM(path, quantized_weights="keep")
+def test_keep_is_refused_where_it_cannot_keep(base, tmp_path):
     with pytest.raises(ValueError, match="--quantized-weights keep: the checkpoint is not quantized"):
         LLM(base, quantized_weights="keep")
     with pytest.raises(ValueError, match="quantized_weights must be dequantize or keep"):
@@ -325,3 +350,33 @@ def test_on_cuda_an_fp8_checkpoint_answers_as_transformers(base, tmp_path, quant
     the fused Triton kernel (CUDA graphs on)."""
     path = fp8_blocks(base, str(tmp_path / "fp8"))
     assert pdserve_greedy(path, device="cuda", quantized_weights=quantized_weights) == transformers_greedy(path)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_model_factory) -> str:
+    """Qwen2's q, k and v biases (in every Qwen2 / Qwen2.5 quantized checkpoint)."""
+    return tiny_model_factory("qwen2", hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2)
+
+
+SHAPES = {
+    "qwen2-biases-w4a16": lambda base, qwen2, out: compressed(qwen2, out, "int", "group", bits=4),
+    "qwen2-biases-fp8": lambda base, qwen2, out: compressed(qwen2, out, "float", "channel"),
+    "quantized-lm-head": lambda base, qwen2, out: compressed(base, out, "float", "channel", lm_head=True),
+    # W4A16 with the down projections in 8 bits by a second config group (a pattern outranks Linear).
+    "two-config-groups": lambda base, qwen2, out: compressed(base, out, "int", "group", bits=4,
+                                                             down={"bits": 8, "strategy": "channel"}),
+}
+
+
+@pytest.mark.parametrize("quantized_weights", ["dequantize", "keep"])
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_checkpoints_as_they_come(base, qwen2, case, quantized_weights, tmp_path):
+    """Biases beside quantized weights, a quantized LM head (dequantized under keep too), and
+    config groups whose targets overlap: token-exact against transformers (or, for two groups,
+    compressed-tensors' own decompression) in both modes."""
+    path = SHAPES[case](base, qwen2, str(tmp_path / case))
+    want = transformers_greedy(decompressed(path, str(tmp_path / "dense")) if case == "two-config-groups" else path)
+    assert pdserve_greedy(path, quantized_weights=quantized_weights) == want
+    if quantized_weights == "keep" and case == "two-config-groups":
+        layer = LLM(path, quantized_weights="keep").engine.runner.model.layers[1]
+        assert (layer.mlp.down_proj.kind, layer.mlp.gate_up_proj.kind) == ("int8", "int4")
