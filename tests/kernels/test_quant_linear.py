@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_cases import assert_close
+from kernel_cases import DTYPE_IDS, DTYPES, assert_close
 
 FP8_MAX = 448.0
 TOP = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0}
@@ -49,7 +49,7 @@ def reference(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group:
 
 @pytest.mark.parametrize("kind, zero_points", [("fp8", False), ("int8", False), ("int8", True), ("int4", False),
                                                ("int4", True)], ids=["fp8", "int8", "int8-zero", "int4", "int4-zero"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("m, n, k, group", [
     (1, 96, 200, 200),  # a decode row, per-channel scales; K and N not tile multiples
     (5, 130, 256, 128),  # 128-wide blocks (DeepSeek / Qwen3-FP8): one scale a tile and row
