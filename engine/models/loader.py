@@ -93,7 +93,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                if kept and hf_name.endswith((".weight", ".weight_packed")) and \
+                if kept and hf_name.endswith((".weight", ".weight_packed", ".qweight")) and \
                         _target(hf_name)[0] in kept:  # a kept projection's weight (its bias loads as any)
                     module_name = hf_name.rsplit(".", 1)[0]
                     target, shard = _target(hf_name)
@@ -173,8 +173,7 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
             raise ValueError(f"--quantized-weights keep: FP8 weights need a GPU of compute capability 8.9 or later "
                              f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}: use "
                              "--quantized-weights dequantize")
-        has_zero = any(companions[m].get("weight_zero_point") is not None and companions[m]["weight_zero_point"].numel()
-                       and bool(companions[m]["weight_zero_point"].any()) for m in parts)
+        has_zero = any(quant.has_zero_points(companions[m]) for m in parts)
         parent, _, child = target.rpartition(".")
         kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, groups.pop(),
                                        linear.bias is not None, use_triton=kernels.name == "triton", has_zero=has_zero)

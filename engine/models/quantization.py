@@ -1,13 +1,14 @@
 """Quantized checkpoints: the weights of FP8, INT8 and packed INT4 checkpoints (as vLLM serves
 them: `quant_method` "fp8" — DeepSeek's and Qwen's block-scaled FP8, per-tensor AutoFP8 —,
 "fbgemm_fp8", and "compressed-tensors" from llm-compressor: float-quantized FP8, int-quantized
-INT8, pack-quantized W4A16 / W8A16) are dequantized to the engine's dtype as they load, or (with
+INT8, pack-quantized W4A16 / W8A16; "awq", AutoAWQ's GEMM layout; "gptq", AutoGPTQ's and
+GPTQModel's) are dequantized to the engine's dtype as they load, or (with
 --quantized-weights keep) the projections are kept as stored for kernels.quant_linear (`kept`).
 The model then serves what the checkpoint holds: every weight exactly `(q - zero_point) * scale`,
 token-exact against transformers; activations are not quantized (a W8A8 checkpoint answers as its
 W8A16 form).
 
-Anything else (AWQ, GPTQ, bitsandbytes, GGUF, ...) is refused at start, by name."""
+Anything else (bitsandbytes, GGUF, AWQ's GEMV layout, ...) is refused at start, by name."""
 from __future__ import annotations
 
 import re
@@ -15,11 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-SERVED = ("fp8", "fbgemm_fp8", "compressed-tensors")
+SERVED = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq")
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 # A quantized weight's companions in the checkpoint (module prefix + suffix).
 COMPANIONS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale",
-              "input_zero_point", "output_scale")
+              "input_zero_point", "output_scale",
+              "qzeros", "scales", "g_idx")  # AWQ's and GPTQ's (their weight: `qweight`)
+# AutoAWQ's GEMM packing: the value of column 8j + AWQ_ORDER[i] sits at bits 4i of word j.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,10 @@ class _Scheme:
 class QuantizedWeights:
     """A checkpoint's quantization_config, read at start; `dequantize` rebuilds each weight."""
 
-    def __init__(self, method: str, schemes: list[_Scheme], packed: bool) -> None:
+    def __init__(self, method: str, schemes: list[_Scheme], packed: bool, gptq_v1: bool = False,
+                 desc_act: bool = False) -> None:
         self.method, self.schemes, self.packed = method, schemes, packed
+        self.gptq_v1, self.desc_act = gptq_v1, desc_act  # GPTQ: zeros stored less one; act-order g_idx
 
     @classmethod
     def from_hf_config(cls, hf_config: dict) -> "QuantizedWeights | None":
@@ -65,6 +72,8 @@ class QuantizedWeights:
             return cls(method, [_Scheme(8, tuple(block) if block else None)], packed=False)
         if method == "fbgemm_fp8":
             return cls(method, [_Scheme(8)], packed=False)
+        if method in ("awq", "gptq"):
+            return cls._awq_gptq(method, qc)
         sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
         if sparsity not in ("dense", None):
             raise ValueError(f"compressed-tensors checkpoint with {sparsity!r} sparsity is not served (dense only)")
@@ -101,6 +110,57 @@ class QuantizedWeights:
             raise ValueError("compressed-tensors checkpoint without config_groups")
         return cls(method, schemes, packed=fmt == "pack-quantized")
 
+    @classmethod
+    def _awq_gptq(cls, method: str, qc: dict) -> "QuantizedWeights":
+        """AutoAWQ's GEMM checkpoints (4 bits, zero points) and AutoGPTQ / GPTQModel's (4 or 8
+        bits; group_size -1: a group per row; desc_act's g_idx)."""
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm" or bits != 4 or not qc.get("zero_point", True):
+                raise ValueError(f"AWQ checkpoint (version {version!r}, {bits} bits, zero_point "
+                                 f"{qc.get('zero_point', True)}) is not served; pdserve serves AutoAWQ's GEMM "
+                                 "layout at 4 bits with zero points")
+        else:
+            fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+            if fmt not in ("gptq", "gptq_v2") or bits not in (4, 8):
+                raise ValueError(f"GPTQ checkpoint ({bits} bits, checkpoint_format {fmt!r}) is not served; pdserve "
+                                 "serves 4- and 8-bit gptq and gptq_v2 checkpoints")
+        if group == 0 or group < -1:
+            raise ValueError(f"{method} checkpoint with group_size {group}")
+        scheme = _Scheme(bits, None if group == -1 else (1, group), symmetric=bool(qc.get("sym", False)), kind="int")
+        return cls(method, [scheme], packed=False, gptq_v1=method == "gptq" and
+                   str(qc.get("checkpoint_format", "gptq")).lower() == "gptq", desc_act=bool(qc.get("desc_act")))
+
+    def _awq_gptq_values(self, module: str, qweight: torch.Tensor,
+                         companions: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An AWQ / GPTQ weight unpacked: (values [N, K], zero points [N, groups], scales
+        [N, groups], each input column's group [K]); W[n, k] = (q - zero[n, g[k]]) * scale[n, g[k]]."""
+        scales, qzeros = companions.get("scales"), companions.get("qzeros")
+        if scales is None or qzeros is None:
+            raise ValueError(f"{self.method} weight {module}.qweight has no scales / qzeros in the checkpoint")
+        bits = self.schemes[0].num_bits
+        if self.method == "awq":  # qweight [K, N / 8], qzeros [groups, N / 8], packed along N in AWQ's order
+            q = _unpack_columns(qweight, bits, AWQ_REVERSE_ORDER)
+            zero = _unpack_columns(qzeros, bits, AWQ_REVERSE_ORDER)
+        else:  # qweight [K * bits / 32, N] packed along K; qzeros [groups, N * bits / 32] along N
+            q = _unpack_rows(qweight, bits)
+            zero = _unpack_columns(qzeros, bits)
+            if self.gptq_v1:
+                zero = zero + 1
+        n = scales.shape[1]
+        k = q.shape[0]
+        q, zero = q[:, :n], zero[:, :n]
+        block = self.schemes[0].block
+        g_idx = companions.get("g_idx")
+        if g_idx is None or not g_idx.numel():
+            g_idx = torch.arange(k) // (block[1] if block is not None else k)
+        if scales.shape[0] != zero.shape[0] or int(g_idx.max()) >= scales.shape[0] or g_idx.shape[0] != k:
+            raise ValueError(f"{module}: {self.method} scales {tuple(scales.shape)}, zeros {tuple(zero.shape)} and "
+                             f"g_idx do not fit a weight of ({n}, {k})")
+        return q.t().contiguous(), zero.t().contiguous(), scales.t().to(torch.float32).contiguous(), g_idx.long()
+
     def describe(self) -> str:
         return f"{self.method} ({', '.join(sorted({f'{s.num_bits}-bit' for s in self.schemes}))} weights)"
 
@@ -122,6 +182,8 @@ class QuantizedWeights:
         or INT8 values, or INT4 packed eight to an int32 as compressed-tensors stores them), its
         float32 scales per row and group of columns, and int8 zero points when it has them."""
         scheme = self._scheme(module)
+        if self.method in ("awq", "gptq"):
+            return self._kept_awq_gptq(module, stored, companions, in_features)
         scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
         if scale is None:
             raise ValueError(f"quantized weight {module}.weight has no weight_scale in the checkpoint")
@@ -156,6 +218,23 @@ class QuantizedWeights:
         zero_rows = None if rows[1] is None or not bool(rows[1].any()) else rows[1].to(torch.int8)
         return KeptWeight(q, kind, rows[0], zero_rows, group)
 
+    def _kept_awq_gptq(self, module: str, qweight: torch.Tensor, companions: dict[str, torch.Tensor],
+                       in_features: int) -> "KeptWeight":
+        """AWQ / GPTQ's unsigned values and zero points, repacked as compressed-tensors stores
+        INT4 (signed, eight to an int32 along the row) or as INT8: (q - 2^(b-1)) - (zero - 2^(b-1))."""
+        q, zero, scale, g_idx = self._awq_gptq_values(module, qweight, companions)
+        group = self.group_of(module, in_features)
+        if not torch.equal(g_idx, torch.arange(in_features) // group):
+            raise ValueError(f"{module}: --quantized-weights keep runs groups of consecutive columns; this "
+                             "checkpoint's act-order (desc_act) g_idx permutes them: use --quantized-weights dequantize")
+        bits = self.schemes[0].num_bits
+        offset = 1 << (bits - 1)
+        if bits == 4:
+            kind, stored = "int4", pack_int4(q - offset)
+        else:
+            kind, stored = "int8", (q - offset).to(torch.int8)
+        return KeptWeight(stored, kind, scale, (zero - offset).to(torch.int8), group)
+
     @staticmethod
     def _zero_point(companions: dict[str, torch.Tensor], scale: torch.Tensor, scheme: _Scheme) -> torch.Tensor | None:
         """The weight's zero points as stored values (compressed-tensors packs those of the group
@@ -167,6 +246,11 @@ class QuantizedWeights:
             grid = scale.reshape(scale.shape[0], -1).shape if scale.numel() > 1 else (1, 1)
             zero = unpack_int32(zero.t().contiguous(), scheme.num_bits, (grid[1], grid[0])).t()
         return zero
+
+    @staticmethod
+    def has_zero_points(companions: dict[str, torch.Tensor]) -> bool:
+        zero = companions.get("weight_zero_point")
+        return "qzeros" in companions or zero is not None and zero.numel() > 0 and bool(zero.any())
 
     def bits_of(self, module: str) -> int:
         return self._scheme(module).num_bits
@@ -186,6 +270,8 @@ class QuantizedWeights:
         """The weight a stored tensor is (`weight_packed` holds `weight`); None: not a weight."""
         if self.packed and hf_name.endswith(".weight_packed"):
             return hf_name[:-len("_packed")]
+        if hf_name.endswith(".qweight"):
+            return hf_name[:-len("qweight")] + "weight"
         return hf_name
 
     def dequantize(self, hf_name: str, tensor: torch.Tensor, companions: dict[str, torch.Tensor],
@@ -193,9 +279,12 @@ class QuantizedWeights:
         """`tensor` as stored under `hf_name` (the weight, or `weight_packed`), with its module's
         companions ({suffix: tensor}); a tensor with no scale (a bias, a norm, an unquantized
         module's weight) is returned as it is."""
-        if not hf_name.endswith((".weight", ".weight_packed")):
+        if not hf_name.endswith((".weight", ".weight_packed", ".qweight")):
             return tensor
         module = hf_name.rsplit(".", 1)[0]
+        if hf_name.endswith(".qweight"):
+            q, zero, scale, g_idx = self._awq_gptq_values(module, tensor, companions)
+            return ((q - zero[:, g_idx]).to(torch.float32) * scale[:, g_idx]).to(dtype)
         scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
         if scale is None:
             if hf_name.endswith(".weight_packed") or tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.int32):
@@ -232,6 +321,36 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) ->
     if values.shape[0] != shape[0]:
         raise ValueError(f"packed weight of {packed.shape[0]} rows for a weight of shape {shape}")
     return (values - (1 << (num_bits - 1))).to(torch.float32)
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] int32 with 32 // bits unsigned values a word along the rows (GPTQ's qweight, lowest
+    bits first) -> [R * 32 // bits, C] int64."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits)
+    values = (p.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[1])
+
+
+def _unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[R, C] int32 with 32 // bits unsigned values a word along the columns -> [R, C * 32 // bits]
+    int64; `order`: the word position of each of its columns (AWQ's interleaving)."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits)
+    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    if order is not None:
+        values = values[..., list(order)]
+    return values.reshape(packed.shape[0], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] signed 4-bit values -> [R, ceil(C / 8)] int32 as compressed-tensors packs them (each
+    stored plus 8, lowest bits first)."""
+    rows, cols = values.shape
+    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64)
+    padded[:, :cols] = values.to(torch.int64) + 8
+    words = (padded.view(rows, -1, 8) << torch.arange(0, 32, 4)).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def expand_scale(scale: torch.Tensor, out: int, inp: int, block: tuple[int, int] | None, name: str) -> torch.Tensor:

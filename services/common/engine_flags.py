@@ -56,7 +56,7 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "error at start, not a silent full-precision cache)")
     add(p, "--quantization", default=None,
         help="the checkpoint's quantization method (vLLM's flag): read from its quantization_config when left "
-             "out; served: fp8, fbgemm_fp8, compressed-tensors (weights dequantized to --dtype as they load)")
+             "out; served: fp8, fbgemm_fp8, compressed-tensors, awq, gptq")
     add(p, "--quantized-weights", default="dequantize", choices=["dequantize", "keep"],
         help="a quantized checkpoint's weights: dequantize (to --dtype as they load) or keep (the projections "
              "as stored: FP8 / INT8 one byte a weight, INT4 half; a fused Triton kernel with --kernel-backend "

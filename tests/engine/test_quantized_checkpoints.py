@@ -260,10 +260,12 @@ def _with_config(base: str, out: str, quantization_config: dict) -> str:
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, r"quant_method 'awq'\) is not served; pdserve serves "
-                                                            r"fp8, fbgemm_fp8, compressed-tensors"),
-    ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq'\) is not served"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes'\) is not served"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes'\) is not served; "
+                                                              r"pdserve serves fp8, fbgemm_fp8, compressed-tensors, awq, gptq"),
+    ({"quant_method": "gguf"}, r"quant_method 'gguf'\) is not served"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "AWQ checkpoint .* is not served; pdserve serves AutoAWQ's GEMM layout"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"GPTQ checkpoint \(3 bits"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}},
      "format 'marlin-24' is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
@@ -380,3 +382,91 @@ def test_checkpoints_as_they_come(base, qwen2, case, quantized_weights, tmp_path
     if quantized_weights == "keep" and case == "two-config-groups":
         layer = LLM(path, quantized_weights="keep").engine.runner.model.layers[1]
         assert (layer.mlp.down_proj.kind, layer.mlp.gate_up_proj.kind) == ("int8", "int4")
+
+
+# AutoAWQ's and AutoGPTQ's layouts, packed here as their packers do (AutoAWQ's GEMM
+# `WQLinear_GEMM.from_linear`: eight columns a word in the order below; AutoGPTQ's
+# `QuantLinear.pack`: 32 / bits rows a word, zero points less one in gptq's v1 format). The
+# reference is transformers on the dense weights `(q - zero) * scale` the integers were made from.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _int_quantize(w: torch.Tensor, bits: int, g_idx: torch.Tensor, groups: int):
+    """Asymmetric per (row, group): unsigned values, zero points, fp16 scales; and the dense weight."""
+    top = (1 << bits) - 1
+    lo = torch.stack([w[:, g_idx == g].amin(dim=1) for g in range(groups)], dim=1).clamp(max=0)
+    hi = torch.stack([w[:, g_idx == g].amax(dim=1) for g in range(groups)], dim=1).clamp(min=0)
+    scale = ((hi - lo) / top).clamp(min=1e-6).half().float()
+    zero = torch.round(-lo / scale).clamp(0, top).long()
+    q = torch.clamp(torch.round(w / scale[:, g_idx]) + zero[:, g_idx], 0, top).long()
+    return q, zero, scale, ((q - zero[:, g_idx]) * scale[:, g_idx]).float()
+
+
+def _words(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """[R, C] unsigned values -> [R, C * bits / 32] int32, packed along the columns."""
+    per = 32 // bits
+    v = values.view(values.shape[0], -1, per)
+    if order is not None:  # word position i holds column order[i]
+        v = v[..., list(order)]
+    words = (v << torch.arange(0, 32, bits)).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def awq_or_gptq(base: str, out: str, method: str, bits: int = 4, group: int = 32, act_order: bool = False,
+                v1: bool = True) -> tuple[str, str]:
+    """(the quantized checkpoint, a dense one of the same weights for the reference)."""
+    from safetensors.torch import save_file
+
+    tensors, projections = _projections(base)
+    dense = dict(tensors)
+    for name, w in projections.items():
+        module = name[:-len(".weight")]
+        n, k = w.shape
+        groups = 1 if group == -1 else k // group
+        g_idx = torch.arange(k) // (k if group == -1 else group)
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(n * k))]
+        q, zero, scale, dense[name] = _int_quantize(w, bits, g_idx, groups)
+        del tensors[name]
+        if method == "awq":  # [K, N / 8] and [groups, N / 8], AWQ's column order
+            tensors[module + ".qweight"] = _words(q.t().contiguous(), bits, AWQ_ORDER)
+            tensors[module + ".qzeros"] = _words(zero.t().contiguous(), bits, AWQ_ORDER)
+        else:  # [K * bits / 32, N] along K; zeros [groups, N * bits / 32] along N, less one in v1
+            tensors[module + ".qweight"] = _words(q.contiguous(), bits).t().contiguous()
+            tensors[module + ".qzeros"] = _words((zero - (1 if v1 else 0)).t().contiguous() % (1 << bits), bits)
+            tensors[module + ".g_idx"] = g_idx.to(torch.int32)
+        tensors[module + ".scales"] = scale.t().contiguous().half()
+    config = ({"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+              if method == "awq" else
+              {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
+               "checkpoint_format": "gptq" if v1 else "gptq_v2"})
+    path = _write(base, out, tensors, config)
+    reference = out + "-dense"
+    shutil.copytree(base, reference)
+    save_file({k: v.contiguous() for k, v in dense.items()}, os.path.join(reference, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path, reference
+
+
+AWQ_GPTQ = {
+    "awq-w4-g32": dict(method="awq"),
+    "gptq-w4-g32": dict(method="gptq"),
+    "gptq-w8-per-row-v2": dict(method="gptq", bits=8, group=-1, v1=False),
+    "gptq-w4-g32-act-order": dict(method="gptq", act_order=True),
+}
+
+
+@pytest.mark.parametrize("quantized_weights, kernel_backend", [("dequantize", "torch"), ("keep", "torch"),
+                                                                ("keep", "triton")])
+@pytest.mark.parametrize("case", list(AWQ_GPTQ))
+def test_awq_and_gptq_checkpoints_answer_as_their_dense_weights(base, case, quantized_weights, kernel_backend,
+                                                               tmp_path):
+    """AutoAWQ's GEMM and AutoGPTQ's layouts, 4 and 8 bits, act-order (dequantized: keep runs
+    consecutive groups and says so): token-exact against transformers on the dense weights."""
+    path, dense = awq_or_gptq(base, str(tmp_path / case), **AWQ_GPTQ[case])
+    if quantized_weights == "keep" and case.endswith("act-order"):
+        with pytest.raises(ValueError, match="act-order .* use --quantized-weights dequantize"):
+            LLM(path, quantized_weights="keep")
+        return
+    got = pdserve_greedy(path, quantized_weights=quantized_weights, kernel_backend=kernel_backend)
+    assert got == transformers_greedy(dense)
