@@ -94,7 +94,14 @@ class ModelConfig:
     @property
     def hf_config(self) -> dict:
         with open(os.path.join(self.path, "config.json")) as f:
-            return json.load(f)
+            config = json.load(f)
+        if "quantization_config" not in config:  # older AutoGPTQ / AutoAWQ outputs keep it beside
+            for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+                if os.path.isfile(os.path.join(self.path, name)):
+                    with open(os.path.join(self.path, name)) as f:
+                        config["quantization_config"] = {"quant_method": method, **json.load(f)}
+                    break
+        return config
 
 
 @dataclass(frozen=True)

@@ -116,22 +116,28 @@ class QuantizedWeights:
         bits; group_size -1: a group per row; desc_act's g_idx)."""
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if qc.get("dynamic"):
+            raise ValueError(f"{method} checkpoint with per-module `dynamic` overrides is not served")
+        if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+            raise ValueError(f"{method} checkpoint packed in {qc['pack_dtype']} words is not served (int32 is)")
+        if qc.get("is_marlin_format") or str(qc.get("format") or "").lower() == "marlin":
+            raise ValueError(f"{method} checkpoint in the Marlin layout is not served")
         if method == "awq":
-            version = str(qc.get("version", "gemm")).lower()
+            version = str(qc.get("version") or qc.get("format") or "gemm").lower()
             if version != "gemm" or bits != 4 or not qc.get("zero_point", True):
                 raise ValueError(f"AWQ checkpoint (version {version!r}, {bits} bits, zero_point "
                                  f"{qc.get('zero_point', True)}) is not served; pdserve serves AutoAWQ's GEMM "
                                  "layout at 4 bits with zero points")
         else:
-            fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+            fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
             if fmt not in ("gptq", "gptq_v2") or bits not in (4, 8):
                 raise ValueError(f"GPTQ checkpoint ({bits} bits, checkpoint_format {fmt!r}) is not served; pdserve "
                                  "serves 4- and 8-bit gptq and gptq_v2 checkpoints")
         if group == 0 or group < -1:
             raise ValueError(f"{method} checkpoint with group_size {group}")
         scheme = _Scheme(bits, None if group == -1 else (1, group), symmetric=bool(qc.get("sym", False)), kind="int")
-        return cls(method, [scheme], packed=False, gptq_v1=method == "gptq" and
-                   str(qc.get("checkpoint_format", "gptq")).lower() == "gptq", desc_act=bool(qc.get("desc_act")))
+        return cls(method, [scheme], packed=False, gptq_v1=method == "gptq" and fmt == "gptq",
+                   desc_act=bool(qc.get("desc_act")))
 
     def _awq_gptq_values(self, module: str, qweight: torch.Tensor,
                          companions: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,9 +152,9 @@ class QuantizedWeights:
             zero = _unpack_columns(qzeros, bits, AWQ_REVERSE_ORDER)
         else:  # qweight [K * bits / 32, N] packed along K; qzeros [groups, N * bits / 32] along N
             q = _unpack_rows(qweight, bits)
+            if self.gptq_v1:  # each zero stored less one, word-wise (a zero of 0 borrows from the next)
+                qzeros = qzeros.to(torch.int64) + (0x11111111 if bits == 4 else 0x01010101)
             zero = _unpack_columns(qzeros, bits)
-            if self.gptq_v1:
-                zero = zero + 1
         n = scales.shape[1]
         k = q.shape[0]
         q, zero = q[:, :n], zero[:, :n]
@@ -229,6 +235,8 @@ class QuantizedWeights:
                              "checkpoint's act-order (desc_act) g_idx permutes them: use --quantized-weights dequantize")
         bits = self.schemes[0].num_bits
         offset = 1 << (bits - 1)
+        if int(zero.min()) < 0 or int(zero.max()) >= 1 << bits:
+            raise ValueError(f"{module}: zero points outside [0, {(1 << bits) - 1}]")
         if bits == 4:
             kind, stored = "int4", pack_int4(q - offset)
         else:
@@ -284,7 +292,10 @@ class QuantizedWeights:
         module = hf_name.rsplit(".", 1)[0]
         if hf_name.endswith(".qweight"):
             q, zero, scale, g_idx = self._awq_gptq_values(module, tensor, companions)
-            return ((q - zero[:, g_idx]).to(torch.float32) * scale[:, g_idx]).to(dtype)
+            w = q.to(torch.float32)
+            w -= zero.to(torch.float32)[:, g_idx]
+            w *= scale[:, g_idx]
+            return w.to(dtype)
         scale = companions.get("weight_scale_inv", companions.get("weight_scale"))
         if scale is None:
             if hf_name.endswith(".weight_packed") or tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.int32):
@@ -325,22 +336,26 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) ->
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C] int32 with 32 // bits unsigned values a word along the rows (GPTQ's qweight, lowest
-    bits first) -> [R * 32 // bits, C] int64."""
+    bits first) -> [R * 32 // bits, C] int16."""
     p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, bits)
-    values = (p.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
-    return values.reshape(-1, packed.shape[1])
+    per = 32 // bits
+    out = torch.empty(packed.shape[0], per, packed.shape[1], dtype=torch.int16)
+    for i in range(per):
+        out[:, i] = (p >> (bits * i)) & ((1 << bits) - 1)
+    return out.reshape(-1, packed.shape[1])
 
 
 def _unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """[R, C] int32 with 32 // bits unsigned values a word along the columns -> [R, C * 32 // bits]
-    int64; `order`: the word position of each of its columns (AWQ's interleaving)."""
+    """[R, C] words (int32, or int64 holding them) with 32 // bits unsigned values a word along the
+    columns -> [R, C * 32 // bits] int16; `order`: the word position of each of its columns
+    (AWQ's interleaving)."""
     p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, bits)
-    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if order is not None:
-        values = values[..., list(order)]
-    return values.reshape(packed.shape[0], -1)
+    per = 32 // bits
+    out = torch.empty(packed.shape[0], packed.shape[1], per, dtype=torch.int16)
+    for c in range(per):
+        at = c if order is None else order[c]
+        out[..., c] = (p >> (bits * at)) & ((1 << bits) - 1)
+    return out.reshape(packed.shape[0], -1)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,10 @@ def _with_config(base: str, out: str, quantization_config: dict) -> str:
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
      "AWQ checkpoint .* is not served; pdserve serves AutoAWQ's GEMM layout"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"GPTQ checkpoint \(3 bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}},
+     "per-module `dynamic` overrides is not served"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, "packed in int16 words"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "Marlin layout is not served"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}},
      "format 'marlin-24' is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
@@ -422,18 +426,25 @@ def awq_or_gptq(base: str, out: str, method: str, bits: int = 4, group: int = 32
     for name, w in projections.items():
         module = name[:-len(".weight")]
         n, k = w.shape
+        w = w.clone()
+        w[:3] = w[:3].abs()  # rows of only positive weights: a zero point of 0 (GPTQ v1 stores it as -1)
         groups = 1 if group == -1 else k // group
         g_idx = torch.arange(k) // (k if group == -1 else group)
         if act_order:
             g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(n * k))]
         q, zero, scale, dense[name] = _int_quantize(w, bits, g_idx, groups)
+        assert int(zero.min()) == 0
         del tensors[name]
         if method == "awq":  # [K, N / 8] and [groups, N / 8], AWQ's column order
             tensors[module + ".qweight"] = _words(q.t().contiguous(), bits, AWQ_ORDER)
             tensors[module + ".qzeros"] = _words(zero.t().contiguous(), bits, AWQ_ORDER)
-        else:  # [K * bits / 32, N] along K; zeros [groups, N * bits / 32] along N, less one in v1
+        else:  # [K * bits / 32, N] along K; zeros [groups, N * bits / 32] along N, v1: less one, word-wise
             tensors[module + ".qweight"] = _words(q.contiguous(), bits).t().contiguous()
-            tensors[module + ".qzeros"] = _words((zero - (1 if v1 else 0)).t().contiguous() % (1 << bits), bits)
+            words = _words(zero.t().contiguous(), bits)
+            if v1:  # GPTQModel's v1 writer: a zero of 0 borrows from the next one in its word
+                words = ((words.to(torch.int64) & 0xFFFFFFFF) - (0x11111111 if bits == 4 else 0x01010101)) % (1 << 32)
+                words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            tensors[module + ".qzeros"] = words
             tensors[module + ".g_idx"] = g_idx.to(torch.int32)
         tensors[module + ".scales"] = scale.t().contiguous().half()
     config = ({"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
@@ -452,6 +463,7 @@ AWQ_GPTQ = {
     "awq-w4-g32": dict(method="awq"),
     "gptq-w4-g32": dict(method="gptq"),
     "gptq-w8-per-row-v2": dict(method="gptq", bits=8, group=-1, v1=False),
+    "gptq-w8-g32-v1": dict(method="gptq", bits=8),
     "gptq-w4-g32-act-order": dict(method="gptq", act_order=True),
 }
 
@@ -470,3 +482,18 @@ def test_awq_and_gptq_checkpoints_answer_as_their_dense_weights(base, case, quan
         return
     got = pdserve_greedy(path, quantized_weights=quantized_weights, kernel_backend=kernel_backend)
     assert got == transformers_greedy(dense)
+
+
+def test_an_older_gptq_checkpoint_with_its_config_beside_config_json(base, tmp_path):
+    """AutoGPTQ's quantize_config.json (and AutoAWQ's quant_config.json) beside a config.json
+    without quantization_config, as older checkpoints ship: read as vLLM reads them."""
+    path, dense = awq_or_gptq(base, str(tmp_path / "gptq"), method="gptq")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    quantize_config = config.pop("quantization_config")
+    del quantize_config["quant_method"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "quantize_config.json"), "w") as f:
+        json.dump(quantize_config, f)
+    assert pdserve_greedy(path) == transformers_greedy(dense)
