@@ -320,8 +320,13 @@ def test_vllms_quantization_flag_must_name_the_checkpoints_method(base, tmp_path
         LLM(base, quantization="fp8")
 
 
-@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
-@pytest.mark.parametrize("case", list(CASES))
+# Every layout through the per-call torch path; through the fused kernel (Triton's interpreter
+# here: about 15 s a model) FP8 blocks and INT4 with zero points, the two ends of what it reads
+# (tests/kernels/test_quant_linear.py runs the kernel on every kind, zero points and dtype).
+KEPT = [(case, "torch") for case in CASES] + [("fp8-block-128", "triton"), ("int4-group-32-zero-points", "triton")]
+
+
+@pytest.mark.parametrize("case, kernel_backend", KEPT)
 def test_kept_weights_answer_as_transformers(base, case, kernel_backend, tmp_path):
     """--quantized-weights keep: the projections stay as stored, FP8 / INT8 one byte a weight,
     INT4 half a byte (the fused Triton kernel on the triton backend, run here by its
@@ -468,9 +473,9 @@ AWQ_GPTQ = {
 }
 
 
-@pytest.mark.parametrize("quantized_weights, kernel_backend", [("dequantize", "torch"), ("keep", "torch"),
-                                                                ("keep", "triton")])
-@pytest.mark.parametrize("case", list(AWQ_GPTQ))
+@pytest.mark.parametrize("case, quantized_weights, kernel_backend",
+                         [(case, mode, "torch") for case in AWQ_GPTQ for mode in ("dequantize", "keep")]
+                         + [("awq-w4-g32", "keep", "triton")])
 def test_awq_and_gptq_checkpoints_answer_as_their_dense_weights(base, case, quantized_weights, kernel_backend,
                                                                tmp_path):
     """AutoAWQ's GEMM and AutoGPTQ's layouts, 4 and 8 bits, act-order (dequantized: keep runs
