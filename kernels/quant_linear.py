@@ -11,9 +11,13 @@ activations' dtype before the product, as the dequantize-at-load path and transf
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -22,6 +26,8 @@ except ImportError:  # pragma: no cover - the torch path needs no triton
     triton = None
 
 KINDS = ("fp8", "int8", "int4")
+FP8_ACTIVATIONS = ("token", "tensor", "static")
+FP8_MAX = 448.0
 
 
 def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
@@ -38,10 +44,21 @@ class QuantizedLinear(nn.Module):
     checkpoint has them, int8 zero points of the same shape."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group: int, bias: bool,
-                 use_triton: bool, has_zero: bool = False) -> None:
+                 use_triton: bool, has_zero: bool = False, activations: str | None = None,
+                 input_scale: float | None = None) -> None:
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kept weights are one of {', '.join(KINDS)}, not {kind!r}")
+        if activations is not None and (kind != "fp8" or group != in_features or activations not in FP8_ACTIVATIONS
+                                        or (activations == "static") != (input_scale is not None)):
+            raise ValueError(f"FP8 activations ({activations}, input scale {input_scale}) need FP8 weights scaled per "
+                             "channel or tensor")
+        # W8A8: the input quantized to FP8 per token, per tensor or by the checkpoint's static
+        # scale, and both FP8 operands multiplied by torch._scaled_mm (FP8 tensor cores on a GPU).
+        self.activations, self.input_scale = activations, input_scale
+        # torch._scaled_mm wants dimensions in multiples of 16 (on a GPU); elsewhere, or if it
+        # refuses the dtypes, the same quantized operands are multiplied dequantized.
+        self._emulate = in_features % 16 != 0 or out_features % 16 != 0
         self.in_features, self.out_features = in_features, out_features
         self.kind, self.group, self.use_triton, self.has_zero = kind, group, use_triton, has_zero
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -96,7 +113,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.use_triton:
+        if self.activations is not None:
+            out = self.w8a8(flat)
+        elif self.use_triton:
             stored = self.qweight.view(torch.float8_e4m3fn) if self.kind == "fp8" else self.qweight
             out = quantized_linear(flat, stored, self.kind, self.scale, self.zero, self.group, self.in_features)
             if self.bias is not None:
@@ -105,9 +124,39 @@ class QuantizedLinear(nn.Module):
             out = F.linear(flat, self.dequantized(x.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        """FP8 activations times FP8 weights, scaled per row of each: the input's scales are
+        amax / 448 (in float32; an all-zero row's the smallest float32 step), compressed-tensors'
+        and vLLM's rule."""
+        m = flat.shape[0]
+        if self.activations == "static":
+            scale_x = torch.full((m, 1), self.input_scale, dtype=torch.float32, device=flat.device)
+        else:
+            amax = flat.abs().amax(dim=-1, keepdim=True) if self.activations == "token" else flat.abs().amax().expand(m, 1)
+            scale_x = amax.to(torch.float32) / FP8_MAX
+            scale_x = torch.where(scale_x == 0, torch.finfo(torch.float32).eps, scale_x).contiguous()
+        xq = (flat.to(torch.float32) / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        w = self.qweight.view(torch.float8_e4m3fn)
+        out = None
+        if not self._emulate:
+            try:
+                out = torch._scaled_mm(xq, w.t(), scale_a=scale_x, scale_b=self.scale.t().contiguous(),
+                                       out_dtype=flat.dtype)
+            except RuntimeError as e:  # e.g. a device or dtype without row-wise scaled FP8 matmuls
+                self._emulate = True
+                log.warning("torch._scaled_mm refused %s x %s FP8 operands to %s (%s): the FP8 activations are "
+                            "dequantized and multiplied in %s instead (the same products, no FP8 matmul)",
+                            tuple(xq.shape), tuple(w.shape), flat.dtype, str(e).splitlines()[0], flat.dtype)
+        if out is None:
+            out = F.linear((xq.to(torch.float32) * scale_x).to(flat.dtype), self.dequantized(flat.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
-                f"group={self.group}, zero_points={self.has_zero}, bias={self.bias is not None}, "
+                f"group={self.group}, zero_points={self.has_zero}, activations={self.activations}, "
+                f"bias={self.bias is not None}, "
                 f"triton={self.use_triton}")
 
 

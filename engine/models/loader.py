@@ -174,9 +174,21 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
                              f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}: use "
                              "--quantized-weights dequantize")
         has_zero = any(quant.has_zero_points(companions[m]) for m in parts)
+        group = groups.pop()
+        # W8A8: FP8 activations as the checkpoint quantizes them, where the weight's scales are
+        # per channel or tensor (torch._scaled_mm's row-wise scaling); block-scaled FP8 runs W8A16.
+        acts = {quant.activations_of(m) for m in parts}
+        activations = acts.pop() if kind == "fp8" and group == linear.in_features and len(acts) == 1 else None
+        input_scale = None
+        if activations == "static":  # one input for the fused shards: the largest of their scales, as vLLM
+            scales = [companions[m].get("input_scale") for m in parts]
+            if any(s is None for s in scales):
+                raise ValueError(f"{target}: static FP8 activations without an input_scale in the checkpoint")
+            input_scale = max(float(s.float().max()) for s in scales)
         parent, _, child = target.rpartition(".")
-        kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, groups.pop(),
-                                       linear.bias is not None, use_triton=kernels.name == "triton", has_zero=has_zero)
+        kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, group,
+                                       linear.bias is not None, use_triton=kernels.name == "triton", has_zero=has_zero,
+                                       activations=activations, input_scale=input_scale)
         setattr(model.get_submodule(parent), child, kept[target])
     logger.info("%s checkpoint: %d projections kept as stored (%s)", quant.describe(), len(kept),
                 "fused Triton kernel" if kernels.name == "triton" else "dequantized per call")

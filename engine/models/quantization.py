@@ -46,6 +46,9 @@ class _Scheme:
     block: tuple[int, int] | None = None
     symmetric: bool = True
     kind: str = "float"  # the stored values: float (FP8) or int
+    # FP8 activations as the checkpoint quantizes them: "token" / "tensor" (dynamic scales), "static"
+    # (its input_scale), None (not quantized). --quantized-weights keep runs them (W8A8).
+    activations: str | None = None
     targets: tuple[str, ...] = ("Linear",)
 
 
@@ -69,9 +72,12 @@ class QuantizedWeights:
                              "unquantized ones")
         if method == "fp8":
             block = qc.get("weight_block_size")
-            return cls(method, [_Scheme(8, tuple(block) if block else None)], packed=False)
+            # Block-scaled FP8 quantizes activations per group of 128 (vLLM): not run here, W8A16.
+            acts = None if block else {"dynamic": "tensor", "static": "static"}.get(
+                str(qc.get("activation_scheme", "dynamic")))
+            return cls(method, [_Scheme(8, tuple(block) if block else None, activations=acts)], packed=False)
         if method == "fbgemm_fp8":
-            return cls(method, [_Scheme(8)], packed=False)
+            return cls(method, [_Scheme(8, activations="token")], packed=False)
         if method in ("awq", "gptq"):
             return cls._awq_gptq(method, qc)
         sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
@@ -104,8 +110,14 @@ class QuantizedWeights:
                 block = tuple(int(x) for x in w["block_structure"])
             elif strategy not in ("tensor", "channel"):
                 raise ValueError(f"{where}: weight strategy {strategy!r} is not served")
+            acts = None
+            ia = group.get("input_activations") or {}
+            if ia.get("type") == "float" and int(ia.get("num_bits", 8)) == 8:
+                acts = "static" if not ia.get("dynamic", True) else (ia.get("strategy") or "tensor")
+                if acts not in ("token", "tensor", "static"):
+                    acts = None  # another granularity: served as W8A16
             schemes.append(_Scheme(bits, block, bool(w.get("symmetric", True)), w.get("type", "int"),
-                                   tuple(group.get("targets") or ("Linear",))))
+                                   activations=acts, targets=tuple(group.get("targets") or ("Linear",))))
         if not schemes:
             raise ValueError("compressed-tensors checkpoint without config_groups")
         return cls(method, schemes, packed=fmt == "pack-quantized")
@@ -259,6 +271,9 @@ class QuantizedWeights:
     def has_zero_points(companions: dict[str, torch.Tensor]) -> bool:
         zero = companions.get("weight_zero_point")
         return "qzeros" in companions or zero is not None and zero.numel() > 0 and bool(zero.any())
+
+    def activations_of(self, module: str) -> str | None:
+        return self._scheme(module).activations
 
     def bits_of(self, module: str) -> int:
         return self._scheme(module).num_bits

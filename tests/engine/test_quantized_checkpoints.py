@@ -119,7 +119,7 @@ def _quantize(module: str, w: torch.Tensor, kind: str, strategy: str, bits: int,
 
 
 def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, group_size: int = 32,
-               symmetric: bool = True, activations: bool = False, lm_head: bool = False,
+               symmetric: bool = True, activations: bool | str = False, lm_head: bool = False,
                down: dict | None = None) -> str:
     """compressed-tensors: float-quantized FP8, pack-quantized INT4 / INT8 (weight-only), or
     int-quantized INT8 (with activations). `lm_head`: quantized too; `down`: another scheme for
@@ -140,9 +140,16 @@ def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, gro
         stored, weights = _quantize(module, w, packed=packed, **args)
         tensors.update(stored)
         groups[key] = {"targets": ["re:.*down_proj$"] if key == "group_1" else ["Linear"], "weights": weights}
-    if activations:  # W8A8: dynamic per-token activations (served as W8A16, documented)
-        groups["group_0"]["input_activations"] = {"num_bits": 8, "type": kind, "strategy": "token",
-                                                  "symmetric": True, "dynamic": True}
+    if activations:  # W8A8: per-token (True), per-tensor or static activation scales
+        strategy = "token" if activations is True else "tensor" if activations == "static" else activations
+        groups["group_0"]["input_activations"] = {"num_bits": 8, "type": kind, "strategy": strategy,
+                                                  "symmetric": True, "dynamic": activations != "static"}
+        if activations == "static":  # calibrated per input: q, k and v share theirs, as gate and up do
+            amax = {"q_proj": 3.0, "k_proj": 3.0, "v_proj": 3.0, "o_proj": 2.0, "gate_proj": 4.0, "up_proj": 4.0,
+                    "down_proj": 6.0}
+            for name in projections:
+                module = name[:-len(".weight")]
+                tensors[module + ".input_scale"] = torch.tensor([amax[module.rsplit(".", 1)[1]] / FP8_MAX])
     fmt = "pack-quantized" if packed else f"{kind}-quantized"
     return _write(base, out, tensors, {"quant_method": "compressed-tensors", "format": fmt,
                                        "quantization_status": "compressed", "config_groups": groups,
@@ -502,3 +509,24 @@ def test_an_older_gptq_checkpoint_with_its_config_beside_config_json(base, tmp_p
     with open(os.path.join(path, "quantize_config.json"), "w") as f:
         json.dump(quantize_config, f)
     assert pdserve_greedy(path) == transformers_greedy(dense)
+
+
+@pytest.mark.parametrize("activations", ["token", "tensor", "static"])
+def test_kept_fp8_quantizes_activations_as_the_checkpoint_says(base, activations, tmp_path):
+    """W8A8 (llm-compressor's FP8-dynamic and static schemes) under keep: the input quantized to
+    FP8 per token, per tensor or by the checkpoint's input_scale (a fused projection's shards are
+    calibrated on one input; were theirs to differ, the largest, as vLLM), both FP8 operands
+    through torch._scaled_mm; token-exact against transformers, which quantizes activations the
+    same way through compressed-tensors."""
+    path = compressed(base, str(tmp_path / activations), "float", "channel", activations=activations)
+    llm = LLM(path, quantized_weights="keep")
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.activations == activations
+    if activations == "static":
+        assert qkv.input_scale == pytest.approx(3.0 / FP8_MAX)
+        assert llm.engine.runner.model.layers[0].mlp.down_proj.input_scale == pytest.approx(6.0 / FP8_MAX)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # One prompt at a time, as transformers runs them: a per-tensor scale is the whole step's (a
+    # batch's tokens share it, in vLLM too).
+    got = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
+    assert got == transformers_greedy(path)

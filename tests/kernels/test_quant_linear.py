@@ -86,3 +86,28 @@ def test_bad_shapes_are_named(device):
     stored, scale, _, _ = quantized(32, 64, 32, "fp8", False)
     with pytest.raises(ValueError, match="do not fit groups of 16"):
         w8a16_linear(torch.randn(2, 64, device=device), stored.to(device), scale.to(device), 16)
+
+
+@pytest.mark.parametrize("activations", ["token", "tensor", "static"])
+def test_fp8_activations_scaled_mm_and_its_fallback_agree(activations):
+    """W8A8: torch._scaled_mm on the FP8 operands, and the fallback for devices or dtypes it
+    refuses (the same quantized operands dequantized), against the reference."""
+    from kernels.quant_linear import FP8_MAX, QuantizedLinear
+
+    stored, scale, _, values = quantized(48, 64, 64, "fp8", False)
+    x = torch.randn(5, 64)
+    input_scale = 4.0 / FP8_MAX if activations == "static" else None
+    if activations == "static":
+        scale_x = torch.full((5, 1), input_scale)
+    else:
+        amax = x.abs().amax(dim=-1, keepdim=True) if activations == "token" else x.abs().amax().expand(5, 1)
+        scale_x = amax / FP8_MAX
+    xq = (x / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale_x
+    want = reference(xq, values, scale, 64)
+    for emulate in (False, True):
+        linear = QuantizedLinear(64, 48, "fp8", 64, bias=False, use_triton=False, activations=activations,
+                                 input_scale=input_scale)
+        linear.allocate(torch.device("cpu"))
+        linear.load_rows(0, stored, scale, None)
+        linear._emulate = emulate
+        assert_close(linear(x), want, torch.float32)
