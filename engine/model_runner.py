@@ -212,19 +212,22 @@ class ModelRunner:
         captured unless capture sizes were given."""
         sc = config.scheduler
         reason = None
+        per_tensor = any(getattr(m, "activations", None) == "tensor" for m in self.model.modules())
         if config.model.enforce_eager:
             reason = "enforce_eager"
         elif config.parallel.tensor_parallel_size > 1:
             reason = "tensor parallelism"  # a graph would capture rank 0's launches only
         elif config.lora is not None:
             reason = "LoRA adapters"  # each step groups its rows by adapter: no fixed launches to capture
+        elif per_tensor:
+            reason = "per-tensor dynamic FP8 activation scales"  # a padded row would move the step's scale
         elif self.device.type != "cuda":
             reason = "no CUDA device"
         elif self.kernels.name != "triton":
             reason = f"the {self.kernels.name} kernels read sequence lengths on the host"
         # Padding buys a graph per size; without graphs it is only extra rows of work, so the CPU
         # pads only to sizes it was given explicitly (which rehearses the GPU path exactly).
-        pad = not config.model.enforce_eager and (reason is None or sc.cuda_graph_sizes is not None)
+        pad = not config.model.enforce_eager and not per_tensor and (reason is None or sc.cuda_graph_sizes is not None)
         sizes = sc.decode_batch_sizes if pad else ()
         graphs = DecodeGraphs(self.model, self.kv_caches, sc.max_num_seqs, sizes, self.max_blocks_per_seq,
                               self.block_size, self.device, use_graphs=reason is None)

@@ -45,17 +45,17 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, kind: str, group: int, bias: bool,
                  use_triton: bool, has_zero: bool = False, activations: str | None = None,
-                 input_scale: float | None = None) -> None:
+                 input_scale: float | None = None, activation_ub: float | None = None) -> None:
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kept weights are one of {', '.join(KINDS)}, not {kind!r}")
         if activations is not None and (kind != "fp8" or group != in_features or activations not in FP8_ACTIVATIONS
-                                        or (activations == "static") != (input_scale is not None)):
+                                        or (activations == "static") != (input_scale is not None) or has_zero):
             raise ValueError(f"FP8 activations ({activations}, input scale {input_scale}) need FP8 weights scaled per "
                              "channel or tensor")
         # W8A8: the input quantized to FP8 per token, per tensor or by the checkpoint's static
         # scale, and both FP8 operands multiplied by torch._scaled_mm (FP8 tensor cores on a GPU).
-        self.activations, self.input_scale = activations, input_scale
+        self.activations, self.input_scale, self.activation_ub = activations, input_scale, activation_ub
         # torch._scaled_mm wants dimensions in multiples of 16 (on a GPU); elsewhere, or if it
         # refuses the dtypes, the same quantized operands are multiplied dequantized.
         self._emulate = in_features % 16 != 0 or out_features % 16 != 0
@@ -113,27 +113,32 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.activations is not None:
-            out = self.w8a8(flat)
-        elif self.use_triton:
-            stored = self.qweight.view(torch.float8_e4m3fn) if self.kind == "fp8" else self.qweight
-            out = quantized_linear(flat, stored, self.kind, self.scale, self.zero, self.group, self.in_features)
-            if self.bias is not None:
-                out += self.bias
-        else:
-            out = F.linear(flat, self.dequantized(x.dtype), self.bias)
+        out = self.w8a8(flat) if self.activations is not None else self.w8a16(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def w8a16(self, flat: torch.Tensor) -> torch.Tensor:
+        """The input as it is times the weight dequantized (next to the dot on Triton)."""
+        if not self.use_triton:
+            return F.linear(flat, self.dequantized(flat.dtype), self.bias)
+        stored = self.qweight.view(torch.float8_e4m3fn) if self.kind == "fp8" else self.qweight
+        out = quantized_linear(flat, stored, self.kind, self.scale, self.zero, self.group, self.in_features)
+        if self.bias is not None:
+            out += self.bias
+        return out
 
     def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
         """FP8 activations times FP8 weights, scaled per row of each: the input's scales are
-        amax / 448 (in float32; an all-zero row's the smallest float32 step), compressed-tensors'
-        and vLLM's rule."""
+        amax / 448 (in float32, as vLLM; an all-zero row's the smallest float32 step; fbgemm's
+        upper bound on a row's amax), compressed-tensors' and vLLM's rule."""
         m = flat.shape[0]
         if self.activations == "static":
             scale_x = torch.full((m, 1), self.input_scale, dtype=torch.float32, device=flat.device)
         else:
             amax = flat.abs().amax(dim=-1, keepdim=True) if self.activations == "token" else flat.abs().amax().expand(m, 1)
-            scale_x = amax.to(torch.float32) / FP8_MAX
+            amax = amax.to(torch.float32)
+            if self.activation_ub is not None:
+                amax = amax.clamp(max=self.activation_ub)
+            scale_x = amax / FP8_MAX
             scale_x = torch.where(scale_x == 0, torch.finfo(torch.float32).eps, scale_x).contiguous()
         xq = (flat.to(torch.float32) / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         w = self.qweight.view(torch.float8_e4m3fn)
@@ -142,13 +147,15 @@ class QuantizedLinear(nn.Module):
             try:
                 out = torch._scaled_mm(xq, w.t(), scale_a=scale_x, scale_b=self.scale.t().contiguous(),
                                        out_dtype=flat.dtype)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as e:  # e.g. a device or dtype without row-wise scaled FP8 matmuls
                 self._emulate = True
                 log.warning("torch._scaled_mm refused %s x %s FP8 operands to %s (%s): the FP8 activations are "
-                            "dequantized and multiplied in %s instead (the same products, no FP8 matmul)",
-                            tuple(xq.shape), tuple(w.shape), flat.dtype, str(e).splitlines()[0], flat.dtype)
+                            "dequantized and go through the 8-bit weight path instead (the same products, no FP8 "
+                            "matmul)", tuple(xq.shape), tuple(w.shape), flat.dtype, str(e).splitlines()[0])
         if out is None:
-            out = F.linear((xq.to(torch.float32) * scale_x).to(flat.dtype), self.dequantized(flat.dtype))
+            return self.w8a16((xq.to(torch.float32) * scale_x).to(flat.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -178,7 +178,11 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
         # W8A8: FP8 activations as the checkpoint quantizes them, where the weight's scales are
         # per channel or tensor (torch._scaled_mm's row-wise scaling); block-scaled FP8 runs W8A16.
         acts = {quant.activations_of(m) for m in parts}
-        activations = acts.pop() if kind == "fp8" and group == linear.in_features and len(acts) == 1 else None
+        if len(acts) > 1:
+            logger.warning("%s: its shards quantize activations differently (%s): served W8A16", target,
+                           sorted(map(str, acts)))
+        activations = acts.pop() if kind == "fp8" and group == linear.in_features and len(acts) == 1 and \
+            not has_zero else None
         input_scale = None
         if activations == "static":  # one input for the fused shards: the largest of their scales, as vLLM
             scales = [companions[m].get("input_scale") for m in parts]
@@ -188,10 +192,13 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
         parent, _, child = target.rpartition(".")
         kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, group,
                                        linear.bias is not None, use_triton=kernels.name == "triton", has_zero=has_zero,
-                                       activations=activations, input_scale=input_scale)
+                                       activations=activations, input_scale=input_scale,
+                                       activation_ub=quant.activation_ub_of(parts[0]) if activations else None)
         setattr(model.get_submodule(parent), child, kept[target])
-    logger.info("%s checkpoint: %d projections kept as stored (%s)", quant.describe(), len(kept),
-                "fused Triton kernel" if kernels.name == "triton" else "dequantized per call")
+    w8a8 = sum(1 for m in kept.values() if m.activations is not None)
+    logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm; the rest %s)",
+                quant.describe(), len(kept), w8a8,
+                "through the fused Triton kernel" if kernels.name == "triton" else "dequantized per call")
     return kept
 
 

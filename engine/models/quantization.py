@@ -5,8 +5,9 @@ INT8, pack-quantized W4A16 / W8A16; "awq", AutoAWQ's GEMM layout; "gptq", AutoGP
 GPTQModel's) are dequantized to the engine's dtype as they load, or (with
 --quantized-weights keep) the projections are kept as stored for kernels.quant_linear (`kept`).
 The model then serves what the checkpoint holds: every weight exactly `(q - zero_point) * scale`,
-token-exact against transformers; activations are not quantized (a W8A8 checkpoint answers as its
-W8A16 form).
+token-exact against transformers in float32. Activations are quantized as the checkpoint says
+(W8A8) only for FP8 weights scaled per channel or tensor under keep (kernels.quant_linear's
+torch._scaled_mm); otherwise a W8A8 checkpoint answers as its W8A16 form.
 
 Anything else (bitsandbytes, GGUF, AWQ's GEMV layout, ...) is refused at start, by name."""
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Scheme:
     # FP8 activations as the checkpoint quantizes them: "token" / "tensor" (dynamic scales), "static"
     # (its input_scale), None (not quantized). --quantized-weights keep runs them (W8A8).
     activations: str | None = None
+    activation_ub: float | None = None  # fbgemm_fp8: a row's amax at most this
     targets: tuple[str, ...] = ("Linear",)
 
 
@@ -77,7 +79,9 @@ class QuantizedWeights:
                 str(qc.get("activation_scheme", "dynamic")))
             return cls(method, [_Scheme(8, tuple(block) if block else None, activations=acts)], packed=False)
         if method == "fbgemm_fp8":
-            return cls(method, [_Scheme(8, activations="token")], packed=False)
+            ub = qc.get("activation_scale_ub")
+            return cls(method, [_Scheme(8, activations="token", activation_ub=None if ub is None else float(ub))],
+                       packed=False)
         if method in ("awq", "gptq"):
             return cls._awq_gptq(method, qc)
         sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
@@ -112,8 +116,8 @@ class QuantizedWeights:
                 raise ValueError(f"{where}: weight strategy {strategy!r} is not served")
             acts = None
             ia = group.get("input_activations") or {}
-            if ia.get("type") == "float" and int(ia.get("num_bits", 8)) == 8:
-                acts = "static" if not ia.get("dynamic", True) else (ia.get("strategy") or "tensor")
+            if ia.get("type") == "float" and int(ia.get("num_bits", 8)) == 8 and ia.get("symmetric", True):
+                acts = "static" if not ia.get("dynamic", False) else (ia.get("strategy") or "tensor")
                 if acts not in ("token", "tensor", "static"):
                     acts = None  # another granularity: served as W8A16
             schemes.append(_Scheme(bits, block, bool(w.get("symmetric", True)), w.get("type", "int"),
@@ -274,6 +278,9 @@ class QuantizedWeights:
 
     def activations_of(self, module: str) -> str | None:
         return self._scheme(module).activations
+
+    def activation_ub_of(self, module: str) -> float | None:
+        return self._scheme(module).activation_ub
 
     def bits_of(self, module: str) -> int:
         return self._scheme(module).num_bits

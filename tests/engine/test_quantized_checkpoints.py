@@ -244,14 +244,8 @@ def test_the_same_weights_in_other_formats_answer_the_same(base, tmp_path):
         pdserve_greedy(int8)
     w8a16 = compressed(base, str(tmp_path / "w8a16"), "float", "channel")
     w8a8 = compressed(base, str(tmp_path / "w8a8"), "float", "channel", activations=True)
-    fbgemm = str(tmp_path / "fbgemm")
-    shutil.copytree(w8a16, fbgemm)
-    with open(os.path.join(fbgemm, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-                                     "modules_to_not_convert": ["lm_head"]}
-    with open(os.path.join(fbgemm, "config.json"), "w") as f:
-        json.dump(config, f)
+    fbgemm = _with_config(w8a16, str(tmp_path / "fbgemm"), {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                                            "modules_to_not_convert": ["lm_head"]})
     want = pdserve_greedy(w8a16)
     assert pdserve_greedy(w8a8) == want and pdserve_greedy(fbgemm) == want
 
@@ -530,3 +524,44 @@ def test_kept_fp8_quantizes_activations_as_the_checkpoint_says(base, activations
     # batch's tokens share it, in vLLM too).
     got = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
     assert got == transformers_greedy(path)
+
+
+def test_fbgemm_and_autofp8_run_w8a8_under_keep(base, tmp_path):
+    """fbgemm_fp8 (per-channel weights, per-token activations, amax bounded by its
+    activation_scale_ub) answers as llm-compressor's FP8-dynamic; AutoFP8's per-tensor fp8 with
+    dynamic activations (per tensor, as vLLM) as transformers on the same weights in
+    compressed-tensors' form; one prompt at a time (a per-tensor scale is the step's)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def one_by_one(llm: LLM) -> list[list[int]]:
+        return [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+
+    token = compressed(base, str(tmp_path / "token"), "float", "channel", activations="token")
+    fbgemm = LLM(_with_config(token, str(tmp_path / "fbgemm"), {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                                           "modules_to_not_convert": ["lm_head"]}),
+                 quantized_weights="keep")
+    qkv = fbgemm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert (qkv.activations, qkv.activation_ub) == ("token", 1200.0)
+    assert one_by_one(fbgemm) == one_by_one(LLM(token, quantized_weights="keep"))
+    tensor = compressed(base, str(tmp_path / "tensor"), "float", "tensor", activations="tensor")
+    autofp8 = LLM(_with_config(tensor, str(tmp_path / "autofp8"), {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+                  quantized_weights="keep")
+    assert autofp8.engine.runner.model.layers[1].mlp.down_proj.activations == "tensor"
+    assert one_by_one(autofp8) == transformers_greedy(tensor)
+
+
+def test_per_tensor_activation_scales_turn_decode_padding_off(base, tmp_path):
+    """A padded decode row (a CUDA graph's fixed batch) would move a per-tensor dynamic scale
+    and so the real rows' answers: such an engine decodes at the batch's own size; per-token
+    scales keep the padded buffers."""
+    tensor = compressed(base, str(tmp_path / "tensor"), "float", "tensor", activations="tensor")
+    token = compressed(base, str(tmp_path / "token"), "float", "channel", activations="token")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for path, padded in ((tensor, False), (token, True)):
+        llm = LLM(path, quantized_weights="keep", cuda_graph_sizes=[4])
+        assert bool(llm.engine.runner.decode_graphs.sizes) == padded
+        llm.generate(PROMPTS[:3], params)
+        assert llm.engine.stats()["decode_buffer_steps"] > 0  # the buffers, at the batch's own size or padded
+    assert llm.engine.runner.cuda_graphs_off_reason == "no CUDA device"
+    assert LLM(tensor, quantized_weights="keep").engine.runner.cuda_graphs_off_reason == \
+        "per-tensor dynamic FP8 activation scales"
