@@ -212,7 +212,8 @@ class ModelRunner:
         captured unless capture sizes were given."""
         sc = config.scheduler
         reason = None
-        per_tensor = any(getattr(m, "activations", None) == "tensor" for m in self.model.modules())
+        per_tensor = isinstance(self.model, torch.nn.Module) and any(  # (a tensor-parallel model is not quantized)
+            getattr(m, "activations", None) == "tensor" for m in self.model.modules())
         if config.model.enforce_eager:
             reason = "enforce_eager"
         elif config.parallel.tensor_parallel_size > 1:

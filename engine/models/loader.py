@@ -81,6 +81,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         model = LlamaForCausalLM(arch, kernels, tp)
         kept = _keep_quantized(model, quant, companions, kernels, torch.device(device)) \
             if quantized_weights == "keep" else {}
+    if quant is not None and not kept:
+        logger.info("%s checkpoint: weights dequantized as they load (activations not quantized)", quant.describe())
     model = model.to_empty(device=device).to(dtype)
     for module in kept.values():
         module.allocate(torch.device(device))
@@ -233,7 +235,6 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
                 if quant.is_companion(name):
                     module, suffix = name.rsplit(".", 1)
                     found.setdefault(module, {})[suffix] = f.get_tensor(name)
-    logger.info("%s checkpoint: weights dequantized as they load (activations not quantized)", quant.describe())
     return found
 
 

@@ -565,3 +565,27 @@ def test_per_tensor_activation_scales_turn_decode_padding_off(base, tmp_path):
     assert llm.engine.runner.cuda_graphs_off_reason == "no CUDA device"
     assert LLM(tensor, quantized_weights="keep").engine.runner.cuda_graphs_off_reason == \
         "per-tensor dynamic FP8 activation scales"
+
+
+@pytest.mark.parametrize("quantized_weights", ["dequantize", "keep"])
+def test_lora_adapters_on_a_quantized_base(base, tiny_lora_factory, quantized_weights, tmp_path):
+    """An adapter's deltas add to a quantized projection's output as to a full-precision one's:
+    the same answers as PEFT on transformers' view of the checkpoint (W4A16 with zero points,
+    kept packed or dequantized)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = compressed(base, str(tmp_path / "w4a16"), "int", "group", bits=4, symmetric=False)
+    adapter = tiny_lora_factory(base, 5)
+    dense = decompressed(path, str(tmp_path / "dense"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32), adapter).eval()
+    model.generation_config.eos_token_id = None
+    want = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            t = torch.tensor([ids])
+            want.append(model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS,
+                                       do_sample=False)[0, len(ids):].tolist())
+    llm = LLM(path, quantized_weights=quantized_weights, enable_lora=True, lora_modules=[f"a={adapter}"])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_name="a")
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
