@@ -24,19 +24,27 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - the torch path needs no triton
     triton = None
+else:
+    from kernels.triton_paged import dot_options
 
 KINDS = ("fp8", "int8", "int4")
 FP8_ACTIVATIONS = ("token", "tensor", "static")
 FP8_MAX = 448.0
 
 
-def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """[rows, ceil(columns / 8)] int32 -> [rows, columns] float32 signed values (compressed-tensors'
-    layout: lowest bits first, each stored plus 8)."""
+def unpack_signed(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """[rows, ceil(columns * bits / 32)] int32 -> [rows, columns] float32 signed values
+    (compressed-tensors' pack-quantized layout: 32 // bits to a word along the row, lowest bits
+    first, each stored plus 2^(bits - 1))."""
+    per = 32 // bits
+    if packed.shape[-1] != -(-columns // per):
+        raise ValueError(f"{packed.shape[-1]} int32 words a row do not hold {columns} {bits}-bit values "
+                         "(another bit width than the config's?)")
     p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=packed.device)
-    values = (p.unsqueeze(-1) >> shifts) & 0xF
-    return (values.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.float32)
+    values = torch.empty(packed.shape[0], packed.shape[1], per, dtype=torch.float32, device=packed.device)
+    for k in range(per):
+        values[..., k] = (p >> (bits * k)) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], -1)[:, :columns] - (1 << (bits - 1))
 
 
 class QuantizedLinear(nn.Module):
@@ -99,7 +107,7 @@ class QuantizedLinear(nn.Module):
     def values(self) -> torch.Tensor:
         """The stored values as float32 [out, in], less their zero points."""
         if self.kind == "int4":
-            q = unpack_int4(self.qweight, self.in_features)
+            q = unpack_signed(self.qweight, 4, self.in_features)
         else:
             q = self.qweight.view(torch.float8_e4m3fn if self.kind == "fp8" else torch.int8).to(torch.float32)
         if self.zero is not None:
@@ -220,8 +228,6 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, kind: str, scale: t
     [N, ceil(K / 8)] int32 (INT4); scale float32 and zero int8 [N, ceil(K / group)]."""
     if triton is None:
         raise RuntimeError("the fused quantized linear needs triton")
-    from kernels.triton_paged import dot_options
-
     m, k = x.shape
     n = qweight.shape[0]
     groups = -(-k // group)

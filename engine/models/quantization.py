@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant_linear import unpack_signed
+
 SERVED = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq")
 _CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 # A quantized weight's companions in the checkpoint (module prefix + suffix).
@@ -229,14 +231,8 @@ class QuantizedWeights:
         out = q.shape[0]
         group = self.group_of(module, in_features)
         zero = self._zero_point(companions, scale, scheme)
-        rows = []
-        for grid in (scale.to(torch.float32), zero):
-            if grid is None:
-                rows.append(None)
-            elif scheme.block is None or grid.numel() == 1:
-                rows.append(expand_scale(grid.float(), out, in_features, None, module).expand(out, 1).contiguous())
-            else:
-                rows.append(expand_scale(grid.float(), out, in_features, scheme.block, module)[:, ::group].contiguous())
+        rows = [None if grid is None else row_grid(grid.float(), out, in_features, scheme.block, module)
+                for grid in (scale.to(torch.float32), zero)]
         zero_rows = None if rows[1] is None or not bool(rows[1].any()) else rows[1].to(torch.int8)
         return KeptWeight(q, kind, rows[0], zero_rows, group)
 
@@ -340,20 +336,11 @@ class QuantizedWeights:
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) -> torch.Tensor:
-    """compressed-tensors' pack-quantized: 32 // num_bits signed values per int32 along a row,
-    lowest bits first, each stored offset by 2^(num_bits - 1); `shape`: the unpacked rows and
-    columns."""
-    per = 32 // num_bits
-    mask = (1 << num_bits) - 1
-    if packed.shape[-1] != -(-shape[1] // per):
-        raise ValueError(f"{packed.shape[-1]} int32 words a row do not hold {shape[1]} {num_bits}-bit values "
-                         "(another bit width than the config's?)")
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    values = torch.stack([(p >> (num_bits * k)) & mask for k in range(per)], dim=-1)
-    values = values.reshape(packed.shape[0], -1)[:, :shape[1]]
-    if values.shape[0] != shape[0]:
+    """compressed-tensors' pack-quantized weight ([rows, words]) as float32 signed values of
+    `shape` (kernels.quant_linear owns the layout)."""
+    if packed.shape[0] != shape[0]:
         raise ValueError(f"packed weight of {packed.shape[0]} rows for a weight of shape {shape}")
-    return (values - (1 << (num_bits - 1))).to(torch.float32)
+    return unpack_signed(packed, num_bits, shape[1])
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -388,6 +375,18 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     padded[:, :cols] = values.to(torch.int64) + 8
     words = (padded.view(rows, -1, 8) << torch.arange(0, 32, 4)).sum(dim=-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def row_grid(grid: torch.Tensor, out: int, inp: int, block: tuple[int, int] | None, name: str) -> torch.Tensor:
+    """A scale (or zero point) grid as one row per output row: [out, 1] per tensor or channel,
+    [out, column groups] per block or group (expand_scale's checks, without the full weight)."""
+    if grid.numel() == 1 or block is None:
+        return expand_scale(grid, out, 1, None, name).expand(out, 1).contiguous()
+    rows = grid.reshape(grid.shape[0], -1) if grid.dim() != 2 else grid
+    if rows.shape != (-(-out // block[0]), -(-inp // block[1])):
+        raise ValueError(f"{name}: a scale grid of {tuple(rows.shape)} does not cover a weight of ({out}, {inp}) "
+                         f"in blocks of {block[0]} x {block[1]}")
+    return rows.repeat_interleave(block[0], 0)[:out].contiguous()
 
 
 def expand_scale(scale: torch.Tensor, out: int, inp: int, block: tuple[int, int] | None, name: str) -> torch.Tensor:
