@@ -23,6 +23,11 @@ BENCH_DIR = os.path.join(REPO, "build", "bench-engine")
 MODEL_SPEC = dict(arch="llama", vocab_size=4096, hidden_size=256, intermediate_size=688,
                   num_layers=4, num_heads=8, num_kv_heads=4, seed=0)
 MODEL_VERSION = "v1"  # bump when MODEL_SPEC or the way the checkpoint is made changes
+# `--moe`: a random Qwen3-MoE of the same attention, 16 experts of 128, 4 routed per token
+# (renormalised), every layer sparse: the active MLP a token runs is about the dense model's.
+MOE_MODEL_SPEC = dict(arch="qwen3_moe", vocab_size=4096, hidden_size=256, intermediate_size=688,
+                      num_layers=4, num_heads=8, num_kv_heads=4, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=128, moe_config={"norm_topk_prob": True}, seed=0)
 
 
 # -- shared with the workers (stdlib only) ------------------------------------------------------
@@ -122,9 +127,10 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
             for p, o in lengths]
 
 
-def ensure_checkpoint(python: str) -> str:
+def ensure_checkpoint(python: str, moe: bool = False) -> str:
     """The benchmark model, written once by engine.tiny (transformers' save_pretrained + a tokenizer)."""
-    path = os.path.join(BENCH_DIR, f"model-{MODEL_VERSION}")
+    spec = MOE_MODEL_SPEC if moe else MODEL_SPEC
+    path = os.path.join(BENCH_DIR, f"model-{'moe-' if moe else ''}{MODEL_VERSION}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     tmp = path + f".tmp{os.getpid()}"
@@ -132,12 +138,12 @@ def ensure_checkpoint(python: str) -> str:
             "make_tiny_model(sys.argv[1], **json.loads(sys.argv[2]))")
     os.makedirs(os.path.join(BENCH_DIR, "logs"), exist_ok=True)
     with open(os.path.join(BENCH_DIR, "logs", "checkpoint.log"), "w") as log:
-        subprocess.run([python, "-c", code, tmp, json.dumps(MODEL_SPEC)], check=True, cwd=REPO,
+        subprocess.run([python, "-c", code, tmp, json.dumps(spec)], check=True, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=REPO), stdout=log, stderr=subprocess.STDOUT)
     with open(os.path.join(tmp, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    if vocab != MODEL_SPEC["vocab_size"]:
-        raise RuntimeError(f"tiny checkpoint has vocab {vocab}, expected {MODEL_SPEC['vocab_size']}")
+    if vocab != spec["vocab_size"]:
+        raise RuntimeError(f"tiny checkpoint has vocab {vocab}, expected {spec['vocab_size']}")
     os.replace(tmp, path)
     return path
 
@@ -178,10 +184,10 @@ def length_range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def checkpoint(path: str | None) -> tuple[str, int]:
+def checkpoint(path: str | None, moe: bool = False) -> tuple[str, int]:
     """The checkpoint to measure and its vocab size: `path` if given, else the benchmark's own."""
     if path is None:
-        return ensure_checkpoint(sys.executable), MODEL_SPEC["vocab_size"]
+        return ensure_checkpoint(sys.executable, moe), (MOE_MODEL_SPEC if moe else MODEL_SPEC)["vocab_size"]
     path = os.path.abspath(path)
     try:
         with open(os.path.join(path, "config.json")) as f:
@@ -294,6 +300,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="a checkpoint directory to measure instead of the benchmark's random Llama "
                         "(prompts are token ids below its vocab_size)")
+    p.add_argument("--moe", action="store_true",
+                   help="measure the benchmark's random Qwen3-MoE (16 experts, 4 per token) instead of its Llama")
     p.add_argument("--requests", type=int, default=64, help="requests, all submitted at once")
     p.add_argument("--prompt-len", default="32:512", help="prompt lengths, uniform MIN:MAX (or one N)")
     p.add_argument("--output-len", default="16:256", help="output lengths, uniform MIN:MAX (or one N)")
@@ -391,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         engines = ["pdserve"]
 
-    model, vocab_size = checkpoint(args.model)
+    if args.moe and args.model:
+        raise SystemExit("--moe measures the benchmark's own mixture of experts; leave --model out")
+    model, vocab_size = checkpoint(args.model, args.moe)
     workload = make_workload(num_requests, prompt_len, output_len, vocab_size, seed=0)
     adapters = ensure_adapters(model, args.lora, args.lora_rank) if args.lora > 0 else []
     for i, r in enumerate(workload):
@@ -421,7 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     if adapters:
         print(f"LoRA: {len(adapters)} adapters of rank {args.lora_rank} on every projection, request i runs with "
               f"adapter i % {len(adapters)} (pdserve: --enable-lora; vLLM: enable_lora, max_loras={len(adapters)})")
-    if args.model is None:
+    if args.moe:
+        m = MOE_MODEL_SPEC
+        print(f"model: random Qwen3-MoE (vocab {m['vocab_size']}, hidden {m['hidden_size']}, {m['num_experts']} experts "
+              f"of {m['moe_intermediate_size']}, {m['num_experts_per_tok']} per token, {m['num_layers']} layers, "
+              f"{m['num_heads']} heads, {m['num_kv_heads']} KV heads), float32, CPU; checkpoint "
+              f"{os.path.relpath(model, REPO)}", flush=True)
+    elif args.model is None:
         m = MODEL_SPEC
         print(f"model: random Llama (vocab {m['vocab_size']}, hidden {m['hidden_size']}, intermediate "
               f"{m['intermediate_size']}, {m['num_layers']} layers, {m['num_heads']} heads, {m['num_kv_heads']} "

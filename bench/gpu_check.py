@@ -13,7 +13,11 @@
     step's memory-bound floor (the weights and the batch's KV read once at the copy bandwidth);
 (e) the fused 8-bit linear (--quantized-weights keep: FP8 weights, 128 x 128 blocks) against bf16
     F.linear on the same shapes (a Llama-8B projection, 1 to 2,048 rows): seconds and the ratio,
-    and its largest difference from dequantize-then-F.linear.
+    and its largest difference from dequantize-then-F.linear;
+(f) the fused mixture-of-experts kernel (kernels.triton_moe) against the torch backend's per-expert
+    loop on Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes (bf16, 1 to 2,048 tokens): seconds,
+    the ratio, the fraction of the copy bandwidth reading the experts the step touches, and the
+    largest difference.
 A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
 Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
 `python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
@@ -339,6 +343,34 @@ def quantized_linear(small: bool) -> dict:
     return out
 
 
+def fused_moe(small: bool, rates: dict) -> dict:
+    """(f): per expert shape and token count, the Triton kernel's time against the torch loop's."""
+    import torch
+
+    from kernels import moe
+    from kernels.triton_moe import fused_moe as triton_fused_moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = {"toy E8 k2": (8, 2, 64, 32)} if small else {
+        "mixtral-8x7b E8 k2": (8, 2, 4096, 14336), "qwen3-30b-a3b E128 k8": (128, 8, 2048, 768)}
+    out: dict = {}
+    for name, (experts, k, hidden, inter) in shapes.items():
+        w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * hidden ** -0.5
+        w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype) * inter ** -0.5
+        for t in ([1, 8] if small else [1, 16, 64, 256, 2048]):
+            x = torch.randn(t, hidden, device=device, dtype=dtype)
+            weights, ids = torch.topk(torch.softmax(torch.randn(t, experts, device=device), -1), k, -1)
+            fused = timed(lambda: triton_fused_moe(x, w13, w2, weights, ids))
+            loop = timed(lambda: moe.fused_moe(x, w13, w2, weights, ids))
+            touched = int(torch.unique(ids).numel()) * 3 * hidden * inter * w13.element_size()
+            err = (triton_fused_moe(x, w13, w2, weights, ids).float() - moe.fused_moe(x, w13, w2, weights, ids).float())
+            out[f"{name} tokens={t}"] = {"triton_s": fused, "torch_loop_s": loop, "loop_over_triton": loop / fused,
+                                         "copy_fraction": touched / rates["copy_bytes_per_s"] / fused,
+                                         "max_abs_diff": err.abs().max().item()}
+    return out
+
+
 def failing_tests(pytest_output: str, limit: int = 40) -> list[str]:
     """The FAILED/ERROR lines of pytest's short summary (test id and the error's first line)."""
     lines = [line.strip() for line in pytest_output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
@@ -349,7 +381,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", default=str(ROOT / "build" / "gpu-check" / "report.json"))
     p.add_argument("--small", action="store_true", help="toy sizes (also runs on CPU): checks the script")
-    p.add_argument("--parts", default="tests,engine,stack,decode,memory,quant")
+    p.add_argument("--parts", default="tests,engine,stack,decode,memory,quant,moe")
     args = p.parse_args()
     import torch
 
@@ -357,7 +389,7 @@ def main() -> int:
     if device == "cpu" and not args.small:
         print("gpu-check needs a CUDA GPU (torch sees none); --small runs it at toy sizes on CPU")
         return 1
-    if device == "cpu":  # part (e)'s kernel through Triton's interpreter (before triton is imported)
+    if device == "cpu":  # parts (e) and (f): kernels through Triton's interpreter (before triton is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     size = SMALL if args.small else FULL
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -372,6 +404,7 @@ def main() -> int:
                  "decode": lambda: decode_steps(model, size, device, rates),
                  "memory": lambda: memory_share(model, size, device),
                  "quant": lambda: quantized_linear(args.small),
+                 "moe": lambda: fused_moe(args.small, rates),
                  "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
                                                 device, rates, 24 if args.small else 800)}
         for part in parts:

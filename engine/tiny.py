@@ -6,7 +6,7 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -65,18 +65,24 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                     num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
                     initializer_range: float = 0.1, rope_scaling: dict | None = None,
-                    seed: int = 0) -> str:
-    """Write a random-weight checkpoint that transformers itself produced (save_pretrained)."""
+                    num_experts: int = 8, num_experts_per_tok: int = 2, moe_intermediate_size: int = 64,
+                    moe_config: dict | None = None, seed: int = 0) -> str:
+    """Write a random-weight checkpoint that transformers itself produced (save_pretrained).
+
+    The mixtures of experts (mixtral, qwen2_moe, qwen3_moe) take num_experts of
+    moe_intermediate_size each (Mixtral's are intermediate_size), num_experts_per_tok per token;
+    Qwen2-MoE's shared expert is intermediate_size; moe_config: more of the config's keys
+    (norm_topk_prob, decoder_sparse_step, mlp_only_layers, ...)."""
     import torch
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = train_tokenizer(vocab_size, seed)
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[arch]
+    config_cls = getattr(transformers, f"{names}Config")
+    model_cls = getattr(transformers, f"{names}ForCausalLM")
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
@@ -85,10 +91,18 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                   pad_token_id=tokenizer.pad_token_id)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = hidden_size // num_heads
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = max_position_embeddings
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=moe_intermediate_size)
+        if arch == "qwen2_moe":
+            kwargs["shared_expert_intermediate_size"] = intermediate_size
+    kwargs.update(moe_config or {})
     if rope_scaling is not None:
         kwargs["rope_parameters"] = rope_scaling
     config = config_cls(**kwargs)

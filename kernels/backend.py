@@ -25,6 +25,7 @@ class KernelBackend:
     rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    fused_moe: Callable
 
 
 def _reference() -> KernelBackend:
@@ -38,11 +39,12 @@ def _reference() -> KernelBackend:
         rms_norm=reference.rms_norm,
         rotary_embedding=reference.rotary_embedding,
         silu_and_mul=reference.silu_and_mul,
+        fused_moe=reference.fused_moe,
     )
 
 
 def _torch() -> KernelBackend:
-    from kernels import torch_attention
+    from kernels import moe, torch_attention
 
     return KernelBackend(
         name="torch",
@@ -54,6 +56,7 @@ def _torch() -> KernelBackend:
         rms_norm=torch_attention.rms_norm,
         rotary_embedding=torch_attention.rotary_embedding,
         silu_and_mul=reference.silu_and_mul,  # two vectorised torch ops already
+        fused_moe=moe.fused_moe,
     )
 
 

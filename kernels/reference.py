@@ -133,3 +133,23 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), dim=-1)
 
     return rotate(query), rotate(key)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts MLP, as transformers' Mixtral / Qwen-MoE experts compute it.
+
+    x [T, H]; w13 [E, 2 * I, H] (each expert's gate rows, then up rows); w2 [E, H, I];
+    topk_weights [T, k] and topk_ids [T, k]: each token's k experts and their weights. Returns
+    sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) over the token's experts e = ids[j], [T, H] in
+    x's dtype, summed expert by expert in expert order (each product rounded to x's dtype first).
+    """
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        h = silu_and_mul(torch.nn.functional.linear(x[token], w13[e]))
+        o = torch.nn.functional.linear(h, w2[e]) * topk_weights[token, slot, None]
+        out.index_add_(0, token, o.to(x.dtype))
+    return out

@@ -5,6 +5,7 @@ from kernels.backend import KernelBackend
 from kernels.triton_cache import gather_blocks, scatter_blocks, store_kv
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_layers import rms_norm, rotary_embedding, silu_and_mul
+from kernels.triton_moe import fused_moe
 from kernels.triton_prefill import paged_attention
 
 
@@ -20,4 +21,5 @@ def backend() -> KernelBackend:
         rms_norm=rms_norm,
         rotary_embedding=rotary_embedding,
         silu_and_mul=silu_and_mul,
+        fused_moe=fused_moe,
     )

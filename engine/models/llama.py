@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.models.moe import SparseMoE, moe_fields
 from engine.models.rope import cos_sin_cache, rope_parameters
 from kernels import KernelBackend
 
@@ -33,6 +35,15 @@ class LlamaArch:
     tie_word_embeddings: bool
     rope: dict
     sliding_window: int | None
+    # A mixture of experts (num_experts > 0): the MLP of each layer in sparse_layers routes every
+    # token to num_experts_per_tok experts of moe_intermediate_size (engine.models.moe).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the k routing weights renormalised to sum to one
+    route_in_model_dtype: bool = False  # the weights rounded to the model's dtype (Qwen), else float32
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one dense expert beside, sigmoid-gated
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -42,9 +53,10 @@ class LlamaArch:
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (the Llama family uses silu)")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
         attention_bias = bool(cfg.get("attention_bias", False))
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -55,13 +67,14 @@ class LlamaArch:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=attention_bias if model_type != "qwen2" else False,
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
+            o_bias=attention_bias if not qwen2 else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope=rope_parameters(cfg),
             sliding_window=window,
+            **moe_fields(cfg, model_type),
         )
 
 
@@ -139,11 +152,14 @@ class MLP(nn.Module):
     """With tp: gate_up column-parallel, down_proj row-parallel (all-reduced)."""
     gate_up_lora = down_lora = None
 
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         self.kernels = kernels
         self.tp = tp
-        self.intermediate_size = arch.intermediate_size if tp is None else tp.layout.local_intermediate
+        if intermediate_size is None:
+            intermediate_size = arch.intermediate_size if tp is None else tp.layout.local_intermediate
+        self.intermediate_size = intermediate_size
         down_bias = arch.mlp_bias and (tp is None or tp.layout.owns_replicated_bias())
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
@@ -161,10 +177,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(arch, kernels, tp)
-        self.mlp = MLP(arch, kernels, tp)
+        self.mlp = SparseMoE(arch, kernels, MLP) if index in arch.sparse_layers else MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -185,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         vocab_rows = arch.vocab_size if tp is None else tp.layout.vocab_per_rank
         self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, kernels, tp) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, kernels, tp, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import re
 import logging
 import os
 import sys
@@ -23,8 +24,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# An expert's projection (per-expert checkpoints, as published and as transformers saves them):
+# layers.L.{mlp,block_sparse_moe}.experts.E.{gate_proj|w1, up_proj|w3, down_proj|w2}.weight; and
+# transformers 5's stacked form in memory, layers.L.mlp.experts.{gate_up_proj, down_proj}.
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.(\w+)\.weight|(gate_up_proj|down_proj))$")
+_EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+                 "down_proj": ("w2", None), "w2": ("w2", None)}
 # HF name fragment -> (our parameter, shard index within the fused parameter)
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -120,7 +130,9 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     if arch.tie_word_embeddings or "lm_head.weight" not in loaded:
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add("lm_head.weight")
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n in params if n not in loaded and not n.endswith((".mlp.w13", ".mlp.w2"))]
+    missing += [part for n, p in params.items() if n.endswith((".mlp.w13", ".mlp.w2"))
+                for part in _expert_parts(n, p.shape[0]) if part not in loaded]
     missing += [f"{name}.weight" for name, m in kept.items() if m.rows_loaded != m.out_features]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
@@ -130,6 +142,44 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
 
 
 QUANTIZED_WEIGHTS = ("dequantize", "keep")
+
+
+def _load_expert(params, hf_name: str, match: re.Match, tensor: torch.Tensor, loaded: set[str]) -> None:
+    """One expert's projection into its layer's stacked w13 / w2 (or a stacked one whole)."""
+    layer, index, proj, stacked = match.groups()
+    if stacked is not None:
+        target = f"{layer}.mlp.{'w13' if stacked == 'gate_up_proj' else 'w2'}"
+        if target not in params or params[target].shape != tensor.shape:
+            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(params[target].shape) if target in params else 'no such weight (a dense layer)'}")
+        with torch.no_grad():
+            params[target].copy_(tensor)
+        experts = params[target].shape[0]
+        loaded.update(_expert_parts(target, experts))
+        return
+    if proj not in _EXPERT_SHARD:
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+    param, shard = _EXPERT_SHARD[proj]
+    target = f"{layer}.mlp.{param}"
+    if target not in params:
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (layer {layer} is dense here)")
+    e = int(index)
+    stack = params[target]
+    if e >= stack.shape[0]:
+        raise ValueError(f"weight {hf_name!r}: expert {e}, but the config has {stack.shape[0]} experts")
+    rows = stack[e] if shard is None else stack[e].chunk(2)[shard]
+    if rows.shape != tensor.shape:
+        raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
+    with torch.no_grad():
+        rows.copy_(tensor)
+    loaded.add(f"{target}[{e}]" + ("" if shard is None else f".{shard}"))
+
+
+def _expert_parts(target: str, experts: int) -> list[str]:
+    """What `loaded` must hold for a stacked expert weight to be complete."""
+    if target.endswith(".w13"):
+        return [f"{target}[{e}].{s}" for e in range(experts) for s in (0, 1)]
+    return [f"{target}[{e}]" for e in range(experts)]
 
 
 def _target(hf_name: str) -> tuple[str, int | None]:
@@ -153,6 +203,8 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
     shards: dict[str, set] = {}
     for module in companions:
         target, shard = _target(module + ".weight")
+        if ".experts." in target:
+            continue  # a mixture's experts are stacked: dequantized as they load
         if target.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             shards.setdefault(target, set()).add(shard)
     kept = {}
@@ -239,9 +291,12 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
 
 
 def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
-    name = hf_name.removeprefix("model.")
+    name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     if "rotary_emb" in name:
         return
+    expert = _EXPERT.match(hf_name.removeprefix("model."))
+    if expert is not None:
+        return _load_expert(params, hf_name, expert, tensor, loaded)
     for frag, (fused, shard) in _FUSED.items():
         if f".{frag}." in name:
             target = name.replace(f".{frag}.", f".{fused}.")

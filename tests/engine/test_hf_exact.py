@@ -17,6 +17,11 @@ VARIANTS = {
     "mistral": dict(arch="mistral"),
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3"),
+    # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
+    # with a dense layer between sparse ones.
+    "mixtral": dict(arch="mixtral"),
+    "qwen2-moe": dict(arch="qwen2_moe"),
+    "qwen3-moe": dict(arch="qwen3_moe", moe_config={"norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 CONFIGS = {
     "plain": dict(),

@@ -1,0 +1,74 @@
+"""Mixture-of-experts MLPs of the Llama family: Mixtral, Qwen2-MoE (with a shared expert) and
+Qwen3-MoE. A router (`gate`) scores every expert per token; the token runs through its top k,
+their outputs weighted by the softmax probabilities (renormalised over the k where the model
+says so). The experts' weights are stacked, [E, 2I, H] gate and up and [E, H, I] down, for the
+backend's fused_moe (kernels.reference.fused_moe is the definition)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import KernelBackend
+
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def moe_fields(cfg: dict, model_type: str) -> dict:
+    """LlamaArch's mixture-of-experts fields from a config.json ({} for a dense model)."""
+    if model_type not in _MOE_TYPES:
+        return {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    k = cfg.get("num_experts_per_tok") or 0
+    if experts < 1 or not 0 < k <= experts:
+        raise ValueError(f"{model_type}: num_experts_per_tok ({k}) must be between 1 and the experts ({experts})")
+    if model_type == "mixtral":
+        # (router_jitter_noise is training-time noise: inference routes without it, as transformers)
+        inter, norm, sparse = cfg["intermediate_size"], True, tuple(range(cfg["num_hidden_layers"]))
+    else:
+        inter, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=norm,
+                route_in_model_dtype=model_type != "mixtral",
+                shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0,
+                sparse_layers=sparse)
+
+
+class SparseMoE(nn.Module):
+    """One layer's experts. `mlp_cls`: the dense MLP (the shared expert of Qwen2-MoE)."""
+
+    def __init__(self, arch, kernels: KernelBackend, mlp_cls) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
+        self.route_in_model_dtype = arch.route_in_model_dtype
+        self.num_experts, self.intermediate_size = arch.num_experts, arch.moe_intermediate_size
+        hidden, inter = arch.hidden_size, arch.moe_intermediate_size
+        self.gate = nn.Linear(hidden, arch.num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(arch.num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(arch.num_experts, hidden, inter))
+        self.shared_expert = self.shared_expert_gate = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = mlp_cls(arch, kernels, None, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) as transformers' routers compute them."""
+        logits = self.gate(x)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights.to(logits.dtype) if self.route_in_model_dtype else weights), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate_size}, "
+                f"renormalize={self.renormalize}")

@@ -1,0 +1,118 @@
+"""Mixtures of experts beyond greedy exactness (tests/engine/test_hf_exact.py has that): the
+checkpoint forms they come in, what a broken one says, FP8 experts, and what is refused."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from test_quantized_checkpoints import FP8_MAX, PROMPTS, pdserve_greedy, transformers_greedy
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3_moe", moe_config={"norm_topk_prob": True})
+
+
+def _rewrite(path: str, out: str, tensors: dict, config: dict | None = None) -> str:
+    os.makedirs(out)
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(path, name), out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    if config is not None:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f)
+    return out
+
+
+def _stacked(path: str, out: str) -> str:
+    """The experts as transformers 5 holds them: one [E, 2I, H] gate-up and one [E, H, I] down
+    tensor per layer."""
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    layers = {k.split(".experts.")[0] for k in tensors if ".experts." in k}
+    for layer in layers:
+        experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in tensors if k.startswith(layer + ".experts.")})
+        take = {p: [tensors.pop(f"{layer}.experts.{e}.{p}.weight") for e in experts]
+                for p in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{layer}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(take["gate_proj"], take["up_proj"])])
+        tensors[f"{layer}.experts.down_proj"] = torch.stack(take["down_proj"])
+    return _rewrite(path, out, tensors)
+
+
+def test_stacked_experts_load_as_per_expert_ones(qwen3_moe, tmp_path):
+    assert pdserve_greedy(_stacked(qwen3_moe, str(tmp_path / "stacked"))) == pdserve_greedy(qwen3_moe) == \
+        transformers_greedy(qwen3_moe)
+
+
+def test_a_missing_expert_is_named(qwen3_moe, tmp_path):
+    tensors = load_file(os.path.join(qwen3_moe, "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks weights: layers\.1\.mlp\.w13\[5\]\.1"):
+        LLM(_rewrite(qwen3_moe, str(tmp_path / "broken"), tensors))
+
+
+def test_an_expert_beyond_the_configs_count_is_refused(qwen3_moe, tmp_path):
+    with open(os.path.join(qwen3_moe, "config.json")) as f:
+        config = json.load(f)
+    config["num_experts"] = config.pop("num_local_experts", config.get("num_experts")) - 1
+    tensors = load_file(os.path.join(qwen3_moe, "model.safetensors"))
+    with pytest.raises(ValueError, match="expert 7, but the config has 7 experts"):
+        LLM(_rewrite(qwen3_moe, str(tmp_path / "fewer"), tensors, config))
+
+
+def test_routing_more_experts_than_there_are_is_refused(qwen3_moe, tmp_path):
+    with open(os.path.join(qwen3_moe, "config.json")) as f:
+        config = json.load(f)
+    config["num_experts_per_tok"] = 9
+    tensors = load_file(os.path.join(qwen3_moe, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and the experts \(8\)"):
+        LLM(_rewrite(qwen3_moe, str(tmp_path / "k9"), tensors, config))
+
+
+@pytest.mark.parametrize("quantized_weights", ["dequantize", "keep"])
+def test_fp8_experts_answer_as_their_dequantized_weights(qwen3_moe, quantized_weights, tmp_path):
+    """Every projection block-scaled FP8 (quant_method fp8, 32x32 blocks): the attention's kept
+    (W8A16) or dequantized, the experts always dequantized into their stacks."""
+    tensors = load_file(os.path.join(qwen3_moe, "model.safetensors"))
+    quantized, dense = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            rows, cols = w.shape
+            grid = (w.view(rows // 32, 32, cols // 32, 32).abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+            full = grid.repeat_interleave(32, 0).repeat_interleave(32, 1)
+            q = (w / full).to(torch.float8_e4m3fn)
+            quantized[name], quantized[name + "_scale_inv"] = q, grid.float()
+            dense[name] = q.float() * full
+    with open(os.path.join(qwen3_moe, "config.json")) as f:
+        config = json.load(f)
+    reference = transformers_greedy(_rewrite(qwen3_moe, str(tmp_path / "dense"), dense))
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [32, 32]}
+    path = _rewrite(qwen3_moe, str(tmp_path / "fp8"), quantized, config)
+    assert pdserve_greedy(path, quantized_weights=quantized_weights) == reference
+
+
+def test_what_a_mixture_is_not_served_with_is_refused_at_start(qwen3_moe):
+    with pytest.raises(ValueError, match="not served with tensor parallelism yet"):
+        LLM(qwen3_moe, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
+        LLM(qwen3_moe, enable_lora=True)
+
+
+def test_prefill_and_decode_in_one_step_route_each_token_alone(qwen3_moe):
+    """A prompt prefilled in chunks beside decoding rows answers as it does alone: routing is per
+    token, whatever else the step holds."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [LLM(qwen3_moe).generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    llm = LLM(qwen3_moe, max_num_batched_tokens=8)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert together == alone
+    llm.engine.check_integrity(expect_all_free=True)

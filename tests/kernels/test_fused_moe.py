@@ -1,0 +1,96 @@
+"""The mixture-of-experts MLP: the torch backend's grouped loop and the Triton kernel against the
+reference (transformers' expert loop), and the tile layout the kernel runs on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import DTYPE_IDS, DTYPES, assert_close
+from kernels import moe, reference
+
+
+def route(t: int, experts: int, k: int, hidden: int, dtype: torch.dtype, skew: bool = False):
+    """Random tokens routed as a model routes them: top-k of a softmax, renormalised."""
+    x = torch.randn(t, hidden, dtype=dtype)
+    logits = torch.randn(t, experts)
+    if skew:  # most tokens to expert 1, none to the last two: empty and crowded experts
+        logits[:, 1] += 4.0
+        logits[:, -2:] -= 100.0
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, -1)
+    return x, weights / weights.sum(-1, keepdim=True), ids
+
+
+def experts_weights(experts: int, inter: int, hidden: int, dtype: torch.dtype):
+    return (torch.randn(experts, 2 * inter, hidden, dtype=dtype) * hidden ** -0.5,
+            torch.randn(experts, hidden, inter, dtype=dtype) * inter ** -0.5)
+
+
+def test_reference_is_the_dense_sum_over_each_tokens_experts():
+    x, weights, ids = route(5, 4, 2, 16, torch.float64)
+    w13, w2 = experts_weights(4, 8, 16, torch.float64)
+    out = reference.fused_moe(x, w13, w2, weights, ids)
+    for t in range(5):
+        want = sum(weights[t, j] * (w2[e] @ (torch.nn.functional.silu(w13[e, :8] @ x[t]) * (w13[e, 8:] @ x[t])))
+                   for j, e in enumerate(ids[t].tolist()))
+        torch.testing.assert_close(out[t], want)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_torch_backend_is_the_reference_to_the_bit_in_float32(t, skew):
+    x, weights, ids = route(t, 8, 2, 32, torch.float32, skew)
+    w13, w2 = experts_weights(8, 24, 32, torch.float32)
+    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("t,experts,k,block_m", [(1, 8, 2, 16), (37, 6, 3, 16), (50, 4, 1, 64), (3, 64, 8, 16)])
+def test_align_by_expert_tiles_hold_one_expert_each_and_every_pair_once(t, experts, k, block_m):
+    _, _, ids = route(t, experts, k, 8, torch.float32, skew=t > 30)
+    sorted_pairs, tile_expert, num_rows = moe.align_by_expert(ids, experts, block_m)
+    pairs = t * k
+    rows = int(num_rows)
+    assert sorted_pairs.numel() % block_m == 0 and tile_expert.numel() == sorted_pairs.numel() // block_m
+    assert sorted_pairs.numel() >= rows and rows % block_m == 0
+    used = sorted_pairs[:rows]
+    real = used[used < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # each pair exactly once, all inside the rows in use
+    assert bool((sorted_pairs[rows:] == pairs).all())  # past them only padding
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=experts)
+    assert rows == int(((counts + block_m - 1) // block_m * block_m).sum())
+    for tile in range(rows // block_m):
+        members = used[tile * block_m:(tile + 1) * block_m]
+        members = members[members < pairs].long()
+        assert members.numel() > 0, "no tile in use is all padding"
+        assert bool((flat[members] == tile_expert[tile]).all())
+        assert members.tolist() == sorted(members.tolist())  # token order within an expert
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("t,experts,k,inter,hidden,skew", [
+    (1, 8, 2, 24, 40, False),    # a decode row; N and K not multiples of the tiles
+    (19, 6, 3, 32, 64, True),    # empty and crowded experts, rows padded within a tile
+    (70, 4, 2, 48, 96, False),   # more than a 64-row tile for an expert
+])
+def test_triton_fused_moe_matches_reference(triton_kernels, device, dtype, t, experts, k, inter, hidden, skew):
+    x, weights, ids = route(t, experts, k, hidden, dtype, skew)
+    w13, w2 = experts_weights(experts, inter, hidden, dtype)
+    expected = reference.fused_moe(x.double(), w13.double(), w2.double(), weights.double(), ids).to(dtype)
+    out = triton_kernels.fused_moe(x.to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device))
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, expected, dtype)
+
+
+def test_triton_fused_moe_without_tokens_and_with_bad_shapes(triton_kernels, device):
+    w13, w2 = experts_weights(4, 8, 16, torch.float32)
+    empty = torch.empty(0, 2, dtype=torch.int64, device=device)
+    out = triton_kernels.fused_moe(torch.empty(0, 16, device=device), w13.to(device), w2.to(device),
+                                   empty.float(), empty)
+    assert out.shape == (0, 16)
+    x, weights, ids = route(3, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        triton_kernels.fused_moe(x.to(device), w13.to(device), w2[:, :, :4].to(device), weights.to(device),
+                                 ids.to(device))
+    with pytest.raises(ValueError, match="must both be"):
+        triton_kernels.fused_moe(x.to(device), w13.to(device), w2.to(device), weights[:, :1].to(device),
+                                 ids.to(device))
