@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.moe and args.model:
         raise SystemExit("--moe measures the benchmark's own mixture of experts; leave --model out")
+    if args.moe and args.lora:
+        raise SystemExit("--moe: LoRA adapters on a mixture of experts are not served yet; leave --lora out")
     model, vocab_size = checkpoint(args.model, args.moe)
     workload = make_workload(num_requests, prompt_len, output_len, vocab_size, seed=0)
     adapters = ensure_adapters(model, args.lora, args.lora_rank) if args.lora > 0 else []

@@ -67,7 +67,9 @@ class LlamaArch:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
+            # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config may say otherwise.
+            qkv_bias=(bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True) if qwen2
+            else attention_bias,
             o_bias=attention_bias if not qwen2 else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),

@@ -149,6 +149,9 @@ def _load_expert(params, hf_name: str, match: re.Match, tensor: torch.Tensor, lo
     layer, index, proj, stacked = match.groups()
     if stacked is not None:
         target = f"{layer}.mlp.{'w13' if stacked == 'gate_up_proj' else 'w2'}"
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"weight {hf_name!r}: stacked experts stored as {tensor.dtype} are not read (a quantized "
+                             "checkpoint's experts are read one expert a tensor, as published)")
         if target not in params or params[target].shape != tensor.shape:
             raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(params[target].shape) if target in params else 'no such weight (a dense layer)'}")
@@ -201,10 +204,12 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
     if quant is None:
         raise ValueError("--quantized-weights keep: the checkpoint is not quantized")
     shards: dict[str, set] = {}
+    experts = 0
     for module in companions:
         target, shard = _target(module + ".weight")
         if ".experts." in target:
-            continue  # a mixture's experts are stacked: dequantized as they load
+            experts += 1  # a mixture's experts are stacked: dequantized as they load
+            continue
         if target.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             shards.setdefault(target, set()).add(shard)
     kept = {}
@@ -249,6 +254,9 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
                                        activations=activations, input_scale=input_scale,
                                        activation_ub=quant.activation_ub_of(parts[0]) if activations else None)
         setattr(model.get_submodule(parent), child, kept[target])
+    if experts:
+        logger.warning("--quantized-weights keep: the %d quantized expert projections are dequantized as they load "
+                       "(kept experts are not served yet): they take --dtype's memory", experts)
     w8a8 = sum(1 for m in kept.values() if m.activations is not None)
     logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm; the rest %s)",
                 quant.describe(), len(kept), w8a8,
@@ -300,6 +308,8 @@ def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str
     for frag, (fused, shard) in _FUSED.items():
         if f".{frag}." in name:
             target = name.replace(f".{frag}.", f".{fused}.")
+            if target not in params:  # e.g. a dense layer's MLP where the config makes the layer sparse
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (does its config match its weights?)")
             module = model.get_submodule(target.rsplit(".", 2)[0])
             sizes = _shard_sizes(module, fused)
             start = sum(sizes[:shard])

@@ -13,26 +13,36 @@ from kernels import KernelBackend
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
+# transformers' defaults for what a config.json may leave out (its config classes' fields).
+_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      decoder_sparse_step=1),
+}
+
+
 def moe_fields(cfg: dict, model_type: str) -> dict:
     """LlamaArch's mixture-of-experts fields from a config.json ({} for a dense model)."""
     if model_type not in _MOE_TYPES:
         return {}
+    cfg = {**_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None}}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    k = cfg.get("num_experts_per_tok") or 0
+    k = cfg["num_experts_per_tok"]
     if experts < 1 or not 0 < k <= experts:
         raise ValueError(f"{model_type}: num_experts_per_tok ({k}) must be between 1 and the experts ({experts})")
     if model_type == "mixtral":
         # (router_jitter_noise is training-time noise: inference routes without it, as transformers)
         inter, norm, sparse = cfg["intermediate_size"], True, tuple(range(cfg["num_hidden_layers"]))
     else:
-        inter, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
-        step = cfg.get("decoder_sparse_step") or 1
+        inter, norm = cfg["moe_intermediate_size"], bool(cfg["norm_topk_prob"])
+        step = cfg["decoder_sparse_step"]
         dense = set(cfg.get("mlp_only_layers") or ())
-        sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+        sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and step > 0 and (i + 1) % step == 0)
     return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=norm,
                 route_in_model_dtype=model_type != "mixtral",
-                shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
-                if model_type == "qwen2_moe" else 0,
+                shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"] if model_type == "qwen2_moe" else 0,
                 sparse_layers=sparse)
 
 

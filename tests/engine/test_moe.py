@@ -116,3 +116,33 @@ def test_prefill_and_decode_in_one_step_route_each_token_alone(qwen3_moe):
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert together == alone
     llm.engine.check_integrity(expect_all_free=True)
+
+
+def test_a_config_that_does_not_match_the_weights_is_refused_by_name(qwen3_moe, tmp_path):
+    """The config makes every layer dense while the weights hold experts (and the other way)."""
+    with open(os.path.join(qwen3_moe, "config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(qwen3_moe, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.mlp\.experts\.0\..*layer layers\.0 is dense"):
+        LLM(_rewrite(qwen3_moe, str(tmp_path / "dense"), tensors, {**config, "mlp_only_layers": [0, 1]}))
+    dense = {k: v for k, v in tensors.items() if ".mlp." not in k or not k.startswith("model.layers.1.")}
+    dense.update({f"model.layers.1.mlp.{p}_proj.weight": torch.zeros(64, 64) for p in ("gate", "up", "down")})
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.1\.mlp\.(gate|up|down)_proj\.weight'"):
+        LLM(_rewrite(qwen3_moe, str(tmp_path / "sparse"), dense))
+
+
+def test_transformers_defaults_fill_what_a_config_leaves_out():
+    from engine.models.llama import LlamaArch
+
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    qwen2 = LlamaArch.from_hf_config({**base, "model_type": "qwen2_moe", "decoder_sparse_step": 2})
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (60, 4, 1408)
+    assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.sparse_layers == (1, 3) and qwen2.qkv_bias
+    qwen3 = LlamaArch.from_hf_config({**base, "model_type": "qwen3_moe", "norm_topk_prob": True})
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.norm_topk_prob) == (128, 8, True)
+    assert qwen3.route_in_model_dtype and qwen3.qk_norm and qwen3.shared_expert_intermediate_size == 0
+    mixtral = LlamaArch.from_hf_config({**base, "model_type": "mixtral"})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 128)
+    assert mixtral.norm_topk_prob and not mixtral.route_in_model_dtype and mixtral.sparse_layers == (0, 1, 2, 3)
+    dense = LlamaArch.from_hf_config({**base, "model_type": "qwen2", "qkv_bias": False})
+    assert dense.qkv_bias and dense.num_experts == 0  # Qwen2's attention has its biases whatever the config says
