@@ -58,9 +58,6 @@ class ModelRunner:
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
         check_quantization(hf_config, tp_size, config.model.quantization)  # before any worker starts
-        if arch.num_experts and tp_size > 1:
-            raise ValueError(f"a mixture of experts ({arch.num_experts} experts) is not served with tensor parallelism "
-                             "yet (--tensor-parallel-size 1)")
         if arch.num_experts and config.lora is not None:
             raise ValueError("LoRA adapters on a mixture of experts are not served yet")
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads

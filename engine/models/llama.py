@@ -183,7 +183,7 @@ class DecoderLayer(nn.Module):
                  index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(arch, kernels, tp)
-        self.mlp = SparseMoE(arch, kernels, MLP) if index in arch.sparse_layers else MLP(arch, kernels, tp)
+        self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 

@@ -47,21 +47,27 @@ def moe_fields(cfg: dict, model_type: str) -> dict:
 
 
 class SparseMoE(nn.Module):
-    """One layer's experts. `mlp_cls`: the dense MLP (the shared expert of Qwen2-MoE)."""
+    """One layer's experts. `mlp_cls`: the dense MLP (the shared expert of Qwen2-MoE). With tp:
+    every expert's (and the shared expert's) intermediate split over the ranks, the router
+    replicated; the routed and the gated shared partial sums are all-reduced together, once."""
 
-    def __init__(self, arch, kernels: KernelBackend, mlp_cls) -> None:
+    def __init__(self, arch, kernels: KernelBackend, mlp_cls, tp=None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.tp = tp
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.route_in_model_dtype = arch.route_in_model_dtype
-        self.num_experts, self.intermediate_size = arch.num_experts, arch.moe_intermediate_size
-        hidden, inter = arch.hidden_size, arch.moe_intermediate_size
+        inter = arch.moe_intermediate_size if tp is None else tp.layout.local_moe_intermediate
+        self.num_experts, self.intermediate_size = arch.num_experts, inter
+        hidden = arch.hidden_size
         self.gate = nn.Linear(hidden, arch.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(arch.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(arch.num_experts, hidden, inter))
         self.shared_expert = self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
-            self.shared_expert = mlp_cls(arch, kernels, None, arch.shared_expert_intermediate_size)
+            shared = arch.shared_expert_intermediate_size if tp is None else tp.layout.local_shared_intermediate
+            # tp None: the shared expert's partial sum is reduced with the routed one, here.
+            self.shared_expert = mlp_cls(arch, kernels, None, shared)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +81,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None:  # sigmoid(g) * sum over ranks = sum of sigmoid(g) * each rank's part
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate_size}, "

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 
-def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                               moe_intermediate_size: int = 0, shared_expert_intermediate_size: int = 0) -> None:
     """A clear ValueError, naming the numbers, for a size the checkpoint cannot be split by."""
     if size == 1:
         return
@@ -19,6 +20,12 @@ def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int, int
     if intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's MLP intermediate size "
                          f"{intermediate_size}")
+    if moe_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's expert intermediate size "
+                         f"{moe_intermediate_size}")
+    if shared_expert_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's shared expert intermediate size "
+                         f"{shared_expert_intermediate_size}")
 
 
 @dataclass(frozen=True)
@@ -30,12 +37,17 @@ class TPLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    # A mixture of experts: every expert's MLP is split as a dense one (gate and up by rows, down
+    # by columns, one all-reduce a layer); the router is replicated.
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def of(cls, arch, size: int, rank: int) -> "TPLayout":
-        check_tensor_parallel_size(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+        moe, shared = getattr(arch, "moe_intermediate_size", 0), getattr(arch, "shared_expert_intermediate_size", 0)
+        check_tensor_parallel_size(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size, moe, shared)
         return cls(rank, size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
-                   arch.vocab_size)
+                   arch.vocab_size, moe, shared)
 
     @property
     def local_heads(self) -> int:
@@ -56,6 +68,22 @@ class TPLayout:
     @property
     def local_intermediate(self) -> int:
         return self.intermediate_size // self.size
+
+    @property
+    def local_moe_intermediate(self) -> int:
+        return self.moe_intermediate_size // self.size
+
+    @property
+    def local_shared_intermediate(self) -> int:
+        return self.shared_expert_intermediate_size // self.size
+
+    def _mlp_width(self, name: str) -> int:
+        """The rank's intermediate width of the MLP weight `name` belongs to."""
+        if ".experts." in name:
+            return self.local_moe_intermediate
+        if ".shared_expert." in name:
+            return self.local_shared_intermediate
+        return self.local_intermediate
 
     @property
     def vocab_per_rank(self) -> int:
@@ -80,16 +108,24 @@ class TPLayout:
         hd = self.head_dim
         rows = None
         cols = None
+        if ".experts." in name and name.endswith((".gate_up_proj", ".down_proj")):  # stacked experts, whole
+            w = self.local_moe_intermediate
+            if name.endswith(".down_proj"):  # [E, H, I]
+                return tensor_slice[:, :, self.rank * w:(self.rank + 1) * w]
+            whole = self.moe_intermediate_size  # [E, 2I, H]: this rank's gate rows and its up rows
+            return torch.cat([tensor_slice[:, self.rank * w:(self.rank + 1) * w],
+                              tensor_slice[:, whole + self.rank * w:whole + (self.rank + 1) * w]], dim=1)
         if ".q_proj." in name:
             rows = (self.rank * self.local_heads * hd, (self.rank + 1) * self.local_heads * hd)
         elif ".k_proj." in name or ".v_proj." in name:
             rows = (self.kv_head_start * hd, (self.kv_head_start + self.local_kv_heads) * hd)
-        elif ".gate_proj." in name or ".up_proj." in name:
-            rows = (self.rank * self.local_intermediate, (self.rank + 1) * self.local_intermediate)
-        elif ".o_proj." in name or ".down_proj." in name:
+        elif any(f".{p}." in name for p in ("gate_proj", "up_proj", "w1", "w3")):  # w1, w3: Mixtral's experts
+            w = self._mlp_width(name)
+            rows = (self.rank * w, (self.rank + 1) * w)
+        elif any(f".{p}." in name for p in ("o_proj", "down_proj", "w2")):
             if name.endswith(".bias"):
                 return tensor_slice[:] if self.owns_replicated_bias() else None
-            width = self.local_heads * hd if ".o_proj." in name else self.local_intermediate
+            width = self.local_heads * hd if ".o_proj." in name else self._mlp_width(name)
             cols = (self.rank * width, (self.rank + 1) * width)
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             part = tensor_slice[self.vocab_start:self.vocab_end]

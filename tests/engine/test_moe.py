@@ -101,10 +101,31 @@ def test_fp8_experts_answer_as_their_dequantized_weights(qwen3_moe, quantized_we
 
 
 def test_what_a_mixture_is_not_served_with_is_refused_at_start(qwen3_moe):
-    with pytest.raises(ValueError, match="not served with tensor parallelism yet"):
-        LLM(qwen3_moe, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
         LLM(qwen3_moe, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(qwen3_moe, tensor_parallel_size=3)
+
+
+def test_an_expert_size_tensor_parallelism_cannot_split_is_named():
+    from engine.parallel import check_tensor_parallel_size
+
+    with pytest.raises(ValueError, match="does not divide the model's expert intermediate size 30"):
+        check_tensor_parallel_size(4, 8, 4, 64, moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="shared expert intermediate size 6"):
+        check_tensor_parallel_size(4, 8, 4, 64, moe_intermediate_size=32, shared_expert_intermediate_size=6)
+
+
+def test_stacked_experts_split_over_two_ranks(qwen3_moe, tmp_path):
+    """Each rank reads its slice of the stacked [E, 2I, H] / [E, H, I] tensors: its gate rows and
+    its up rows, its down columns."""
+    stacked = _stacked(qwen3_moe, str(tmp_path / "stacked"))
+    llm = LLM(stacked, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True))] == transformers_greedy(qwen3_moe)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_prefill_and_decode_in_one_step_route_each_token_alone(qwen3_moe):

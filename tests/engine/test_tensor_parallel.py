@@ -22,6 +22,10 @@ VARIANTS = {
     "llama-1-kv-head": dict(arch="llama", num_kv_heads=1),
     # o_proj and down_proj biases: row-parallel, added once (by rank 0) before the all-reduce.
     "llama-o-mlp-bias": dict(arch="llama", biases=True),
+    # Mixtures of experts: every expert's intermediate split, the router replicated; Qwen2-MoE's
+    # shared expert split too and reduced with the routed experts.
+    "mixtral": dict(arch="mixtral"),
+    "qwen2-moe-shared": dict(arch="qwen2_moe"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -38,7 +42,8 @@ CONFIGS = {
 CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-gqa", "preempted"),
          ("llama-gqa", "draft-model"),
          ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
-         ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("llama-1-kv-head", "ngram-spec")]
+         ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("mixtral", "chunked-preempted"),
+         ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec")]
 
 
 def alive(pid: int) -> bool:
