@@ -16,8 +16,8 @@
     and its largest difference from dequantize-then-F.linear;
 (f) the fused mixture-of-experts kernel (kernels.triton_moe) against the torch backend's per-expert
     loop on Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes (bf16, 1 to 2,048 tokens): seconds,
-    the ratio, the fraction of the copy bandwidth reading the experts the step touches, and the
-    largest difference.
+    the ratio, the fraction of the copy bandwidth reading the experts the step touches, the
+    largest difference, and the kernel on the same experts kept in FP8 (sm89 and later).
 A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
 Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
 `python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
@@ -358,6 +358,10 @@ def fused_moe(small: bool, rates: dict) -> dict:
     for name, (experts, k, hidden, inter) in shapes.items():
         w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * hidden ** -0.5
         w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype) * inter ** -0.5
+        fp8 = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+        if fp8:  # the same experts in FP8, a scale per row and 128 columns (--quantized-weights keep)
+            q13, s13 = _fp8_rows(w13, 128)
+            q2, s2 = _fp8_rows(w2, 128)
         for t in ([1, 8] if small else [1, 16, 64, 256, 2048]):
             x = torch.randn(t, hidden, device=device, dtype=dtype)
             weights, ids = torch.topk(torch.softmax(torch.randn(t, experts, device=device), -1), k, -1)
@@ -365,10 +369,23 @@ def fused_moe(small: bool, rates: dict) -> dict:
             loop = timed(lambda: moe.fused_moe(x, w13, w2, weights, ids))
             touched = int(torch.unique(ids).numel()) * 3 * hidden * inter * w13.element_size()
             err = (triton_fused_moe(x, w13, w2, weights, ids).float() - moe.fused_moe(x, w13, w2, weights, ids).float())
-            out[f"{name} tokens={t}"] = {"triton_s": fused, "torch_loop_s": loop, "loop_over_triton": loop / fused,
-                                         "copy_fraction": touched / rates["copy_bytes_per_s"] / fused,
-                                         "max_abs_diff": err.abs().max().item()}
+            row = out[f"{name} tokens={t}"] = {"triton_s": fused, "torch_loop_s": loop, "loop_over_triton": loop / fused,
+                                               "copy_fraction": touched / rates["copy_bytes_per_s"] / fused,
+                                               "max_abs_diff": err.abs().max().item()}
+            if fp8:
+                row["fp8_triton_s"] = timed(lambda: triton_fused_moe(x, q13, q2, weights, ids, s13, s2))
+                row["bf16_over_fp8"] = fused / row["fp8_triton_s"]
     return out
+
+
+def _fp8_rows(w, group: int):
+    """[E, N, K] -> FP8 values and float32 scales [E, N, K / group] (K a multiple of group)."""
+    import torch
+
+    e, n, k = w.shape
+    scale = (w.float().view(e, n, k // group, group).abs().amax(-1) / 448.0).clamp(min=1e-8)
+    q = (w.float().view(e, n, k // group, group) / scale[..., None]).view(e, n, k).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def failing_tests(pytest_output: str, limit: int = 40) -> list[str]:

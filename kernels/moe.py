@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import silu_and_mul
+from kernels.reference import dequantize_experts, silu_and_mul
 
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> None:
+                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> None:
     experts, two_inter, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2 or w2.shape != (experts, hidden, two_inter // 2):
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not make a "
@@ -23,30 +24,70 @@ def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [{x.shape[0]}, k]")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("8-bit experts need both w13_scale and w2_scale")
+    for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if scale is None:
+            continue
+        if w.dtype not in (torch.float8_e4m3fn, torch.int8) or scale.dtype != torch.float32 or \
+                scale.shape[:2] != w.shape[:2] or scale.dim() != 3 or not 0 < scale.shape[2] <= w.shape[2]:
+            raise ValueError(f"{name} {tuple(w.shape)} {w.dtype} with scales {tuple(scale.shape)} {scale.dtype}: "
+                             "8-bit experts take FP8 or INT8 values and float32 scales [E, N, groups]")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.reference.fused_moe, each expert hit run once over all its tokens (one read of the
-    expert counts on the host per call); the same sums in the same order."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    expert counts on the host per call); the same sums in the same order (bit for bit through the
+    per-expert matmuls; within float rounding through the batched ones). 8-bit experts are
+    dequantized as they run."""
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     k = topk_ids.shape[1]
+    experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counted = torch.bincount(flat, minlength=experts)
+    counts = counted.tolist()
     tokens = order // k
     weights = topk_weights.reshape(-1)[order]
     out = torch.zeros_like(x)
+    pairs, most = flat.numel(), max(counts, default=0)
+    if min(counts, default=0) > 0 and experts * most <= 2 * pairs and most <= 128:
+        # Every expert runs and none far above the rest (a decode step's batch): two batched
+        # matmuls over all experts, each padded to the busiest one's rows, instead of a pair of
+        # small matmuls per expert (2.6-3.3x at 8-64 tokens on two cores, where those are
+        # dominated by their dispatch). Past ~128 rows an expert the per-expert matmuls win.
+        return _padded(x, w13, w2, weights, order, tokens, counted, most, w13_scale, w2_scale, out)
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
         rows = tokens[start:start + count]
-        h = silu_and_mul(torch.nn.functional.linear(x[rows], w13[e]))
-        o = torch.nn.functional.linear(h, w2[e]) * weights[start:start + count, None]
+        up, down = (w13[e], w2[e]) if w13_scale is None else (
+            dequantize_experts(w13[e], w13_scale[e], x.dtype), dequantize_experts(w2[e], w2_scale[e], x.dtype))
+        h = silu_and_mul(torch.nn.functional.linear(x[rows], up))
+        o = torch.nn.functional.linear(h, down) * weights[start:start + count, None]
         out.index_add_(0, rows, o.to(x.dtype))
         start += count
     return out
+
+
+def _padded(x, w13, w2, weights, order, tokens, counts, most, w13_scale, w2_scale, out) -> torch.Tensor:
+    """fused_moe's batched form: pair rows gathered into [E, most, H] (zeros past each expert's
+    count), bmm through w13 and w2, then each pair's row weighted and added to its token's, in the
+    loop's order (expert by expert, tokens in order within one)."""
+    experts, hidden = w13.shape[0], x.shape[1]
+    if w13_scale is not None:
+        w13, w2 = dequantize_experts(w13, w13_scale, x.dtype), dequantize_experts(w2, w2_scale, x.dtype)
+    expert = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
+    first = torch.cumsum(counts, 0) - counts
+    slot = expert * most + torch.arange(order.numel(), device=x.device) - first[expert]
+    rows = x.new_zeros(experts * most, hidden)
+    rows[slot] = x[tokens]
+    h = silu_and_mul(torch.bmm(rows.view(experts, most, hidden), w13.transpose(1, 2)))
+    o = torch.bmm(h, w2.transpose(1, 2)).view(experts * most, hidden)[slot] * weights[:, None]
+    return out.index_add_(0, tokens, o.to(x.dtype))
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int

@@ -135,15 +135,26 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return rotate(query), rotate(key)
 
 
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked 8-bit experts [E, N, K] (FP8 or INT8) times their float32 scales [E, N, groups]
+    (a scale per row and group of ceil(K / groups) columns), in `dtype`."""
+    group = -(-q.shape[-1] // scale.shape[-1])
+    return (q.to(torch.float32) * scale.repeat_interleave(group, dim=-1)[..., :q.shape[-1]]).to(dtype)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture-of-experts MLP, as transformers' Mixtral / Qwen-MoE experts compute it.
 
     x [T, H]; w13 [E, 2 * I, H] (each expert's gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] and topk_ids [T, k]: each token's k experts and their weights. Returns
     sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) over the token's experts e = ids[j], [T, H] in
     x's dtype, summed expert by expert in expert order (each product rounded to x's dtype first).
+    w13_scale / w2_scale: 8-bit experts (--quantized-weights keep), dequantize_experts' scales.
     """
+    if w13_scale is not None:
+        w13, w2 = dequantize_experts(w13, w13_scale, x.dtype), dequantize_experts(w2, w2_scale, x.dtype)
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, slot = torch.where(topk_ids == e)

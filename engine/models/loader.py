@@ -89,12 +89,12 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         raise ValueError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, got {quantized_weights!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, kernels, tp)
-        kept = _keep_quantized(model, quant, companions, kernels, torch.device(device)) \
-            if quantized_weights == "keep" else {}
-    if quant is not None and not kept:
+        kept, kept_experts = _keep_quantized(model, quant, companions, kernels, torch.device(device)) \
+            if quantized_weights == "keep" else ({}, {})
+    if quant is not None and not kept and not kept_experts:
         logger.info("%s checkpoint: weights dequantized as they load (activations not quantized)", quant.describe())
     model = model.to_empty(device=device).to(dtype)
-    for module in kept.values():
+    for module in [*kept.values(), *kept_experts.values()]:
         module.allocate(torch.device(device))
     # Buffers made on the meta device hold no data: compute the rotary table for real.
     model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
@@ -105,6 +105,12 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
+                expert = _EXPERT.match(quant.main_name(hf_name).removeprefix("model.")) \
+                    if kept_experts and not quant.is_companion(hf_name) else None
+                if expert is not None and expert.group(1) in kept_experts and expert.group(2) is not None:
+                    _load_kept_expert(kept_experts[expert.group(1)], quant, hf_name, expert, f.get_tensor(hf_name),
+                                      companions)
+                    continue
                 if kept and hf_name.endswith((".weight", ".weight_packed", ".qweight")) and \
                         _target(hf_name)[0] in kept:  # a kept projection's weight (its bias loads as any)
                     module_name = hf_name.rsplit(".", 1)[0]
@@ -134,6 +140,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     missing += [part for n, p in params.items() if n.endswith((".mlp.w13", ".mlp.w2"))
                 for part in _expert_parts(n, p.shape[0]) if part not in loaded]
     missing += [f"{name}.weight" for name, m in kept.items() if m.rows_loaded != m.out_features]
+    missing += [f"{layer}.mlp.{part}" for layer, m in kept_experts.items() for stack in ("w13", "w2")
+                for part in _expert_parts(stack, m.num_experts) if part not in m.loaded_parts]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
     del params
@@ -178,9 +186,24 @@ def _load_expert(params, hf_name: str, match: re.Match, tensor: torch.Tensor, lo
     loaded.add(f"{target}[{e}]" + ("" if shard is None else f".{shard}"))
 
 
+def _load_kept_expert(moe, quant: QuantizedWeights, hf_name: str, match: re.Match, stored: torch.Tensor,
+                      companions: dict) -> None:
+    """--quantized-weights keep: one expert's 8-bit projection and its scales into the layer's stacks."""
+    _, index, proj, _ = match.groups()
+    if proj not in _EXPERT_SHARD:
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+    stack, shard = _EXPERT_SHARD[proj]
+    module = hf_name.rsplit(".", 1)[0]
+    in_features = moe.gate.in_features if stack == "w13" else moe.intermediate_size
+    w = quant.kept(module, stored, companions.get(module, {}), in_features)
+    if w.zero is not None:
+        raise ValueError(f"{module}: kept experts have no zero points (use --quantized-weights dequantize)")
+    moe.load_8bit(int(index), stack, shard, w.q, w.scale, hf_name)
+
+
 def _expert_parts(target: str, experts: int) -> list[str]:
     """What `loaded` must hold for a stacked expert weight to be complete."""
-    if target.endswith(".w13"):
+    if target.endswith("w13"):
         return [f"{target}[{e}].{s}" for e in range(experts) for s in (0, 1)]
     return [f"{target}[{e}]" for e in range(experts)]
 
@@ -204,11 +227,11 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
     if quant is None:
         raise ValueError("--quantized-weights keep: the checkpoint is not quantized")
     shards: dict[str, set] = {}
-    experts = 0
+    experts: dict[str, list[str]] = {}  # layer -> its quantized expert modules
     for module in companions:
         target, shard = _target(module + ".weight")
         if ".experts." in target:
-            experts += 1  # a mixture's experts are stacked: dequantized as they load
+            experts.setdefault(target.split(".mlp.")[0].split(".block_sparse_moe.")[0], []).append(module)
             continue
         if target.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             shards.setdefault(target, set()).add(shard)
@@ -254,14 +277,54 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
                                        activations=activations, input_scale=input_scale,
                                        activation_ub=quant.activation_ub_of(parts[0]) if activations else None)
         setattr(model.get_submodule(parent), child, kept[target])
-    if experts:
-        logger.warning("--quantized-weights keep: the %d quantized expert projections are dequantized as they load "
-                       "(kept experts are not served yet): they take --dtype's memory", experts)
+    kept_experts = {}
+    for layer, modules in sorted(experts.items()):
+        moe = model.get_submodule(f"{layer}.mlp")
+        why = _why_experts_not_kept(moe, quant, modules, companions)
+        if why is not None:
+            logger.warning("--quantized-weights keep: %s's experts are dequantized as they load (%s): they take "
+                           "--dtype's memory", layer, why)
+            continue
+        kind = "fp8" if quant.is_float(modules[0]) else "int8"
+        if kind == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"--quantized-weights keep: FP8 experts need a GPU of compute capability 8.9 or later; "
+                             f"this one is {torch.cuda.get_device_capability(device)}: use --quantized-weights dequantize")
+        hidden, inter = moe.gate.in_features, moe.intermediate_size
+        g13 = {quant.group_of(m, hidden) for m in modules if not _is_down(m)}.pop()
+        g2 = {quant.group_of(m, inter) for m in modules if _is_down(m)}.pop()
+        moe.keep_8bit(kind, -(-hidden // g13), -(-inter // g2))
+        kept_experts[layer] = moe
     w8a8 = sum(1 for m in kept.values() if m.activations is not None)
-    logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm; the rest %s)",
+    logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm; the rest %s)%s",
                 quant.describe(), len(kept), w8a8,
-                "through the fused Triton kernel" if kernels.name == "triton" else "dequantized per call")
-    return kept
+                "through the fused Triton kernel" if kernels.name == "triton" else "dequantized per call",
+                f"; the experts of {len(kept_experts)} layers kept as stored (W8A16)" if kept_experts else "")
+    return kept, kept_experts
+
+
+def _is_down(module: str) -> bool:
+    return module.endswith((".down_proj", ".w2"))
+
+
+def _why_experts_not_kept(moe, quant: QuantizedWeights, modules: list[str], companions: dict) -> str | None:
+    """None when a layer's experts can be kept in 8 bits (the fused MoE kernel's W8A16): every
+    expert's three projections quantized, all FP8 or all INT8, without zero points, one column
+    group width for gate and up and one for down; else why not."""
+    if len(modules) != 3 * moe.num_experts:
+        return f"{len(modules)} of its {3 * moe.num_experts} expert projections are quantized"
+    kinds = {("fp8" if quant.is_float(m) else "int8") if quant.bits_of(m) == 8 else f"{quant.bits_of(m)}-bit"
+             for m in modules}
+    if len(kinds) != 1 or not kinds <= {"fp8", "int8"}:
+        return f"kept experts are 8-bit FP8 or INT8, these are {', '.join(sorted(kinds))}"
+    if any(quant.has_zero_points(companions[m]) for m in modules):
+        return "zero points"
+    hidden, inter = moe.gate.in_features, moe.intermediate_size
+    if len({quant.group_of(m, hidden) for m in modules if not _is_down(m)}) != 1 or \
+            len({quant.group_of(m, inter) for m in modules if _is_down(m)}) != 1:
+        return "its experts' column groups differ"
+    if quant.method in ("awq", "gptq"):
+        return f"{quant.method} experts"
+    return None
 
 
 def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None = None) -> QuantizedWeights | None:

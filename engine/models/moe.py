@@ -70,6 +70,41 @@ class SparseMoE(nn.Module):
             self.shared_expert = mlp_cls(arch, kernels, None, shared)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
+    w13_scale = w2_scale = None  # 8-bit experts (--quantized-weights keep): float32 [E, N, groups]
+
+    def keep_8bit(self, kind: str, groups13: int, groups2: int) -> None:
+        """--quantized-weights keep, on the meta device before anything is allocated: the experts
+        become FP8 or INT8 values with float32 scales per row and column group (plain tensors,
+        made by `allocate`: the model's dtype cast never touches them)."""
+        del self.w13, self.w2
+        self.kind, self.scale_groups = kind, (groups13, groups2)
+        self.w13 = self.w2 = None
+        self.loaded_parts: set[str] = set()
+
+    def allocate(self, device: torch.device) -> None:
+        e, inter, hidden = self.num_experts, self.intermediate_size, self.gate.in_features
+        dtype = torch.float8_e4m3fn if self.kind == "fp8" else torch.int8
+        self.w13 = torch.empty(e, 2 * inter, hidden, dtype=dtype, device=device)
+        self.w2 = torch.empty(e, hidden, inter, dtype=dtype, device=device)
+        self.w13_scale = torch.empty(e, 2 * inter, self.scale_groups[0], dtype=torch.float32, device=device)
+        self.w2_scale = torch.empty(e, hidden, self.scale_groups[1], dtype=torch.float32, device=device)
+
+    def load_8bit(self, expert: int, stack: str, shard: int | None, q: torch.Tensor, scale: torch.Tensor,
+                  name: str) -> None:
+        """One expert's kept projection (quantization.KeptWeight's q and scale rows) into the stacks."""
+        values, scales = (self.w13, self.w13_scale) if stack == "w13" else (self.w2, self.w2_scale)
+        if expert >= self.num_experts:
+            raise ValueError(f"weight {name!r}: expert {expert}, but the config has {self.num_experts} experts")
+        rows, srows = values[expert], scales[expert]
+        if shard is not None:
+            rows, srows = rows.chunk(2)[shard], srows.chunk(2)[shard]
+        if q.dtype != values.dtype or q.shape != rows.shape or scale.shape != srows.shape:
+            raise ValueError(f"weight {name!r}: {tuple(q.shape)} {q.dtype} with scales {tuple(scale.shape)} does not "
+                             f"fit the kept experts ({tuple(rows.shape)} {values.dtype}, scales {tuple(srows.shape)})")
+        rows.copy_(q)
+        srows.copy_(scale)
+        self.loaded_parts.add(f"{stack}[{expert}]" + ("" if shard is None else f".{shard}"))
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as transformers' routers compute them."""
         logits = self.gate(x)
@@ -80,11 +115,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:  # sigmoid(g) * sum over ranks = sum of sigmoid(g) * each rank's part
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate_size}, "
-                f"renormalize={self.renormalize}")
+                f"renormalize={self.renormalize}" + (f", kept={self.kind}" if self.w13_scale is not None else ""))

@@ -97,7 +97,57 @@ def test_fp8_experts_answer_as_their_dequantized_weights(qwen3_moe, quantized_we
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                      "weight_block_size": [32, 32]}
     path = _rewrite(qwen3_moe, str(tmp_path / "fp8"), quantized, config)
-    assert pdserve_greedy(path, quantized_weights=quantized_weights) == reference
+    llm = LLM(path, quantized_weights=quantized_weights)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == reference
+    moe = llm.engine.runner.model.layers[0].mlp
+    if quantized_weights == "keep":  # one byte an expert weight, a float32 scale per row and 32 columns
+        assert moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn
+        assert moe.w13_scale.shape == (8, 128, 2) and moe.w2_scale.shape == (8, 64, 2)
+    else:
+        assert moe.w13.dtype == torch.float32 and moe.w13_scale is None
+
+
+@pytest.mark.parametrize("kind,strategy", [("int", "channel"), ("float", "channel"), ("int", "group")])
+def test_compressed_tensors_experts_kept_answer_as_dequantized(qwen3_moe, kind, strategy, tmp_path, caplog):
+    """llm-compressor's 8-bit experts (INT8 / FP8 per channel, INT8 in groups of 32) kept in 8 bits
+    answer as the same weights dequantized at load."""
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(qwen3_moe, str(tmp_path / "ct"), kind, strategy, bits=8)
+    caplog.set_level("INFO")
+    kept = LLM(path, quantized_weights="keep")
+    moe = kept.engine.runner.model.layers[1].mlp
+    assert moe.w13.dtype == (torch.int8 if kind == "int" else torch.float8_e4m3fn)
+    assert "the experts of 2 layers kept as stored" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path).generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params)] == want
+
+
+def test_4bit_experts_are_dequantized_under_keep_with_a_warning(qwen3_moe, tmp_path, caplog):
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(qwen3_moe, str(tmp_path / "w4"), "int", "group", bits=4)
+    caplog.set_level("WARNING")
+    llm = LLM(path, quantized_weights="keep")
+    assert llm.engine.runner.model.layers[0].mlp.w13.dtype == torch.float32
+    assert "layers.0's experts are dequantized as they load (kept experts are 8-bit FP8 or INT8, these are 4-bit)" \
+        in caplog.text
+
+
+def test_a_missing_kept_expert_is_named(qwen3_moe, tmp_path):
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(qwen3_moe, str(tmp_path / "ct"), "int", "channel", bits=8)
+    tensors = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+    for k in [k for k in tensors if ".layers.1.mlp.experts.2.down_proj." in k]:
+        del tensors[k]
+    with pytest.raises(ValueError, match=r"lacks weights: layers\.1\.mlp\.w2\[2\]"):
+        LLM(_rewrite(path, str(tmp_path / "broken"), tensors), quantized_weights="keep")
 
 
 def test_what_a_mixture_is_not_served_with_is_refused_at_start(qwen3_moe):

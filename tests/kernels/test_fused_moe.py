@@ -35,12 +35,27 @@ def test_reference_is_the_dense_sum_over_each_tokens_experts():
         torch.testing.assert_close(out[t], want)
 
 
-@pytest.mark.parametrize("t", [1, 7, 64])
+@pytest.mark.parametrize("t", [1, 7, 64, 300])
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
-def test_torch_backend_is_the_reference_to_the_bit_in_float32(t, skew):
+def test_torch_backend_matches_the_reference(t, skew, monkeypatch):
+    """Per-expert matmuls (few experts hit, a crowded one, or many rows an expert): the reference
+    to the bit. Every expert hit evenly (a decode batch): one padded batched matmul, within float
+    rounding, and only then."""
     x, weights, ids = route(t, 8, 2, 32, torch.float32, skew)
     w13, w2 = experts_weights(8, 24, 32, torch.float32)
-    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids))
+    padded = []
+    real = moe._padded
+    monkeypatch.setattr(moe, "_padded", lambda *a: padded.append(1) or real(*a))
+    out, want = moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids)
+    counts = torch.bincount(ids.reshape(-1), minlength=8)
+    assert bool(padded) == (bool((counts > 0).all()) and 8 * int(counts.max()) <= 2 * ids.numel()
+                            and int(counts.max()) <= 128)
+    if padded:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(out, want)
+    if t == 64 and not skew:
+        assert padded, "64 tokens spread over 8 experts run batched"
 
 
 @pytest.mark.parametrize("t,experts,k,block_m", [(1, 8, 2, 16), (37, 6, 3, 16), (50, 4, 1, 64), (3, 64, 8, 16)])
@@ -94,3 +109,47 @@ def test_triton_fused_moe_without_tokens_and_with_bad_shapes(triton_kernels, dev
     with pytest.raises(ValueError, match="must both be"):
         triton_kernels.fused_moe(x.to(device), w13.to(device), w2.to(device), weights[:, :1].to(device),
                                  ids.to(device))
+
+
+def quantize_experts(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> 8-bit values and float32 scales [E, N, ceil(K / group)], symmetric, as a
+    checkpoint stores them (FP8 e4m3 to 448, INT8 to 127)."""
+    e, n, k = w.shape
+    groups = -(-k // group)
+    padded = torch.zeros(e, n, groups * group)
+    padded[..., :k] = w.float()
+    top = 448.0 if kind == "fp8" else 127.0
+    scale = (padded.view(e, n, groups, group).abs().amax(-1) / top).clamp(min=1e-8)
+    full = scale.repeat_interleave(group, -1)[..., :k]
+    q = (w.float() / full)
+    q = q.to(torch.float8_e4m3fn) if kind == "fp8" else q.round().clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("group", [128, 32, 0], ids=["block-128", "group-32", "per-channel"])
+def test_8bit_experts_match_their_dequantized_weights(triton_kernels, device, kind, group):
+    t, experts, k, inter, hidden = 21, 6, 2, 64, 256
+    x, weights, ids = route(t, experts, k, hidden, torch.float32, skew=True)
+    w13, w2 = experts_weights(experts, inter, hidden, torch.float32)
+    q13, s13 = quantize_experts(w13, kind, group or hidden)
+    q2, s2 = quantize_experts(w2, kind, group or inter)
+    dense = reference.fused_moe(x, reference.dequantize_experts(q13, s13, torch.float32),
+                                reference.dequantize_experts(q2, s2, torch.float32), weights, ids)
+    assert torch.equal(reference.fused_moe(x, q13, q2, weights, ids, s13, s2), dense)
+    assert torch.equal(moe.fused_moe(x, q13, q2, weights, ids, s13, s2), dense)
+    out = triton_kernels.fused_moe(x.to(device), q13.to(device), q2.to(device), weights.to(device), ids.to(device),
+                                   s13.to(device), s2.to(device))
+    assert_close(out, dense, torch.float32)
+
+
+def test_8bit_experts_with_the_wrong_scales_are_refused(triton_kernels, device):
+    x, weights, ids = route(3, 4, 2, 16, torch.float32)
+    w13, w2 = experts_weights(4, 8, 16, torch.float32)
+    q13, s13 = quantize_experts(w13, "fp8", 16)
+    q2, s2 = quantize_experts(w2, "fp8", 8)
+    with pytest.raises(ValueError, match="both w13_scale and w2_scale"):
+        moe.fused_moe(x, q13, q2, weights, ids, s13, None)
+    with pytest.raises(ValueError, match="8-bit experts take FP8 or INT8 values"):
+        triton_kernels.fused_moe(x.to(device), q13.to(device), q2.to(device), weights.to(device), ids.to(device),
+                                 s13[:, :4].to(device), s2.to(device))
