@@ -53,12 +53,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.reshape(-1)[order]
     out = torch.zeros_like(x)
     pairs, most = flat.numel(), max(counts, default=0)
-    if min(counts, default=0) > 0 and experts * most <= 2 * pairs and most <= 128:
+    if min(counts, default=0) > 0 and experts * most <= 2 * pairs and most <= 128 and w13_scale is None:
         # Every expert runs and none far above the rest (a decode step's batch): two batched
         # matmuls over all experts, each padded to the busiest one's rows, instead of a pair of
         # small matmuls per expert (2.6-3.3x at 8-64 tokens on two cores, where those are
-        # dominated by their dispatch). Past ~128 rows an expert the per-expert matmuls win.
-        return _padded(x, w13, w2, weights, order, tokens, counted, most, w13_scale, w2_scale, out)
+        # dominated by their dispatch). Past ~128 rows an expert the per-expert matmuls win;
+        # 8-bit experts are dequantized one at a time (all at once would take E times the memory).
+        return _padded(x, w13, w2, weights, order, tokens, counted, most, out)
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
@@ -73,13 +74,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-def _padded(x, w13, w2, weights, order, tokens, counts, most, w13_scale, w2_scale, out) -> torch.Tensor:
+def _padded(x, w13, w2, weights, order, tokens, counts, most, out) -> torch.Tensor:
     """fused_moe's batched form: pair rows gathered into [E, most, H] (zeros past each expert's
     count), bmm through w13 and w2, then each pair's row weighted and added to its token's, in the
     loop's order (expert by expert, tokens in order within one)."""
     experts, hidden = w13.shape[0], x.shape[1]
-    if w13_scale is not None:
-        w13, w2 = dequantize_experts(w13, w13_scale, x.dtype), dequantize_experts(w2, w2_scale, x.dtype)
     expert = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
     first = torch.cumsum(counts, 0) - counts
     slot = expert * most + torch.arange(order.numel(), device=x.device) - first[expert]

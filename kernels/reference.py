@@ -138,8 +138,11 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stacked 8-bit experts [E, N, K] (FP8 or INT8) times their float32 scales [E, N, groups]
     (a scale per row and group of ceil(K / groups) columns), in `dtype`."""
-    group = -(-q.shape[-1] // scale.shape[-1])
-    return (q.to(torch.float32) * scale.repeat_interleave(group, dim=-1)[..., :q.shape[-1]]).to(dtype)
+    k, groups = q.shape[-1], scale.shape[-1]
+    group = -(-k // groups)
+    if k == group * groups:  # no repeated scale made: each group of columns times its scale
+        return (q.to(torch.float32).unflatten(-1, (groups, group)) * scale[..., None]).flatten(-2).to(dtype)
+    return (q.to(torch.float32) * scale.repeat_interleave(group, dim=-1)[..., :k]).to(dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

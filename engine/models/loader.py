@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import glob
-import re
 import logging
 import os
+import re
 import sys
 
 import torch
@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.llama import LlamaArch, LlamaForCausalLM
+from engine.models.moe import SparseMoE
 from engine.models.quantization import QuantizedWeights
 from engine.models.rope import cos_sin_cache
 from kernels import KernelBackend
@@ -279,7 +280,9 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
         setattr(model.get_submodule(parent), child, kept[target])
     kept_experts = {}
     for layer, modules in sorted(experts.items()):
-        moe = model.get_submodule(f"{layer}.mlp")
+        moe = model.get_submodule(f"{layer}.mlp") if int(layer.split(".")[1]) < len(model.layers) else None
+        if not isinstance(moe, SparseMoE):
+            raise ValueError(f"unexpected weight {modules[0]!r} in checkpoint (layer {layer} is dense here)")
         why = _why_experts_not_kept(moe, quant, modules, companions)
         if why is not None:
             logger.warning("--quantized-weights keep: %s's experts are dequantized as they load (%s): they take "
@@ -319,9 +322,12 @@ def _why_experts_not_kept(moe, quant: QuantizedWeights, modules: list[str], comp
     if any(quant.has_zero_points(companions[m]) for m in modules):
         return "zero points"
     hidden, inter = moe.gate.in_features, moe.intermediate_size
-    if len({quant.group_of(m, hidden) for m in modules if not _is_down(m)}) != 1 or \
-            len({quant.group_of(m, inter) for m in modules if _is_down(m)}) != 1:
+    up_groups = {quant.group_of(m, hidden) for m in modules if not _is_down(m)}
+    down_groups = {quant.group_of(m, inter) for m in modules if _is_down(m)}
+    if len(up_groups) != 1 or len(down_groups) != 1:
         return "its experts' column groups differ"
+    if hidden % up_groups.pop() or inter % down_groups.pop():  # the kernels take ceil(K / groups) as the width
+        return "column groups that do not divide the rows"
     if quant.method in ("awq", "gptq"):
         return f"{quant.method} experts"
     return None

@@ -69,6 +69,8 @@ class SparseMoE(nn.Module):
             # tp None: the shared expert's partial sum is reduced with the routed one, here.
             self.shared_expert = mlp_cls(arch, kernels, None, shared)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if tp is not None and not tp.layout.owns_replicated_bias():  # a row-parallel bias: rank 0 adds it
+                self.shared_expert.down_proj.register_parameter("bias", None)
 
     w13_scale = w2_scale = None  # 8-bit experts (--quantized-weights keep): float32 [E, N, groups]
 

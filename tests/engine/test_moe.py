@@ -217,3 +217,16 @@ def test_transformers_defaults_fill_what_a_config_leaves_out():
     assert mixtral.norm_topk_prob and not mixtral.route_in_model_dtype and mixtral.sparse_layers == (0, 1, 2, 3)
     dense = LlamaArch.from_hf_config({**base, "model_type": "qwen2", "qkv_bias": False})
     assert dense.qkv_bias and dense.num_experts == 0  # Qwen2's attention has its biases whatever the config says
+
+
+def test_kept_experts_in_a_layer_the_config_makes_dense_are_named(qwen3_moe, tmp_path):
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(qwen3_moe, str(tmp_path / "ct"), "int", "channel", bits=8)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["mlp_only_layers"] = [1]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.1\.mlp\.experts\..*layer layers\.1 is dense"):
+        LLM(path, quantized_weights="keep")
