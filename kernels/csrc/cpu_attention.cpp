@@ -739,6 +739,40 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
   return {out.view(x.sizes()), res_out.view(x.sizes())};
 }
 
+// A mixture of experts' MLP for one step, experts in parallel: the (token, expert) pairs come
+// sorted by expert (`tokens`, `weights` in that order, `counts` per expert). Each thread takes
+// whole experts and runs an expert's rows as two single-threaded matmuls (gate-up, SiLU-and-
+// multiply, down scaled by the routing weight) into the pairs' own rows of one buffer; the pairs
+// are then added to their tokens in order, expert by expert: kernels.reference.fused_moe's sums
+// in its order. Parallel over experts rather than within each small matmul: a decode step's
+// experts see a few rows each, where a matmul's own threading costs more than it computes.
+torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor tokens,
+                        torch::Tensor weights, std::vector<int64_t> counts) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "fused_moe: x [T, H], w13 [E, 2I, H], w2 [E, H, I]");
+  const int64_t experts = w13.size(0), inter = w13.size(1) / 2, hidden = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == experts, "fused_moe: one count per expert");
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + counts[e];
+  TORCH_CHECK(start[experts] == tokens.numel() && tokens.numel() == weights.numel(), "fused_moe: counts and pairs");
+  auto rows = x.index_select(0, tokens);
+  auto down = at::empty({tokens.numel(), hidden}, x.options());
+  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
+    // The caller's inference mode is thread-local: the pool's other threads would record autograd
+    // history for the weights (parameters) and refuse the caller's inference tensors.
+    c10::InferenceMode inference;
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      auto gate_up = at::mm(rows.narrow(0, start[e], n), w13[e].t());
+      auto h = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+      auto out = down.narrow(0, start[e], n);
+      at::mm_out(out, h, w2[e].t());
+      out.mul_(weights.narrow(0, start[e], n).unsqueeze(1));
+    }
+  });
+  return at::zeros_like(x).index_add_(0, tokens, down);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU)");
@@ -746,4 +780,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "write K/V rows into the paged cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with a fused residual add (CPU)");
   m.def("copy_blocks", &copy_blocks, "KV blocks between the caches and a staging buffer (CPU)");
+  m.def("fused_moe", &fused_moe, "a mixture of experts' MLP, experts in parallel (CPU)");
 }
