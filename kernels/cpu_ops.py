@@ -36,8 +36,8 @@ def load():
         from torch.utils import cpp_extension
 
         root = os.environ.get("PDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
-        with open(_SRC, "rb") as f:  # keyed by content: an upgrade never meets a stale build (ninja goes by mtime)
-            source = hashlib.sha1(f.read()).hexdigest()[:10]
+        with open(_SRC, "rb") as f:  # keyed by content and flags: an upgrade never meets a stale build
+            source = hashlib.sha1(f.read() + repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:10]
         build = os.path.join(root, "cpu-ext", f"{_cpu_tag()}-{source}")
         os.makedirs(build, exist_ok=True)
         built = _import_built(build)
@@ -52,8 +52,7 @@ def load():
                 os.replace(src + ".tmp", src)
             module = cpp_extension.load(
                 name=_MODULE, sources=[src], build_directory=build,
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-                extra_ldflags=["-fopenmp", "-ffast-math", "-fno-finite-math-only"], verbose=False)
+                extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
             # Written last, under the lock: the library next to it is complete.
             open(os.path.join(build, _BUILT), "w").close()
             return module
@@ -62,6 +61,10 @@ def load():
         return None
 
 
+# -ffast-math compiles this file's loops only: linking with it would add crtfastmath.o, whose
+# constructor flushes denormals to zero in the whole process (torch's matmuls and SiLU included).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+_LDFLAGS = ["-fopenmp"]
 _MODULE = "pdserve_cpu_attention"
 _BUILT = "pdserve.built"
 

@@ -54,12 +54,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tokens = order // k
     weights = topk_weights.reshape(-1)[order]
     pairs, most = flat.numel(), max(counts, default=0)
-    hit = sum(1 for c in counts if c)
-    ext = cpu_ops.load() if x.device.type == "cpu" and w13_scale is None and hit and pairs < 128 * hit else None
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
+    ext = cpu_ops.load() if x.device.type == "cpu" and w13_scale is None and 0 < most < 128 and not tracked \
+        else None
     if ext is not None:
         # Experts in parallel, each one's matmuls single-threaded (kernels/csrc): 1.2-2x the torch
-        # paths below at 1-256 tokens (16 experts, 4 a token, two cores); from ~128 rows an expert
-        # the per-expert matmuls threaded within themselves win (2,048 tokens: 14.4 ms against 19.2).
+        # paths below at 1-256 tokens (16 experts, 4 a token, two cores); an expert of ~128 rows
+        # or more runs faster as matmuls threaded within themselves (2,048 tokens: 14.4 ms against
+        # 19.2). Not under autograd (the extension's threads run in inference mode).
         return ext.fused_moe(x, w13, w2, tokens, weights, counts)
     out = torch.zeros_like(x)
     if min(counts, default=0) > 0 and experts * most <= 2 * pairs and most <= 128 and w13_scale is None:

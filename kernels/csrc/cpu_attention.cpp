@@ -740,34 +740,42 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 }
 
 // A mixture of experts' MLP for one step, experts in parallel: the (token, expert) pairs come
-// sorted by expert (`tokens`, `weights` in that order, `counts` per expert). Each thread takes
-// whole experts and runs an expert's rows as two single-threaded matmuls (gate-up, SiLU-and-
-// multiply, down scaled by the routing weight) into the pairs' own rows of one buffer; the pairs
-// are then added to their tokens in order, expert by expert: kernels.reference.fused_moe's sums
-// in its order. Parallel over experts rather than within each small matmul: a decode step's
-// experts see a few rows each, where a matmul's own threading costs more than it computes.
+// sorted by expert (`tokens`, `weights` in that order, `counts` per expert). The experts hit are
+// dealt to the threads busiest first, round robin; a thread runs each of its experts' rows as two
+// single-threaded matmuls (gate-up, SiLU-and-multiply, down scaled by the routing weight) into the
+// pairs' own rows of one buffer; the pairs are then added to their tokens in order, expert by
+// expert: kernels.reference.fused_moe's additions in its order (its matmuls within float rounding:
+// single-threaded here). Parallel over experts rather than within each small matmul: a decode
+// step's experts see a few rows each, where a matmul's own threading costs more than it computes.
+// The caller (kernels/moe.py) runs it without autograd: the pool's threads run in inference mode.
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor tokens,
                         torch::Tensor weights, std::vector<int64_t> counts) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, "fused_moe: x [T, H], w13 [E, 2I, H], w2 [E, H, I]");
   const int64_t experts = w13.size(0), inter = w13.size(1) / 2, hidden = x.size(1);
   TORCH_CHECK(static_cast<int64_t>(counts.size()) == experts, "fused_moe: one count per expert");
-  std::vector<int64_t> start(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + counts[e];
+  std::vector<int64_t> start(experts + 1, 0), hit;
+  for (int64_t e = 0; e < experts; ++e) {
+    start[e + 1] = start[e] + counts[e];
+    if (counts[e] > 0) hit.push_back(e);
+  }
   TORCH_CHECK(start[experts] == tokens.numel() && tokens.numel() == weights.numel(), "fused_moe: counts and pairs");
+  std::stable_sort(hit.begin(), hit.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
   auto rows = x.index_select(0, tokens);
   auto down = at::empty({tokens.numel(), hidden}, x.options());
-  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
-    // The caller's inference mode is thread-local: the pool's other threads would record autograd
-    // history for the weights (parameters) and refuse the caller's inference tensors.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), hit.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    // The caller's inference mode is thread-local: without it here the pool's other threads would
+    // record autograd history for the weights (parameters) and refuse the caller's inference tensors.
     c10::InferenceMode inference;
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t n = counts[e];
-      if (n == 0) continue;
-      auto gate_up = at::mm(rows.narrow(0, start[e], n), w13[e].t());
-      auto h = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-      auto out = down.narrow(0, start[e], n);
-      at::mm_out(out, h, w2[e].t());
-      out.mul_(weights.narrow(0, start[e], n).unsqueeze(1));
+    for (int64_t w = begin; w < end; ++w) {
+      for (size_t i = w; i < hit.size(); i += workers) {
+        const int64_t e = hit[i], n = counts[e];
+        auto gate_up = at::mm(rows.narrow(0, start[e], n), w13[e].t());
+        auto h = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+        auto out = down.narrow(0, start[e], n);
+        at::mm_out(out, h, w2[e].t());
+        out.mul_(weights.narrow(0, start[e], n).unsqueeze(1));
+      }
     }
   });
   return at::zeros_like(x).index_add_(0, tokens, down);
