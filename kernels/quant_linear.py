@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference
+
 log = logging.getLogger(__name__)
 
 try:
@@ -116,8 +118,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (the torch path, and the reference)."""
-        scale = self.scale.repeat_interleave(self.group, dim=1)[:, :self.in_features]
-        return (self.values() * scale).to(dtype)
+        return reference.dequantize(self.values(), self.scale, self.group, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -135,14 +135,22 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return rotate(query), rotate(key)
 
 
+def dequantize(values: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Quantized values [..., N, K] (8-bit, or float32 already less their zero points) times float32
+    scales [..., N, ceil(K / group)], one a row and group of `group` columns (the last group may be
+    short), in `dtype`: the weight a kept projection or expert stands for."""
+    k, groups = values.shape[-1], scale.shape[-1]
+    v = values.to(torch.float32)
+    if k == group * groups:  # no repeated scale made: each group of columns times its scale
+        return (v.unflatten(-1, (groups, group)) * scale[..., None]).flatten(-2).to(dtype)
+    return (v * scale.repeat_interleave(group, dim=-1)[..., :k]).to(dtype)
+
+
 def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stacked 8-bit experts [E, N, K] (FP8 or INT8) times their float32 scales [E, N, groups]
-    (a scale per row and group of ceil(K / groups) columns), in `dtype`."""
-    k, groups = q.shape[-1], scale.shape[-1]
-    group = -(-k // groups)
-    if k == group * groups:  # no repeated scale made: each group of columns times its scale
-        return (q.to(torch.float32).unflatten(-1, (groups, group)) * scale[..., None]).flatten(-2).to(dtype)
-    return (q.to(torch.float32) * scale.repeat_interleave(group, dim=-1)[..., :k]).to(dtype)
+    (a scale per row and group of ceil(K / groups) columns: the loader keeps only groups that
+    divide K), in `dtype`."""
+    return dequantize(q, scale, -(-q.shape[-1] // scale.shape[-1]), dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -80,8 +80,7 @@ def test_cpu_extension_matches_the_reference(t, skew, dtype, monkeypatch):
     from kernels import cpu_ops
 
     real = cpu_ops.load()
-    if real is None:
-        pytest.skip("no C++ compiler: the torch paths run (tested above)")
+    assert real is not None, "the C++ extension should build here (gcc is installed)"
     x, weights, ids = route(t, 8, 2, 32, dtype, skew)
     w13, w2 = (torch.nn.Parameter(w) for w in experts_weights(8, 24, 32, dtype))
     calls = []
