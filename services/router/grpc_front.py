@@ -102,7 +102,10 @@ class GenerateService(pb_grpc.GenerateServicer):
             status = e.status
             self.admission.shed(e)
             await context.abort(e.grpc_code, e.message)
-        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or its deadline passed: grpc.aio cancels this generator where
+            # it waits for the next chunk, or closes it (GeneratorExit at the yield) where the cancel
+            # finds it held up sending one (a client reading slowly, HTTP/2 flow control).
             status = 499
             self.metrics.client_aborts.inc()
             logger.info("Generate client went away; request aborted")

@@ -112,6 +112,30 @@ def test_cancel_aborts_upstream(stack, stub):
     wait_until(lambda: stack.metric("pdserve:router_client_aborts_total") == 1, what="the abort counted")
 
 
+def test_a_cancel_that_finds_the_stream_sending_is_counted_as_the_clients(stack):
+    """grpc.aio closes a stream's generator instead of cancelling it when the cancel arrives while
+    a response is held up in sending (a slow reader, flow control): that close is the client's
+    abort too, aborted upstream and counted as one, its status 499."""
+    from services.router.grpc_front import GenerateService
+
+    class Context:
+        def invocation_metadata(self):
+            return ()
+
+    async def read_two_then_close():
+        gen = GenerateService(stack.router).Generate(
+            pb.GenerateRequest(text="Hi", request_id="slowreader",
+                               sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True)), Context())
+        await anext(gen)
+        await anext(gen)
+        await gen.aclose()  # what grpc.aio does to a generator whose send the cancel interrupted
+
+    stack.lt.run(read_two_then_close())
+    wait_until(lambda: "slowreader" in client_ids(stack.decodes[0].engine.cancelled), what="the decode stream cancelled")
+    assert stack.metric("pdserve:router_client_aborts_total") == 1
+    assert stack.metric("pdserve:router_requests_total", {"endpoint": "/pdserve.v1.Generate/Generate", "status_code": "499"}) == 1
+
+
 def test_deadline_aborts_the_prefill(stack, stub):
     prefill = stack.prefills[0].engine
     prefill.gate = asyncio.Event()
