@@ -518,6 +518,13 @@ def arguments_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
+
+
 def _is_json_object(text: str, strict: bool = True) -> bool:
     try:
         return isinstance((_STRICT_JSON.decode if strict else json.loads)(text), dict)
@@ -555,6 +562,13 @@ def _kimi_header(header: str) -> tuple[str, str] | None:
     return (m.group(1), header) if m is not None else None
 
 
+def _mistral_header(header: str) -> tuple[str, str] | None:
+    """Mistral (tokenizer v11 on): NAME, or NAME[CALL_ID]ID, before `[ARGS]`."""
+    name, _, given = header.partition("[CALL_ID]")
+    name = name.strip()
+    return (name, mistral_call_id(given.strip() or None)) if name and not set(name) & set("[]<>") else None
+
+
 # Parsers whose calls' arguments are JSON objects streamed as written: (a call's opening marker,
 # its closing marker, its head: (name, id or None, where the arguments start) once out).
 _JSON_CALLS = {
@@ -562,7 +576,18 @@ _JSON_CALLS = {
     "deepseek_v31": (DEEPSEEK_CALL, DEEPSEEK_CALL_END,
                      _sep_head(DEEPSEEK_SEP, lambda h: (h, None) if h and "<" not in h else None)),
     "kimi_k2": (KIMI_CALL, KIMI_CALL_END, _sep_head(KIMI_ARGS, _kimi_header)),
+    # Mistral, tokenizer v11 on: `[TOOL_CALLS]NAME[ARGS]{...}` per call, no closing marker (a call
+    # ends where the next begins, or with the output).
+    "mistral": (MISTRAL_TAG, None, _sep_head(MISTRAL_ARGS, _mistral_header)),
 }
+# Parsers whose calls stream as they come (the rest: every call at the finish): those above, the
+# block parsers, Llama 3's JSON and Mistral's older array (a sequence of JSON call objects, each
+# one's arguments as written) and the pythonic lists (each call whole once its parenthesis closes).
+_STREAMED = frozenset({*_CALL_ENDS, *_JSON_CALLS, "llama3_json", "pythonic"})
+# Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
+# argument texts the stream sent (their whole-output rules: any part that does not parse leaves
+# the whole output as content).
+_RECONCILED = frozenset({"mistral", "llama3_json", "pythonic"})
 
 
 class _JsonScan:
@@ -595,6 +620,35 @@ class _JsonScan:
                 self._depth -= 1
                 self.closed = self._depth == 0
             self.length += 1
+
+
+@dataclass
+class _ObjectSequence:
+    """JSON call objects one after another, a separator between them (Llama 3: `;`; Mistral's
+    array before tokenizer v11: `,` and a closing `]`): where the next one is looked for, the one
+    being written (its whole object's scan beside its arguments'), and whether it stopped (the end,
+    or something the stream cannot follow: the finish parses the output whole)."""
+    pos: int
+    separator: str
+    end: str | None
+    block: _CallBlock | None = None
+    outer: _JsonScan = field(default_factory=_JsonScan)
+    need_separator: bool = False
+    stopped: bool = False
+
+
+class _PythonScan:
+    """Python's brackets outside its strings, read a piece at a time: where each element of the
+    outer list ends. A triple-quoted string may fool it; the call it cuts then does not parse and
+    the stream stops (the finish parses the output whole)."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos  # characters read up to here
+        self.depth = 0
+        self.quote: str | None = None
+        self.escaped = False
+        self.element = -1  # where the element being read starts (-1: between elements)
+        self.stopped = False
 
 
 _NOT_TEXT = frozenset({"null", "integer", "number", "boolean", "object", "array"})
@@ -690,10 +744,12 @@ class ToolCallStream:
     all of it is read at the end) or is content (then it streams).
 
     Calls as OpenAI streams them (`take_deltas`): under the block parsers (`_CALL_ENDS`) each call
-    goes as soon as its block has closed, and a Hermes call as it is written: its id and name once
-    the block's head is out, then its arguments' text piece by piece (the arguments are then the
-    model's JSON text as written). The others' calls, and any not sent yet, go at the finish.
-    `finish` returns every call, with the ids the stream sent."""
+    goes as soon as its block has closed, and a Hermes, DeepSeek-V3.1, Kimi K2, Mistral or Llama 3
+    JSON call as it is written: its id and name once its head is out, then its arguments' text
+    piece by piece (the arguments are then the model's JSON text as written); Qwen3-Coder's and
+    GLM-4.5's as JSON built as their parameters come; a pythonic call whole once its parenthesis
+    closes. Any not sent yet go at the finish. `finish` returns every call, with the ids the
+    stream sent (under Mistral, Llama 3 JSON and pythonic, the calls the whole output parses to)."""
 
     def __init__(self, plan: ToolPlan, stream_calls: bool = True) -> None:
         """`stream_calls`: make the calls' deltas as they come (False: an answer read whole, its
@@ -704,12 +760,15 @@ class ToolCallStream:
         self.first_call = -1  # where the first <tool_call> starts, once seen
         self.openers = _OPENERS.get(plan.parser) if not plan.constrained else None
         self.whole: bool | None = None  # llama3_json / pythonic: the output opens calls (None: not known yet)
-        self.incremental = stream_calls and not plan.constrained and plan.parser in _CALL_ENDS
+        self.incremental = stream_calls and not plan.constrained and plan.parser in _STREAMED
         self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
         self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
         self._open: _CallBlock | None = None  # Hermes: the block being written
         self._scan = 0  # Hermes: where in the text the next block is looked for
         self._parsed_to = -1  # the others: where the last call closed when the text was last parsed
+        self._sequence: _ObjectSequence | None = None  # Llama 3's JSON, Mistral's array: the objects
+        self._python: _PythonScan | None = None  # pythonic: the list's elements
+        self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -737,7 +796,10 @@ class ToolCallStream:
     def feed(self, delta: str) -> str:
         self.text += delta
         if self.openers is not None:
-            return self._decide()
+            out = self._decide()
+            if self.whole:
+                self._advance()
+            return out
         if self.plan.constrained:
             return ""
         if self.first_call >= 0:
@@ -761,7 +823,7 @@ class ToolCallStream:
 
     def _begin(self, name: str, call_id: str | None = None, arguments: str = "", closed: bool = False) -> int:
         k = len(self.sent)
-        call_id = call_id or make_call(name, "")["id"]
+        call_id = call_id or (mistral_call_id() if self.plan.parser == "mistral" else make_call(name, "")["id"])
         self.sent.append({"id": call_id, "name": name, "arguments": arguments, "closed": closed})
         self._deltas.append({"index": k, "id": call_id, "type": "function",
                              "function": {"name": name, "arguments": arguments}})
@@ -779,6 +841,31 @@ class ToolCallStream:
         call's arguments stream without the text before them being read again)."""
         if not self.incremental:
             return
+        if self.plan.parser in _OPENERS:
+            if self._sequence is None and self._python is None:
+                at = self._calls_start()
+                if self.plan.parser == "llama3_json":
+                    self._sequence = _ObjectSequence(at, ";", None)
+                else:
+                    self._python = _PythonScan(at + 1)  # past the list's "["
+            if self._sequence is not None:
+                self._advance_sequence()
+            else:
+                self._advance_python()
+            return
+        if self.plan.parser == "mistral":
+            if self._mistral_array is None:
+                at = self.first_call + len(MISTRAL_TAG)
+                while at < len(self.text) and self.text[at].isspace():
+                    at += 1
+                if at == len(self.text):
+                    return  # not known yet
+                self._mistral_array = self.text[at] == "["
+                if self._mistral_array:
+                    self._sequence = _ObjectSequence(at + 1, ",", "]")
+            if self._mistral_array:
+                self._advance_sequence()
+                return
         if self.plan.parser in _JSON_CALLS:
             self._advance_json_calls(final)
             return
@@ -806,14 +893,14 @@ class ToolCallStream:
             if at < 0:
                 return None
             block = self._open = make(at - self.first_call, at + len(opener))
-        close = text.find(closer, block.close_from)
-        block.close_from = max(block.body, len(text) - len(closer) + 1)
+        close = text.find(closer, block.close_from) if closer is not None else -1
+        block.close_from = max(block.body, len(text) - len(closer or "") + 1)
         if self.plan.parser != "hermes":
             following = text.find(opener, block.open_from)
             block.open_from = max(block.body, len(text) - len(opener) + 1)
             if following >= 0 and (close < 0 or following < close):
                 return block, following, following
-        return block, close, close + len(closer)
+        return block, close, close + len(closer or "")
 
     def _advance_json_calls(self, final: bool) -> None:
         text, base = self.text, self.first_call
@@ -845,6 +932,97 @@ class ToolCallStream:
             if not closed or close < 0:
                 return
             self._scan, self._open = after, None
+
+    def _calls_start(self) -> int:
+        """Llama 3's JSON, pythonic: where the calls' "{" or "[" is (past whitespace and the tag)."""
+        text, tag = self.text, self.openers[0]
+        at = len(text) - len(text.lstrip())
+        if text.startswith(tag, at):
+            at += len(tag)
+            while text[at].isspace():
+                at += 1
+        return at
+
+    def _advance_sequence(self) -> None:
+        """Llama 3's `;`-joined call objects, Mistral's array of them: each call begins once its
+        `{"name": ..., "arguments": ` is out, its arguments going as written. An object that does
+        not begin so (its keys in another order, its arguments a string) or anything else between
+        them stops the stream's reading: the finish parses the output whole."""
+        seq, text = self._sequence, self.text
+        while not seq.stopped:
+            if seq.block is None:
+                at = seq.pos
+                while at < len(text) and text[at].isspace():
+                    at += 1
+                seq.pos = at
+                if at == len(text):
+                    return
+                if seq.need_separator:
+                    if text[at] != seq.separator:
+                        seq.stopped = True  # the array's end, or what the whole parse will judge
+                        return
+                    seq.pos, seq.need_separator = at + 1, False
+                    continue
+                if text[at] != "{":
+                    seq.stopped = True
+                    return
+                seq.block, seq.outer = _CallBlock(at, at), _JsonScan()
+            block = seq.block
+            seq.outer.feed(text, block.start + seq.outer.length, len(text))
+            end = block.start + seq.outer.length
+            if block.call is None and block.head_end < 0:
+                head = _hermes_head(text, block.start, end)
+                if head is not None:
+                    name, _, block.head_end = head
+                    block.call = self._begin(name)
+            if block.call is not None:
+                block.arguments.feed(text, block.head_end + block.arguments.length, end)
+                self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
+            if not seq.outer.closed:
+                return
+            if block.call is None:
+                seq.stopped = True
+                return
+            self.sent[block.call]["closed"] = True
+            seq.block, seq.pos, seq.need_separator = None, end, True
+
+    def _advance_python(self) -> None:
+        """Pythonic: each element of the list, once its last parenthesis closes, parsed as the whole
+        output's calls are (literals only); one that is no call stops the stream's reading."""
+        py, text = self._python, self.text
+        at = py.pos
+        while at < len(text) and not py.stopped:
+            ch = text[at]
+            if py.quote is not None:
+                if py.escaped:
+                    py.escaped = False
+                elif ch == "\\":
+                    py.escaped = True
+                elif ch == py.quote:
+                    py.quote = None
+            elif py.element < 0 and (ch.isspace() or ch == ","):
+                pass  # between the calls (the whole parse judges the commas)
+            elif py.depth == 0 and ch in ",]":
+                py.stopped = True  # the list's end, or an element with no parentheses: no call
+            else:
+                if py.element < 0:
+                    py.element = at
+                if ch in "'\"":
+                    py.quote = ch
+                elif ch in "([{":
+                    py.depth += 1
+                elif ch in ")]}":
+                    py.depth -= 1
+                    if py.depth == 0:
+                        _, calls = parse_pythonic("[" + text[py.element:at + 1] + "]")
+                        if len(calls) != 1:
+                            py.stopped = True
+                            break
+                        fn = calls[0]["function"]
+                        self._begin(fn["name"], calls[0]["id"], fn["arguments"], closed=True)
+                        py.element = -1
+            at += 1
+        py.pos = at
 
     def _advance_xml_calls(self, final: bool) -> None:
         text, dialect = self.text, _XML_CALLS[self.plan.parser]
@@ -939,6 +1117,7 @@ class ToolCallStream:
         if self.plan.constrained or self.openers is not None and self.whole is not False:
             content, calls = self.plan.tool_calls(self.text)
             rest = (content or "")[self.shown:] if not calls else ""
+            self._reconcile(calls)
             self._send_rest(calls)
             return rest, calls
         if self.openers is not None:  # content all along
@@ -948,7 +1127,8 @@ class ToolCallStream:
             rest, self.shown = self.text[self.shown:], len(self.text)
             return rest, []
         region = self.text[self.first_call:]
-        if self.incremental and (self.plan.parser in _JSON_CALLS or self.plan.parser in _XML_CALLS):
+        if self.incremental and self.plan.parser not in _RECONCILED and (
+                self.plan.parser in _JSON_CALLS or self.plan.parser in _XML_CALLS):
             self._advance(final=True)
             calls = self._json_calls()
             if self.plan.parser != "hermes":  # the others: the text before the calls is the content
@@ -961,10 +1141,19 @@ class ToolCallStream:
             content = "".join(kept + [region[at:]]).strip() if self.sent else region
             return self.text[self.shown:self.first_call] + content, calls
         content, calls = parse_auto(self.plan.parser, region, self.plan.tools)
-        for call, sent in zip(calls, self.sent):  # the ids the stream has sent
-            call["id"] = sent["id"]
+        self._reconcile(calls)
         self._send_rest(calls)
         return self.text[self.shown:self.first_call] + (content or ""), calls
+
+    def _reconcile(self, calls: list[dict]) -> None:
+        """The whole output's calls take the ids the stream sent, and the arguments' text it sent
+        where that is the same JSON (the model's text as written; the whole parse writes it anew)."""
+        for call, sent in zip(calls, self.sent):
+            call["id"] = sent["id"]
+            fn = call["function"]
+            if fn["name"] == sent["name"] and fn["arguments"] != sent["arguments"] and \
+                    _same_json(fn["arguments"], sent["arguments"]):
+                fn["arguments"] = sent["arguments"]
 
     def _send_rest(self, calls: list[dict]) -> None:
         for call in calls[len(self.sent):]:

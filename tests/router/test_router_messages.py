@@ -210,8 +210,9 @@ def test_malformed_messages_bodies_are_anthropic_400s(stack, body):
 
 
 def test_a_streamed_call_whose_arguments_are_no_object_is_text():
-    """llama3_json / mistral calls come whole; arguments that are not a JSON object (a string) are
-    text, as in the unstreamed answer, and the stream goes on to its end."""
+    """A call that comes whole at the end (Llama 3's with its arguments written as a JSON string)
+    and whose arguments are not a JSON object is text, as in the unstreamed answer, and the stream
+    goes on to its end."""
     from services.router.messages_api import MessageOutput
     from services.router.tool_calls import make_call
 

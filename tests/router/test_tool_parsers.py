@@ -321,3 +321,74 @@ def test_a_value_cut_by_the_blocks_end_reads_the_same_whatever_the_pieces():
 def test_hermes_reads_nan_as_python_does():
     text = '<tool_call>{"name": "get_weather", "arguments": {"ratio": NaN}}</tool_call>'
     assert [c["function"]["name"] for c in streamed_in_pieces("hermes", text, 3)[1]] == ["get_weather"]
+
+
+class _AnyId:
+    def __eq__(self, other) -> bool:
+        return isinstance(other, str) and len(other) > 0
+
+
+ANY_ID = _AnyId()
+
+SEQUENCES = {  # whole-output and untagged-end formats: Llama 3's JSON, Mistral's two, pythonic
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "New York", "days": 3, '
+                    '"metric": false}}; {"name": "now", "parameters": {}}'),
+    "mistral": ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "New York", "days": 3, "metric": false}'
+                "[TOOL_CALLS]now[ARGS]{}"),
+    "mistral-array": ('Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "New York", '
+                      '"days": 3, "metric": false}}, {"name": "now", "arguments": {}, "id": "a1b2c3d4e"}]'),
+    "pythonic": '<|python_start|>[get_weather(city="New York", days=3, metric=False), now()]<|python_end|>',
+}
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_llama_mistral_and_pythonic_calls_stream_as_they_come_cut_anywhere(name):
+    """Cut into pieces of any size, the stream's calls are the whole output's (Llama 3's and
+    Mistral's arguments the model's JSON text as written), its content the text before them; and
+    the first call is on the stream before the output ends: its arguments in pieces as written
+    (pythonic: whole, once its parenthesis closes, before the next is written)."""
+    parser, text = name.split("-")[0], SEQUENCES[name]
+    whole_content, whole_calls = parse_auto(parser, text, TOOLS)
+    assert calls_of(whole_calls) == WANT
+    for step in (1, 2, 3, 5, 11, len(text)):
+        content, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert content == (whole_content or "") and calls_of(calls) == WANT, step
+        assert merged(deltas) == calls, step
+        if parser == "mistral":
+            assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    stream = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser))
+    if parser == "pythonic":
+        stream.feed(text[:text.index("now")])
+        assert calls_of(merged(stream.take_deltas())) == WANT[:1]
+    else:
+        stream.feed(text[:text.index("New York") + 4])
+        assert merged(stream.take_deltas()) == [{"id": ANY_ID, "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "New '}}]
+
+SEQUENCE_ODDITIES = [  # each read by the stream as the whole output parses it
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}} and then some'),  # content
+    ("llama3_json", '{"parameters": {"city": "X"}, "name": "get_weather"}; {"name": "now", "parameters": {}}'),
+    ("llama3_json", '{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\"}"}'),  # arguments as a string
+    ("llama3_json", '{"name": "now", "parameters": {}};'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "a}b{\\"c"}, "extra": [1, {"d": 2}]}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"'),  # cut off: content
+    ("mistral", 'Hi.[TOOL_CALLS]get_weather[ARGS]{"city": "X"} trailing'),  # content, all of it
+    ("mistral", "[TOOL_CALLS]now[CALL_ID]abcdefghi[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\": \"]\"}"),
+    ("mistral", '[TOOL_CALLS][{"arguments": {}, "name": "now"}, {"name": "get_weather", "arguments": {"city": "X"}}]'),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more'),
+    ("pythonic", '[get_weather(city="a), ]b\\"c", days=(3)), now()]'),
+    ("pythonic", "[get_weather(city='X'), 1]"),  # not all calls: content
+    ("pythonic", "[now(), get_weather(city='''x)''')]"),
+    ("pythonic", "[get_weather(city=open('/etc/passwd'))]"),
+    ("pythonic", "[now()"),
+]
+
+
+@pytest.mark.parametrize("parser,text", SEQUENCE_ODDITIES)
+def test_odd_sequences_stream_as_they_parse_whole(parser, text):
+    whole_content, whole_calls = parse_auto(parser, text, TOOLS)
+    for step in (1, 2, 3, 5, len(text)):
+        content, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert calls_of(calls) == calls_of(whole_calls) and content == (whole_content or ""), step
+        if whole_calls:
+            assert merged(deltas) == calls, step
