@@ -492,10 +492,6 @@ def parse_auto(parser: str, text: str, tools=()) -> tuple[str | None, list[dict]
     return PARSE[parser](text, tools) if parser in _TYPED else PARSE[parser](text)
 
 
-# Where a call ends under the parsers whose calls are blocks: a stream sends each call as soon as
-# its end has come (and Hermes' arguments as they are written), not all of them at the end.
-_CALL_ENDS = {"hermes": TOOL_CALL_CLOSE, "qwen3_coder": TOOL_CALL_CLOSE, "glm45": TOOL_CALL_CLOSE,
-              "deepseek_v3": DEEPSEEK_CALL_END, "deepseek_v31": DEEPSEEK_CALL_END, "kimi_k2": KIMI_CALL_END}
 # A Hermes block's head, up to its arguments object: from here the arguments stream as written.
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)',
                           re.S)
@@ -562,6 +558,17 @@ def _kimi_header(header: str) -> tuple[str, str] | None:
     return (m.group(1), header) if m is not None else None
 
 
+# DeepSeek-V3's head: `function<｜tool▁sep｜>NAME` and a line later the fence its JSON is in.
+_DEEPSEEK_V3_HEAD = re.compile(r"(?:(?!" + re.escape(DEEPSEEK_SEP) + r").)*" + re.escape(DEEPSEEK_SEP)
+                               + r"([^\n]*)\n\s*```(?:json)?\s*(?=\{)", re.S)
+
+
+def _deepseek_v3_head(text: str, start: int, end: int) -> tuple[str, None, int] | None:
+    head = _DEEPSEEK_V3_HEAD.match(text, start, end)
+    name = head.group(1).strip() if head is not None else ""
+    return (name, None, head.end()) if name else None
+
+
 def _mistral_header(header: str) -> tuple[str, str] | None:
     """Mistral (tokenizer v11 on): NAME, or NAME[CALL_ID]ID, before `[ARGS]`."""
     name, _, given = header.partition("[CALL_ID]")
@@ -573,6 +580,7 @@ def _mistral_header(header: str) -> tuple[str, str] | None:
 # its closing marker, its head: (name, id or None, where the arguments start) once out).
 _JSON_CALLS = {
     "hermes": (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _hermes_head),
+    "deepseek_v3": (DEEPSEEK_CALL, DEEPSEEK_CALL_END, _deepseek_v3_head),  # (the fence's end after the object)
     "deepseek_v31": (DEEPSEEK_CALL, DEEPSEEK_CALL_END,
                      _sep_head(DEEPSEEK_SEP, lambda h: (h, None) if h and "<" not in h else None)),
     "kimi_k2": (KIMI_CALL, KIMI_CALL_END, _sep_head(KIMI_ARGS, _kimi_header)),
@@ -580,14 +588,6 @@ _JSON_CALLS = {
     # ends where the next begins, or with the output).
     "mistral": (MISTRAL_TAG, None, _sep_head(MISTRAL_ARGS, _mistral_header)),
 }
-# Parsers whose calls stream as they come (the rest: every call at the finish): those above, the
-# block parsers, Llama 3's JSON and Mistral's older array (a sequence of JSON call objects, each
-# one's arguments as written) and the pythonic lists (each call whole once its parenthesis closes).
-_STREAMED = frozenset({*_CALL_ENDS, *_JSON_CALLS, "llama3_json", "pythonic"})
-# Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
-# argument texts the stream sent (their whole-output rules: any part that does not parse leaves
-# the whole output as content).
-_RECONCILED = frozenset({"mistral", "llama3_json", "pythonic"})
 
 
 class _JsonScan:
@@ -696,6 +696,14 @@ _XML_CALLS = {
                                "</function>", True),
     "glm45": _XmlDialect(_glm_name, "<arg_key>", "</arg_key>", "<arg_value>", ("</arg_value>",), None, False),
 }
+# Parsers whose calls stream as they come (every one): the JSON and XML ones above, Llama
+# 3's JSON and Mistral's older array (a sequence of JSON call objects, each
+# one's arguments as written) and the pythonic lists (each call whole once its parenthesis closes).
+_STREAMED = frozenset({*_JSON_CALLS, *_XML_CALLS, "llama3_json", "pythonic"})
+# Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
+# argument texts the stream sent (their whole-output rules: any part that does not parse leaves
+# the whole output as content).
+_RECONCILED = frozenset({"mistral", "llama3_json", "pythonic"})
 
 
 @dataclass
@@ -740,12 +748,11 @@ class ToolCallStream:
     """Streaming: the text a choice may show as content now, and the calls. Constrained: no
     content. auto under a tagged parser (`hermes`, `mistral`, ...): what comes before the first
     call's tag, holding back a tail that may be the tag's start. auto under `llama3_json` or
-    `pythonic`: the output is held until its first characters show whether it opens calls (then
-    all of it is read at the end) or is content (then it streams).
+    `pythonic`: the output is held until its first characters show whether it opens calls or is
+    content (then it streams).
 
-    Calls as OpenAI streams them (`take_deltas`): under the block parsers (`_CALL_ENDS`) each call
-    goes as soon as its block has closed, and a Hermes, DeepSeek-V3.1, Kimi K2, Mistral or Llama 3
-    JSON call as it is written: its id and name once its head is out, then its arguments' text
+    Calls as OpenAI streams them (`take_deltas`): a Hermes, DeepSeek-V3 / V3.1, Kimi K2, Mistral or
+    Llama 3 JSON call as it is written: its id and name once its head is out, then its arguments' text
     piece by piece (the arguments are then the model's JSON text as written); Qwen3-Coder's and
     GLM-4.5's as JSON built as their parameters come; a pythonic call whole once its parenthesis
     closes. Any not sent yet go at the finish. `finish` returns every call, with the ids the
@@ -765,7 +772,6 @@ class ToolCallStream:
         self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
         self._open: _CallBlock | None = None  # Hermes: the block being written
         self._scan = 0  # Hermes: where in the text the next block is looked for
-        self._parsed_to = -1  # the others: where the last call closed when the text was last parsed
         self._sequence: _ObjectSequence | None = None  # Llama 3's JSON, Mistral's array: the objects
         self._python: _PythonScan | None = None  # pythonic: the list's elements
         self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
@@ -869,18 +875,7 @@ class ToolCallStream:
         if self.plan.parser in _JSON_CALLS:
             self._advance_json_calls(final)
             return
-        if self.plan.parser in _XML_CALLS:
-            self._advance_xml_calls(final)
-            return
-        marker = _CALL_ENDS[self.plan.parser]
-        region = self.text[self.first_call:]
-        end = region.rfind(marker)
-        if end <= self._parsed_to:
-            return  # no call has closed since the last parse
-        self._parsed_to = end
-        _, calls = parse_auto(self.plan.parser, region[:end + len(marker)], self.plan.tools)
-        for call in calls[len(self.sent):]:
-            self._begin(call["function"]["name"], call["id"], call["function"]["arguments"], closed=True)
+        self._advance_xml_calls(final)
 
     def _next_block(self, opener: str, closer: str, make) -> tuple[object, int, int] | None:
         """The block being written (`make(start from the first call, body)` when one opens), where
@@ -921,8 +916,10 @@ class ToolCallStream:
                 block.arguments.feed(text, block.head_end + block.arguments.length, body_end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
                 self.sent[block.call]["closed"] = closed
-                if closed and self.plan.parser != "hermes" and text[block.head_end + block.arguments.length:
-                                                                    body_end].strip():
+                trailer = text[block.head_end + block.arguments.length:body_end].strip()
+                if self.plan.parser == "deepseek_v3" and trailer.startswith("```"):
+                    trailer = trailer[3:].strip()  # its fence's end
+                if closed and self.plan.parser != "hermes" and trailer:
                     self.sent[block.call]["invalid"] = True  # more after the object: no call, as parsed whole
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])

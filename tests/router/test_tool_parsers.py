@@ -135,15 +135,13 @@ def test_a_stream_sends_each_call_once_its_block_closes(parser):
         fed = i + 4
         if deltas:
             break
-    if parser != "deepseek_v3":  # the call begins at its name, before its close
-        assert fed < first_end and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
-        while fed < first_end + len("</tool_call>"):  # (GLM's arguments close with the block)
-            stream.feed(text[fed:fed + 4])
-            deltas += stream.take_deltas()
-            fed += 4
-        assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
-    else:  # DeepSeek-V3's fenced JSON: the call whole once its block has closed
-        assert first_end < fed
+    # the call begins at its name, before its close
+    assert fed < first_end and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    while fed < first_end + len("</tool_call>"):  # (GLM's arguments close with the block)
+        stream.feed(text[fed:fed + 4])
+        deltas += stream.take_deltas()
+        fed += 4
+    assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
     assert fed < text.index("now")  # either way the first call went before the second was written
     assert calls_of(merged(deltas)) == WANT[:1]
     for i in range(fed, len(text), 4):
@@ -234,7 +232,7 @@ def streamed_in_pieces(parser: str, text: str, step: int) -> tuple[str, list[dic
     return shown + rest, calls, deltas + stream.take_deltas()
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v31", "kimi_k2"])
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31", "kimi_k2"])
 def test_json_arguments_stream_as_written_cut_anywhere(parser):
     """Cut into pieces of any size, the stream's calls are the whole output's (their arguments the
     model's JSON text, as written); the text before them is the content; a call whose arguments
@@ -298,6 +296,11 @@ ODD_OUTPUTS = [  # what models write now and then; the stream reads each as the 
      "</tool_call>"),  # a key without its value
     ("deepseek_v31", 'Hi.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "X"}}'
      '<｜tool▁call▁end｜>'),  # more after the arguments: no call
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+     '{"city": "X"}\n``` and so<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```\n{}'
+     '<｜tool▁call▁end｜>'),  # more after the fence: no call; a fence left open, or untagged: a call
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```'
+     '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n{"city": "X"}<｜tool▁call▁end｜>'),  # no fence: none
     ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("get_weather", 0, '{"city": "X"} and so')
      + "<|tool_call_end|>" + KIMI_CALL.format("now", 1, "{}") + "<|tool_call_end|>"),
 ]
