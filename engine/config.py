@@ -23,6 +23,10 @@ class LoRAConfig:
     # another is passed over, keeping its place), and the device's adapter slots, allocated at
     # start (the rest wait in host memory); None: no cap (every adapter loaded is on the device).
     max_loras: int | None = None
+    # vLLM's --max-cpu-loras: adapters kept in host memory at most (>= max_loras; the least recently
+    # run beyond it evicted, read back from its files when a step runs it again); None: every
+    # adapter loaded stays in host memory.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.modules]
@@ -32,6 +36,13 @@ class LoRAConfig:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None:
+            if self.max_loras is None:
+                raise ValueError("--max-cpu-loras needs --max-loras (without it every adapter loaded is in "
+                                 "device memory, none in host memory)")
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras "
+                                 f"({self.max_loras}) (vLLM's rule)")
 
     @property
     def paths(self) -> dict[str, str]:
@@ -241,7 +252,7 @@ class EngineConfig:
                     top[key] = value if isinstance(value, KVEventsConfig) else KVEventsConfig(**(value or {}))
                 elif key == "speculative_config":
                     top["speculative"] = SpeculativeConfig.parse(value)
-                elif key in ("enable_lora", "lora_modules", "max_lora_rank", "max_loras"):
+                elif key in ("enable_lora", "lora_modules", "max_lora_rank", "max_loras", "max_cpu_loras"):
                     lora[key] = value
                 else:
                     raise TypeError(f"unknown engine argument {key!r}")
@@ -250,7 +261,7 @@ class EngineConfig:
         if lora.get("enable_lora"):
             top["lora"] = LoRAConfig(parse_lora_modules(lora.get("lora_modules")),
                                      **({"max_lora_rank": lora["max_lora_rank"]} if lora.get("max_lora_rank") else {}),
-                                     max_loras=lora.get("max_loras"))
+                                     max_loras=lora.get("max_loras"), max_cpu_loras=lora.get("max_cpu_loras"))
         return cls(model=ModelConfig(path=model, **parts["model"]),
                    cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),

@@ -17,7 +17,8 @@ through the router to every engine): `LoRAManager.add` loads one between steps; 
 takes no new request at once and frees its memory once its last request finishes
 (`EngineCore.remove_lora`). Under --max-loras N the device holds N adapter slots, allocated at
 start (the KV cache is sized around them, as vLLM's), and any number of adapters wait in host
-memory for a step that runs them (`LoRAManager`).
+memory for a step that runs them (`LoRAManager`); with --max-cpu-loras M, M at most, the others
+read back from their files before a step runs them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,15 +203,20 @@ class LoRAManager:
     so adapters never take memory the cache was given; every adapter loaded is kept in host memory
     (pinned on CUDA) and comes to the device when a step runs a request of it, into a free slot or
     in place of the one least recently run that this step does not need (the scheduler runs N
-    adapters at most at a time)."""
+    adapters at most at a time). With --max-cpu-loras M as well, M adapters at most stay in host
+    memory: the one run least recently beyond them is evicted and read back from its files
+    (`stage`, before the step that runs it)."""
 
     def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
         self.batch = LoRABatch(device)
         self.slots: dict[str, int] = {}  # the adapters on the device
         self.max_rank, self.dtype, self.device, self.arch = config.max_lora_rank, dtype, device, model.arch
         self.num_slots = config.max_loras  # None: no cap, every adapter on the device
-        # --max-loras: every adapter loaded, stacked per projection, in host memory.
-        self.host: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.host_cap = config.max_cpu_loras  # None: every adapter loaded stays in host memory
+        # --max-loras: the adapters in host memory, stacked per projection, the least recently run first.
+        self.host: OrderedDict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.paths: dict[str, str] = {}  # every adapter loaded, and where it was read from
+        self.reloads = 0  # adapters read back from their files (--max-cpu-loras)
         self._last_run: dict[str, int] = {}
         self._steps = 0
         self.swaps = 0  # adapters brought to the device for a step (--max-loras)
@@ -232,7 +239,7 @@ class LoRAManager:
 
     @property
     def loaded(self) -> set[str]:
-        return set(self.host) if self.num_slots is not None else set(self.slots)
+        return set(self.paths)
 
     def device_bytes(self) -> int:
         """The device memory the adapters hold (the slots' buffers under --max-loras)."""
@@ -249,23 +256,14 @@ class LoRAManager:
         slot = None
         try:
             on_host = self.num_slots is not None
-            adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype,
-                                       torch.device("cpu") if on_host else self.device)
-            parts: dict[tuple[int, str], list] = {}
-            for (layer, module), pair in adapter.weights.items():
-                fused, part = TARGETS[module]
-                parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
-            stacked = {}
-            for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
-                a, bt = self.layers[layer][fused].stack(pairs)
-                if on_host and self.device.type == "cuda":  # copied to the device asynchronously
-                    a, bt = a.pin_memory(), bt.pin_memory()
-                stacked[(layer, fused)] = (a, bt)
+            stacked = self._read(name, path, on_host)
+            self.paths[name] = path
             if on_host:
                 self.host[name] = stacked
                 slot = self._free_slot()
                 if slot is not None:  # on the device now: its first request does not wait for it
                     self._bring(name, slot)
+                self._trim_host(keep={name})
             else:
                 slot = next(s for s in range(1, len(self.slots) + 2) if s not in self.slots.values())
                 for key, pair in stacked.items():
@@ -280,6 +278,51 @@ class LoRAManager:
             self._drop(name, slot)  # no layer keeps a part of it for the next adapter in this slot
             raise
 
+    def _read(self, name: str, path: str, on_host: bool) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """An adapter's checkpoint, its pairs stacked per fused projection (in host memory, pinned on
+        CUDA, under --max-loras; else on the device)."""
+        adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype,
+                                   torch.device("cpu") if on_host else self.device)
+        parts: dict[tuple[int, str], list] = {}
+        for (layer, module), pair in adapter.weights.items():
+            fused, part = TARGETS[module]
+            parts.setdefault((layer, fused), [None] * len(self.layers[layer][fused].slices))[part] = pair
+        stacked = {}
+        for (layer, fused), pairs in parts.items():  # stacked by the layers; the adapter's own copies go
+            a, bt = self.layers[layer][fused].stack(pairs)
+            if on_host and self.device.type == "cuda":  # copied to the device asynchronously
+                a, bt = a.pin_memory(), bt.pin_memory()
+            stacked[(layer, fused)] = (a, bt)
+        return stacked
+
+    def stage(self, names: set[str]) -> dict[str, str]:
+        """--max-cpu-loras: the adapters the next steps may run (`Scheduler.adapters_to_run`) in
+        host memory, each one evicted read back from its files, the least recently run others
+        evicted beyond the cap. Returns those that could not be read back: name -> why."""
+        failed = {}
+        for name in sorted(names):
+            if name in self.host:
+                self.host.move_to_end(name)
+            elif name not in self.slots and name in self.paths:  # (on the device it runs as it is)
+                try:
+                    self._reload(name)
+                except (OSError, ValueError, RuntimeError) as e:  # gone, changed, or no memory left
+                    failed[name] = str(e)
+        self._trim_host(keep=names)
+        return failed
+
+    def _reload(self, name: str) -> None:
+        self.host[name] = self._read(name, self.paths[name], on_host=True)
+        self.reloads += 1
+
+    def _trim_host(self, keep: set[str]) -> None:
+        """--max-cpu-loras: host copies beyond the cap go, the least recently run first (their
+        adapters stay loaded: on the device as they are, or read back when run again)."""
+        if self.host_cap is None:
+            return
+        for name in [n for n in self.host if n not in keep][:max(0, len(self.host) - self.host_cap)]:
+            del self.host[name]
+
     def remove(self, name: str) -> None:
         """Frees an adapter's weights and slot: no request of the batch may still use it."""
         if name not in self.loaded:
@@ -288,6 +331,7 @@ class LoRAManager:
 
     def _drop(self, name: str, slot: int | None) -> None:
         self.host.pop(name, None)
+        self.paths.pop(name, None)
         self._last_run.pop(name, None)
         if slot is not None:
             if self.slots.get(name) == slot:
@@ -313,7 +357,13 @@ class LoRAManager:
         """--max-loras: this step's adapters on the device, each missing one into a free slot or
         that of the adapter run least recently that this step does not run."""
         self._steps += 1
+        reloaded = False
         for name in sorted(names):
+            if name not in self.slots and name not in self.host and name in self.paths:
+                self._reload(name)  # (not staged: the engine core stages every step's adapters first)
+                reloaded = True
+            if name in self.host:
+                self.host.move_to_end(name)
             if name not in self.slots and name in self.host:
                 slot = self._free_slot()
                 if slot is None:
@@ -326,6 +376,8 @@ class LoRAManager:
                 self._bring(name, slot)
                 self.swaps += 1
             self._last_run[name] = self._steps
+        if reloaded:
+            self._trim_host(keep=names)
 
     def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
         """The step's rows: each request's tokens in order, then padding (no adapter)."""

@@ -338,7 +338,8 @@ class ModelRunner:
         stats = {"decode_buffer_steps": g.num_steps, "cuda_graph_replays": g.num_replays,
                  "cuda_graphs_captured": len(g.graphs)}
         if self.lora is not None:
-            stats.update(lora_adapters_on_device=len(self.lora.slots), lora_swaps=self.lora.swaps)
+            stats.update(lora_adapters_on_device=len(self.lora.slots), lora_swaps=self.lora.swaps,
+                         lora_adapters_in_host_memory=len(self.lora.host), lora_reloads=self.lora.reloads)
         return stats
 
     @torch.inference_mode()

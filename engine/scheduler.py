@@ -239,6 +239,20 @@ class Scheduler:
         active.discard(None)
         return active
 
+    def adapters_to_run(self) -> set[str]:
+        """The adapters the next steps may run (--max-cpu-loras stages them in host memory first):
+        those of the requests running or loading their KV, then the waiting ones' in queue order
+        while --max-loras has room, as `_schedule_waiting` admits them."""
+        active = {r.sampling_params.lora_name for r in self.running}
+        active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
+        active.discard(None)
+        for request in self.waiting:
+            if self.max_loras is not None and len(active) >= self.max_loras:
+                break
+            if request.sampling_params.lora_name is not None:
+                active.add(request.sampling_params.lora_name)
+        return active
+
     def _admit_remote(self, request: Request, hits, num_hit_tokens: int) -> bool | None:
         """Pull model: admit only with room for the whole prompt; no compute budget used.
         True: admitted to load; False: nothing to load, compute it here; None: not now."""

@@ -75,6 +75,10 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
              "device: allocated at start at --max-lora-rank, before the KV cache is sized; more adapters may be "
              "loaded, kept in host memory until a step runs them; default: no cap (every adapter loaded stays "
              "on the device, its memory not reserved)")
+    add(p, "--max-cpu-loras", type=int, default=None,
+        help="adapters kept in host memory at most, with --max-loras (vLLM's flag; >= --max-loras): the one run "
+             "least recently beyond it is evicted and read back from its files when a request runs it again; "
+             "default: every adapter loaded stays in host memory")
     add(p, "--stream-interval", type=int, default=1,
         help="tokens a streamed request's updates carry at least after its first, as vLLM's and SGLang's flag: "
              "fewer gRPC, router and HTTP messages per token, each update later by up to N - 1 steps")

@@ -154,7 +154,8 @@ def _lora_kwargs(args) -> dict:
     modules, rank, cap = args.lora_modules, args.max_lora_rank, args.max_loras  # a string from the environment
     if not args.enable_lora and not modules:
         return {}
-    return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank, max_loras=cap)
+    return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank, max_loras=cap,
+                max_cpu_loras=args.max_cpu_loras)
 
 
 _DEAD_CORE_EXIT_S = 20.0

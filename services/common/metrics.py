@@ -19,6 +19,8 @@ _GAUGES = {
     "cuda_graphs_captured": ("pdserve:cuda_graphs_captured", "Decode batch sizes with a captured CUDA graph."),
     "lora_adapters_on_device": ("pdserve:lora_adapters_on_device",
                                 "LoRA adapters in device memory (at most --max-loras when given)."),
+    "lora_adapters_in_host_memory": ("pdserve:lora_adapters_in_host_memory",
+                                     "LoRA adapters in host memory (--max-loras; at most --max-cpu-loras when given)."),
     "spec_decode_acceptance_rate": ("pdserve:spec_decode_acceptance_rate",
                                     "Speculative decoding: accepted / proposed tokens since start (0-1)."),
     "spec_decode_mean_accepted_length": ("pdserve:spec_decode_mean_accepted_length",
@@ -58,6 +60,8 @@ _COUNTERS = {
                                         "Speculative decoding: proposed tokens accepted."),
     "lora_swaps": ("pdserve:lora_swaps",
                    "LoRA adapters brought from host memory to a device slot for a step (--max-loras)."),
+    "lora_reloads": ("pdserve:lora_reloads",
+                     "LoRA adapters read back from their files, their host copy evicted by --max-cpu-loras."),
     "kv_events_dropped": ("pdserve:kv_events_dropped",
                           "KV events dropped because the publisher's queue was full (subscribers see a gap)."),
 }

@@ -440,3 +440,42 @@ def test_on_cuda_max_loras_slots_come_out_of_the_share_before_the_kv_cache(tiny_
     outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
     assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
     assert lora.device_bytes() == slots and all(t.is_pinned() for pair in lora.host["all"].values() for t in pair)
+
+
+def test_max_cpu_loras_keeps_that_many_in_host_memory_and_reads_the_others_back(tiny_llama, adapters, reference,
+                                                                                 tmp_path):
+    """vLLM's --max-cpu-loras: M adapters at most in host memory, the one run least recently
+    evicted beyond them and read back from its files when a request runs it again (every answer
+    token-exact against PEFT); one whose files are gone by then fails its requests with the
+    reason and is unloaded, the engine serving the rest."""
+    from engine.config import LoRAConfig
+
+    with pytest.raises(ValueError, match="--max-cpu-loras needs --max-loras"):
+        LoRAConfig(max_cpu_loras=2)
+    with pytest.raises(ValueError, match=r"--max-cpu-loras \(1\) must be >= --max-loras \(2\)"):
+        LoRAConfig(max_loras=2, max_cpu_loras=1)
+    qv = shutil.copytree(adapters["qv"], tmp_path / "qv")
+    llm = LLM(tiny_llama, enable_lora=True, max_loras=1, max_cpu_loras=1,
+              lora_modules=[f"all={adapters['all']}", f"qv={qv}"])
+    lora = llm.engine.runner.lora
+    assert lora.slots == {"all": 1} and list(lora.host) == ["qv"]  # "all" runs from its slot, its host copy gone
+    order = [("all", 0), ("qv", 1), ("all", 2), (None, 0), ("qv", 0), ("all", 1)]
+    for name, i in order:
+        assert llm.generate(PROMPTS[i], greedy(name))[0].outputs[0].token_ids == reference[(name, i)]
+        assert len(lora.host) <= 1
+    stats = llm.engine.stats()
+    # "all" read back for its slot after qv's turns (twice), qv after all's (once: its second turn)
+    assert stats["lora_reloads"] == 3 and stats["lora_adapters_in_host_memory"] == 1
+    cases = [(name, i) for name in ("all", "qv") for i in range(len(PROMPTS))]  # both, one batch's worth
+    outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases] and len(lora.host) <= 1
+    # qv's files removed while "all" holds the slot and the host copy: qv's requests fail, named.
+    assert llm.generate(PROMPTS[0], greedy("all"))[0].outputs[0].token_ids == reference[("all", 0)]
+    assert list(lora.host) == ["all"] and lora.slots == {"all": 1}
+    shutil.rmtree(qv)
+    out = llm.generate(PROMPTS[1], greedy("qv"))[0].outputs[0]
+    assert out.finish_reason == "abort" and "could not be read back" in out.stop_reason and str(qv) in out.stop_reason
+    assert "qv" not in llm.engine.lora_paths and "qv" not in lora.loaded
+    assert llm.generate(PROMPTS[2], greedy("all"))[0].outputs[0].token_ids == reference[("all", 2)]
+    assert llm.generate(PROMPTS[2], greedy(None))[0].outputs[0].token_ids == reference[(None, 2)]
+    llm.engine.check_integrity(expect_all_free=True)

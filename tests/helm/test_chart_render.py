@@ -217,6 +217,15 @@ def test_lora_adapters_reach_both_engines_and_the_router():
                      "Deployment")
     for role in ("prefill", "decode"):
         assert "--max-loras=4" in container(capped[f"pd-pdserve-{role}"])["args"]
+        assert not any(a.startswith("--max-cpu-loras") for a in container(capped[f"pd-pdserve-{role}"])["args"])
+    host_capped = by_kind(render("3", None, {"engine.lora.runtimeUpdating": True, "engine.lora.maxLoras": 4,
+                                             "engine.lora.maxCpuLoras": 16}), "Deployment")
+    for role in ("prefill", "decode"):
+        assert "--max-cpu-loras=16" in container(host_capped[f"pd-pdserve-{role}"])["args"]
+    for values, error in (({"engine.lora.maxCpuLoras": 16}, "set it too"),
+                          ({"engine.lora.maxLoras": 4, "engine.lora.maxCpuLoras": 2}, "must be >= engine.lora.maxLoras (4)")):
+        result = template("3", None, {"engine.lora.runtimeUpdating": True, **values}, check=False)
+        assert result.returncode != 0 and error in result.stderr, result.stderr
     assert "--allow-runtime-lora-updating" in container(runtime["pd-pdserve-router"])["args"]
     assert not any("resolver" in a for a in container(runtime["pd-pdserve-router"])["args"])
     result = template("3", None, {"engine.lora.resolverDir": "/models/adapters"}, check=False)

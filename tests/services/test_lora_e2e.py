@@ -31,8 +31,9 @@ def runtime_adapter(e2e_model, tiny_lora_factory) -> str:
 @pytest.fixture(scope="module")
 def stack(e2e_model, adapter, runtime_adapter):
     # One device slot each (--max-loras 1): adapters loaded at run time wait in host memory and
-    # take the slot from "ada" for their requests (and give it back).
-    lora = ("--enable-lora", "--lora-modules", f"ada={adapter}", "--max-loras", "1")
+    # take the slot from "ada" for their requests (and give it back); one adapter in host memory
+    # (--max-cpu-loras 1): the others read back from their files when they run.
+    lora = ("--enable-lora", "--lora-modules", f"ada={adapter}", "--max-loras", "1", "--max-cpu-loras", "1")
     spec = StackSpec(prefills=1, decodes=1, prefill_args=lora, decode_args=lora,
                      router_args=("--lora-modules", f"ada={adapter}", "ghost=/nowhere",
                                   "--allow-runtime-lora-updating",
@@ -102,6 +103,9 @@ def test_an_adapter_loaded_at_run_time_serves_token_exact_then_unloads(stack, e2
         for service in (*stack.prefills, *stack.decodes):  # "late" came to the slot and went; "ada" back
             assert service.metric("pdserve:lora_swaps_total") >= 1
             assert service.metric("pdserve:lora_adapters_on_device") == 1
+            # ... "ada" read back from its files: "late"'s load took its place in host memory
+            assert service.metric("pdserve:lora_reloads_total") >= 1
+            assert service.metric("pdserve:lora_adapters_in_host_memory") == 1
         # Loaded again: the freed slot takes it, the answers the same.
         assert stack.post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": runtime_adapter})[0] == 200
         out = client.completions.create(model="late", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,

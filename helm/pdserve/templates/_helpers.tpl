@@ -164,6 +164,13 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and (ne .Values.router.tls.clientCertificates "none") (not .Values.router.tls.secretName) }}
 {{- fail "router.tls.clientCertificates: name the Secret holding tls.crt, tls.key and ca.crt in router.tls.secretName" }}
 {{- end }}
+{{- with .Values.engine.lora.maxCpuLoras }}
+{{- if not $.Values.engine.lora.maxLoras }}
+{{- fail "engine.lora.maxCpuLoras caps the adapters in host memory, which only engine.lora.maxLoras puts there: set it too" }}
+{{- else if lt (int .) (int $.Values.engine.lora.maxLoras) }}
+{{- fail (printf "engine.lora.maxCpuLoras (%d) must be >= engine.lora.maxLoras (%d)" (int .) (int $.Values.engine.lora.maxLoras)) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.engine.lora.resolverDir (not .Values.engine.lora.runtimeUpdating) }}
 {{- fail "engine.lora.resolverDir loads adapters at run time: set engine.lora.runtimeUpdating too" }}
 {{- end }}
