@@ -185,7 +185,7 @@ class EngineCore:
         if grammars.num_waiting and self._in_flight is None and not self.scheduler.has_unfinished_requests():
             grammars.wait(0.005)  # nothing else to run: wait for a compile rather than spin
         failed = self._admit_compiled(*grammars.take_settled()) if grammars.num_waiting else []
-        if self._stage_loras:
+        if self._stage_loras and self._in_flight is None:  # (a step in flight runs what is on the device)
             failed += self._stage_lora_adapters()
         outputs = failed + self._step()
         if self._retiring_loras:
@@ -193,24 +193,21 @@ class EngineCore:
         return outputs
 
     def _stage_lora_adapters(self) -> list[EngineCoreOutput]:
-        """--max-cpu-loras: the adapters the next steps may run in host memory, read back from their
-        files where evicted. One that cannot be read back (its files removed or changed, no memory)
-        is unloaded from this engine and its requests fail with the reason (finish_reason abort);
-        the rest go on."""
+        """--max-cpu-loras: the adapters the next step may run in host memory, read back from their
+        files where evicted. The requests of one that cannot be read back (its files removed or
+        changed, no memory) fail with the reason (finish_reason abort); it stays loaded, and the
+        next request for it tries again; the rest go on."""
         outputs = []
-        for name, why in self.runner.lora.stage(self.scheduler.adapters_to_run()).items():
-            path = self.lora_paths.get(name)
-            reason = (f"LoRA adapter {name!r} could not be read back from {path} (its host copy was evicted "
-                      f"under --max-cpu-loras): {why}; it is unloaded from this engine")
+        staged = self.runner.lora.stage(self.scheduler.adapters_to_run(), keep=self._retiring_loras)
+        for name, why in staged.items():
+            reason = (f"LoRA adapter {name!r} could not be read back from {self.lora_paths.get(name)} (its "
+                      f"host copy was evicted under --max-cpu-loras): {why}")
             logger.error(reason)
             ids = [r.request_id for r in self.scheduler.requests.values() if r.sampling_params.lora_name == name]
             ids += [rid for rid, r in self.structured_output.waiting.items() if r.sampling_params.lora_name == name]
             self.abort_requests(ids)
             outputs += [EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=reason, finished=True)
                         for rid in ids]
-            self.runner.lora.remove(name)
-            self.lora_paths.pop(name, None)
-            self._retiring_loras.discard(name)
         return outputs
 
     def _admit_compiled(self, ready: list[Request], failed: list[tuple[Request, str]]) -> list[EngineCoreOutput]:

@@ -51,6 +51,16 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {path}: no adapter_model.safetensors (or .bin)")
 
 
+def _fingerprint(path: str) -> tuple:
+    """An adapter folder's files as they are now (name, size, modification time): a read-back
+    must find them as they were when the adapter loaded."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+    except OSError:
+        return ()
+
+
 def _expected_shapes(arch) -> dict[str, tuple[int, int]]:
     """(out, in) of each target module in the base model."""
     h, q, kv, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
@@ -216,6 +226,7 @@ class LoRAManager:
         # --max-loras: the adapters in host memory, stacked per projection, the least recently run first.
         self.host: OrderedDict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.paths: dict[str, str] = {}  # every adapter loaded, and where it was read from
+        self._files: dict[str, tuple] = {}  # --max-cpu-loras: each one's files when it loaded
         self.reloads = 0  # adapters read back from their files (--max-cpu-loras)
         self._last_run: dict[str, int] = {}
         self._steps = 0
@@ -256,8 +267,10 @@ class LoRAManager:
         slot = None
         try:
             on_host = self.num_slots is not None
+            files = _fingerprint(path) if self.host_cap is not None else ()
             stacked = self._read(name, path, on_host)
             self.paths[name] = path
+            self._files[name] = files
             if on_host:
                 self.host[name] = stacked
                 slot = self._free_slot()
@@ -295,32 +308,42 @@ class LoRAManager:
             stacked[(layer, fused)] = (a, bt)
         return stacked
 
-    def stage(self, names: set[str]) -> dict[str, str]:
-        """--max-cpu-loras: the adapters the next steps may run (`Scheduler.adapters_to_run`) in
+    def stage(self, names: set[str], keep: set[str] = frozenset()) -> dict[str, str]:
+        """--max-cpu-loras: the adapters the next step may run (`Scheduler.adapters_to_run`) in
         host memory, each one evicted read back from its files, the least recently run others
-        evicted beyond the cap. Returns those that could not be read back: name -> why."""
+        evicted beyond the cap (never those in `keep`: unloaded ones still finishing requests).
+        Returns those that could not be read back (their files gone, changed since they loaded,
+        unreadable; no memory): name -> why; they stay loaded, the next step that runs them tries
+        again."""
         failed = {}
+        keep = set(names) | set(keep)
         for name in sorted(names):
             if name in self.host:
                 self.host.move_to_end(name)
             elif name not in self.slots and name in self.paths:  # (on the device it runs as it is)
+                self._trim_host(keep, room=1)
                 try:
                     self._reload(name)
-                except (OSError, ValueError, RuntimeError) as e:  # gone, changed, or no memory left
-                    failed[name] = str(e)
-        self._trim_host(keep=names)
+                except Exception as e:  # noqa: BLE001 (whatever the files do, the engine serves on)
+                    failed[name] = str(e) or type(e).__name__
+        self._trim_host(keep)
         return failed
 
     def _reload(self, name: str) -> None:
-        self.host[name] = self._read(name, self.paths[name], on_host=True)
+        path = self.paths[name]
+        if _fingerprint(path) != self._files.get(name):
+            raise ValueError(f"its files in {path} changed since it was loaded (unload it and load it "
+                             "again to serve the new ones)")
+        self.host[name] = self._read(name, path, on_host=True)
         self.reloads += 1
 
-    def _trim_host(self, keep: set[str]) -> None:
-        """--max-cpu-loras: host copies beyond the cap go, the least recently run first (their
-        adapters stay loaded: on the device as they are, or read back when run again)."""
+    def _trim_host(self, keep: set[str], room: int = 0) -> None:
+        """--max-cpu-loras: host copies beyond the cap (less `room`) go, the least recently run
+        first (their adapters stay loaded: on the device as they are, or read back when run)."""
         if self.host_cap is None:
             return
-        for name in [n for n in self.host if n not in keep][:max(0, len(self.host) - self.host_cap)]:
+        over = len(self.host) - max(0, self.host_cap - room)
+        for name in [n for n in self.host if n not in keep][:max(0, over)]:
             del self.host[name]
 
     def remove(self, name: str) -> None:
@@ -332,6 +355,7 @@ class LoRAManager:
     def _drop(self, name: str, slot: int | None) -> None:
         self.host.pop(name, None)
         self.paths.pop(name, None)
+        self._files.pop(name, None)
         self._last_run.pop(name, None)
         if slot is not None:
             if self.slots.get(name) == slot:
@@ -357,11 +381,10 @@ class LoRAManager:
         """--max-loras: this step's adapters on the device, each missing one into a free slot or
         that of the adapter run least recently that this step does not run."""
         self._steps += 1
-        reloaded = False
         for name in sorted(names):
             if name not in self.slots and name not in self.host and name in self.paths:
-                self._reload(name)  # (not staged: the engine core stages every step's adapters first)
-                reloaded = True
+                self._reload(name)  # never expected: the engine core stages a step's adapters before it schedules
+                self._trim_host(keep=names)
             if name in self.host:
                 self.host.move_to_end(name)
             if name not in self.slots and name in self.host:
@@ -376,8 +399,6 @@ class LoRAManager:
                 self._bring(name, slot)
                 self.swaps += 1
             self._last_run[name] = self._steps
-        if reloaded:
-            self._trim_host(keep=names)
 
     def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
         """The step's rows: each request's tokens in order, then padding (no adapter)."""

@@ -240,13 +240,14 @@ class Scheduler:
         return active
 
     def adapters_to_run(self) -> set[str]:
-        """The adapters the next steps may run (--max-cpu-loras stages them in host memory first):
-        those of the requests running or loading their KV, then the waiting ones' in queue order
-        while --max-loras has room, as `_schedule_waiting` admits them."""
+        """The adapters the next step may run (--max-cpu-loras stages them in host memory first):
+        those of the requests running or loading their KV, then those of the waiting requests
+        `_schedule_waiting` could admit (in the order it pops them, as many as there are free
+        seats) while --max-loras has room, as it admits them."""
         active = {r.sampling_params.lora_name for r in self.running}
         active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
         active.discard(None)
-        for request in self.waiting:
+        for request in self.waiting.first(max(0, self.config.max_num_seqs - self.num_seats_taken)):
             if self.max_loras is not None and len(active) >= self.max_loras:
                 break
             if request.sampling_params.lora_name is not None:

@@ -45,6 +45,12 @@ class WaitingQueue:
         except ValueError:
             return False
 
+    def first(self, n: int) -> list[Request]:
+        """The n requests `pop` would take first, in that order."""
+        if self.policy == "priority":
+            return [e[3] for e in heapq.nsmallest(n, self._heap)]
+        return list(itertools.islice(self._fifo, n))
+
     def __len__(self) -> int:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)
 

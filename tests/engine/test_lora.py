@@ -446,8 +446,8 @@ def test_max_cpu_loras_keeps_that_many_in_host_memory_and_reads_the_others_back(
                                                                                  tmp_path):
     """vLLM's --max-cpu-loras: M adapters at most in host memory, the one run least recently
     evicted beyond them and read back from its files when a request runs it again (every answer
-    token-exact against PEFT); one whose files are gone by then fails its requests with the
-    reason and is unloaded, the engine serving the rest."""
+    token-exact against PEFT); one whose files are gone, or changed, by then fails its requests
+    with the reason and stays loaded (the next request tries again), the engine serving the rest."""
     from engine.config import LoRAConfig
 
     with pytest.raises(ValueError, match="--max-cpu-loras needs --max-loras"):
@@ -475,7 +475,17 @@ def test_max_cpu_loras_keeps_that_many_in_host_memory_and_reads_the_others_back(
     shutil.rmtree(qv)
     out = llm.generate(PROMPTS[1], greedy("qv"))[0].outputs[0]
     assert out.finish_reason == "abort" and "could not be read back" in out.stop_reason and str(qv) in out.stop_reason
-    assert "qv" not in llm.engine.lora_paths and "qv" not in lora.loaded
+    assert "qv" in llm.engine.lora_paths and "qv" in lora.loaded  # still loaded: a later request tries again
     assert llm.generate(PROMPTS[2], greedy("all"))[0].outputs[0].token_ids == reference[("all", 2)]
     assert llm.generate(PROMPTS[2], greedy(None))[0].outputs[0].token_ids == reference[(None, 2)]
+    # Files back, but not those it loaded (another adapter's, or the same written again): refused
+    # by name, never served as "qv" (its prefix-cache entries are keyed by its name and path).
+    shutil.copytree(adapters["all"], qv)
+    out = llm.generate(PROMPTS[1], greedy("qv"))[0].outputs[0]
+    assert out.finish_reason == "abort" and "changed since it was loaded" in out.stop_reason
+    llm.remove_lora("qv")  # loaded again: the files it finds now
+    shutil.rmtree(qv)
+    shutil.copytree(adapters["qv"], qv)
+    llm.engine.add_lora("qv", str(qv))
+    assert llm.generate(PROMPTS[1], greedy("qv"))[0].outputs[0].token_ids == reference[("qv", 1)]
     llm.engine.check_integrity(expect_all_free=True)

@@ -347,3 +347,29 @@ def test_allocate_returns_none_on_shortage():
     r = req("x", 20)
     assert kv.allocate_slots(r, 20) is None
     kv.check_integrity(expect_all_free=True)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_adapters_to_run_cover_every_adapter_the_next_step_schedules(policy):
+    """--max-cpu-loras stages `adapters_to_run()` in host memory before each step: whatever the
+    queue's order (priority pops by priority, not by arrival), preemptions and the --max-loras cap
+    passing requests over, each step's adapters are among them."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(25):
+        s = make_scheduler(num_blocks=12, max_tokens=24, max_seqs=4, policy=policy)
+        s.max_loras = 2
+        for i in range(14):
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 8), ignore_eos=True,
+                                    lora_name=rng.choice([None, "a", "b", "c", "d"]))
+            s.add_request(Request(f"r{i}", list(range(10 * i, 10 * i + rng.randint(2, 9))), params,
+                                  priority=rng.randint(0, 5)))
+        for _ in range(400):
+            if not s.has_unfinished_requests():
+                break
+            staged = s.adapters_to_run()
+            assert len(staged) <= 2
+            out, _ = fake_step(s)
+            assert {r.sampling_params.lora_name for r in out.scheduled} - {None} <= staged
+        assert not s.has_unfinished_requests()
