@@ -210,6 +210,17 @@ def _strip_tag(text: str, tag: str) -> str:
     return text[len(tag):].strip() if text.startswith(tag) else text
 
 
+def _call_keys_once(pairs: list) -> bool:
+    """A call object's keys (its top level, as pairs): `name` once, and not both `arguments` and
+    `parameters` (an object that says two things is no call: JSON readers disagree on which)."""
+    keys = [k for k, _ in pairs]
+    return keys.count("name") <= 1 and not ("arguments" in keys and "parameters" in keys) \
+        and keys.count("arguments") <= 1 and keys.count("parameters") <= 1
+
+
+_PAIRS = json.JSONDecoder(object_pairs_hook=lambda pairs: pairs)
+
+
 def _arguments(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -223,11 +234,12 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(s):
         try:
+            start = at
             obj, at = decoder.raw_decode(s, at)
         except ValueError:
             return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
-                not ("parameters" in obj or "arguments" in obj):
+                not ("parameters" in obj or "arguments" in obj) or not _call_keys_once(_PAIRS.raw_decode(s, start)[0]):
             return text, []
         calls.append(make_call(obj["name"], _arguments(obj["parameters"] if "parameters" in obj else obj["arguments"])))
         rest = s[at:].lstrip()
@@ -264,8 +276,9 @@ def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
 
 def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
     """Mistral's tool calls: from the first `[TOOL_CALLS]`, each `[TOOL_CALLS]name[ARGS]{...}`
-    (a `[CALL_ID]id` after the name is dropped), or one `[TOOL_CALLS][{"name", "arguments"}, ...]`
-    array; the text before is content. Any part that does not parse leaves the whole output as
+    (a `[CALL_ID]id` after the name is its id), or one `[TOOL_CALLS][{"name", "arguments"}, ...]`
+    array (an `"id"` is the call's; streamed, the calls of an array take the stream's ids, their
+    heads going out before their ids are written); the text before is content. Any part that does not parse leaves the whole output as
     content (vLLM's rule)."""
     at = text.find(MISTRAL_TAG)
     if at < 0:
@@ -279,6 +292,9 @@ def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
             if part.startswith("["):  # before tokenizer v11: a JSON array of calls
                 array, end = json.JSONDecoder().raw_decode(part)
                 if part[end:].strip() or not isinstance(array, list):
+                    return text, []
+                pairs = _PAIRS.raw_decode(part)[0]
+                if not all(isinstance(p, list) and _call_keys_once(p) for p in pairs):
                     return text, []
                 for call in array:
                     name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
@@ -622,6 +638,9 @@ class _JsonScan:
             self.length += 1
 
 
+_LONGEST_HEAD = 4096  # characters of a call object before its arguments, at most, for the stream to follow it
+
+
 @dataclass
 class _ObjectSequence:
     """JSON call objects one after another, a separator between them (Llama 3: `;`; Mistral's
@@ -775,6 +794,8 @@ class ToolCallStream:
         self._sequence: _ObjectSequence | None = None  # Llama 3's JSON, Mistral's array: the objects
         self._python: _PythonScan | None = None  # pythonic: the list's elements
         self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
+        self._mistral_scan = 0  # Mistral: where the text after the tag is read from to tell
+        self._halted = False  # a call the stream cannot follow: it and those after it go at the finish
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -845,7 +866,7 @@ class ToolCallStream:
     def _advance(self, final: bool = False) -> None:
         """Sends what the text so far makes of the calls. Each feed reads only what is new (a long
         call's arguments stream without the text before them being read again)."""
-        if not self.incremental:
+        if not self.incremental or self._halted:
             return
         if self.plan.parser in _OPENERS:
             if self._sequence is None and self._python is None:
@@ -860,15 +881,8 @@ class ToolCallStream:
                 self._advance_python()
             return
         if self.plan.parser == "mistral":
-            if self._mistral_array is None:
-                at = self.first_call + len(MISTRAL_TAG)
-                while at < len(self.text) and self.text[at].isspace():
-                    at += 1
-                if at == len(self.text):
-                    return  # not known yet
-                self._mistral_array = self.text[at] == "["
-                if self._mistral_array:
-                    self._sequence = _ObjectSequence(at + 1, ",", "]")
+            if self._mistral_array is None and not self._mistral_form():
+                return  # not known yet
             if self._mistral_array:
                 self._advance_sequence()
                 return
@@ -921,6 +935,9 @@ class ToolCallStream:
                     trailer = trailer[3:].strip()  # its fence's end
                 if closed and self.plan.parser != "hermes" and trailer:
                     self.sent[block.call]["invalid"] = True  # more after the object: no call, as parsed whole
+            elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip():
+                self._halted = True  # (Mistral) a part the stream cannot read: it and the rest at the finish
+                return
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
                 if calls:
@@ -929,6 +946,28 @@ class ToolCallStream:
             if not closed or close < 0:
                 return
             self._scan, self._open = after, None
+
+    def _mistral_form(self) -> bool:
+        """Mistral: whether the text after the first [TOOL_CALLS] shows the array form (`[` then
+        `{` or `]`) or tokenizer v11's (anything else) yet; each feed reads only what is new."""
+        text, at = self.text, max(self._mistral_scan, self.first_call + len(MISTRAL_TAG))
+        while at < len(text) and text[at].isspace():
+            at += 1
+        self._mistral_scan = at
+        if at == len(text):
+            return False
+        if text[at] != "[":
+            self._mistral_array = False
+            return True
+        inner = at + 1
+        while inner < len(text) and text[inner].isspace():
+            inner += 1
+        if inner == len(text):
+            return False  # (the whitespace after "[" read again next time: an array's is short)
+        self._mistral_array = text[inner] in "{]"
+        if self._mistral_array:
+            self._sequence = _ObjectSequence(at + 1, ",", "]")
+        return True
 
     def _calls_start(self) -> int:
         """Llama 3's JSON, pythonic: where the calls' "{" or "[" is (past whitespace and the tag)."""
@@ -972,6 +1011,9 @@ class ToolCallStream:
                 if head is not None:
                     name, _, block.head_end = head
                     block.call = self._begin(name)
+                elif end - block.start > _LONGEST_HEAD:  # no name this long: the finish reads it whole
+                    seq.stopped = True
+                    return
             if block.call is not None:
                 block.arguments.feed(text, block.head_end + block.arguments.length, end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])

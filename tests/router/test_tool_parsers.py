@@ -379,6 +379,17 @@ SEQUENCE_ODDITIES = [  # each read by the stream as the whole output parses it
     ("mistral", "[TOOL_CALLS]now[CALL_ID]abcdefghi[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\": \"]\"}"),
     ("mistral", '[TOOL_CALLS][{"arguments": {}, "name": "now"}, {"name": "get_weather", "arguments": {"city": "X"}}]'),
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more'),
+    # a part the stream cannot read (arguments not an object, a name with markup, an array
+    # between v11 calls, a second tag): it and the calls after it at the finish, in order
+    ("mistral", "[TOOL_CALLS]now[ARGS][1][TOOL_CALLS]get_weather[ARGS]{}"),
+    ("mistral", "[TOOL_CALLS]get<x>[ARGS]{}[TOOL_CALLS]now[ARGS]{}"),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS][{"name": "now", "arguments": {}}][TOOL_CALLS]get_weather'
+                '[ARGS]{"city": "X"}'),
+    ("mistral", '[TOOL_CALLS] [TOOL_CALLS]get_weather[ARGS]{"city": "X"}'),
+    # an object that says two things (a name twice, both argument keys) is no call: content
+    ("llama3_json", '{"name": "get_weather", "arguments": {"city": "X"}, "parameters": {"city": "Y"}}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {}, "name": "now"}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "parameters": {"city": "X"}, "arguments": {"city": "Y"}}]'),
     ("pythonic", '[get_weather(city="a), ]b\\"c", days=(3)), now()]'),
     ("pythonic", "[get_weather(city='X'), 1]"),  # not all calls: content
     ("pythonic", "[now(), get_weather(city='''x)''')]"),
