@@ -198,8 +198,8 @@ class EngineCore:
         changed, no memory) fail with the reason (finish_reason abort); it stays loaded, and the
         next request for it tries again; the rest go on."""
         outputs = []
-        staged = self.runner.lora.stage(self.scheduler.adapters_to_run(), keep=self._retiring_loras)
-        for name, why in staged.items():
+        failed = self.runner.lora.stage(self.scheduler.adapters_to_run(), keep=self._retiring_loras)
+        for name, why in failed.items():
             reason = (f"LoRA adapter {name!r} could not be read back from {self.lora_paths.get(name)} (its "
                       f"host copy was evicted under --max-cpu-loras): {why}")
             logger.error(reason)

@@ -226,7 +226,7 @@ class LoRAManager:
         # --max-loras: the adapters in host memory, stacked per projection, the least recently run first.
         self.host: OrderedDict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.paths: dict[str, str] = {}  # every adapter loaded, and where it was read from
-        self._files: dict[str, tuple] = {}  # --max-cpu-loras: each one's files when it loaded
+        self._fingerprints: dict[str, tuple] = {}  # --max-cpu-loras: each one's files when it loaded
         self.reloads = 0  # adapters read back from their files (--max-cpu-loras)
         self._last_run: dict[str, int] = {}
         self._steps = 0
@@ -270,7 +270,7 @@ class LoRAManager:
             files = _fingerprint(path) if self.host_cap is not None else ()
             stacked = self._read(name, path, on_host)
             self.paths[name] = path
-            self._files[name] = files
+            self._fingerprints[name] = files
             if on_host:
                 self.host[name] = stacked
                 slot = self._free_slot()
@@ -331,9 +331,11 @@ class LoRAManager:
 
     def _reload(self, name: str) -> None:
         path = self.paths[name]
-        if _fingerprint(path) != self._files.get(name):
-            raise ValueError(f"its files in {path} changed since it was loaded (unload it and load it "
-                             "again to serve the new ones)")
+        if not os.path.isdir(path):
+            raise FileNotFoundError("its folder is gone")
+        if _fingerprint(path) != self._fingerprints.get(name):
+            raise ValueError("its files changed since it was loaded (unload it and load it again to serve "
+                             "the new ones)")
         self.host[name] = self._read(name, path, on_host=True)
         self.reloads += 1
 
@@ -355,7 +357,7 @@ class LoRAManager:
     def _drop(self, name: str, slot: int | None) -> None:
         self.host.pop(name, None)
         self.paths.pop(name, None)
-        self._files.pop(name, None)
+        self._fingerprints.pop(name, None)
         self._last_run.pop(name, None)
         if slot is not None:
             if self.slots.get(name) == slot:

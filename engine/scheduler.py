@@ -234,6 +234,10 @@ class Scheduler:
         and the requests behind it go on. None without the cap."""
         if self.max_loras is None:
             return None
+        return self._running_adapters()
+
+    def _running_adapters(self) -> set[str]:
+        """The adapters of the requests running or loading their KV."""
         active = {r.sampling_params.lora_name for r in self.running}
         active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
         active.discard(None)
@@ -244,9 +248,7 @@ class Scheduler:
         those of the requests running or loading their KV, then those of the waiting requests
         `_schedule_waiting` could admit (in the order it pops them, as many as there are free
         seats) while --max-loras has room, as it admits them."""
-        active = {r.sampling_params.lora_name for r in self.running}
-        active.update(r.sampling_params.lora_name for r in self.waiting_for_remote_kv.values())
-        active.discard(None)
+        active = self._running_adapters()
         for request in self.waiting.first(max(0, self.config.max_num_seqs - self.num_seats_taken)):
             if self.max_loras is not None and len(active) >= self.max_loras:
                 break

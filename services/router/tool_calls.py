@@ -211,8 +211,9 @@ def _strip_tag(text: str, tag: str) -> str:
 
 
 def _call_keys_once(pairs: list) -> bool:
-    """A call object's keys (its top level, as pairs): `name` once, and not both `arguments` and
-    `parameters` (an object that says two things is no call: JSON readers disagree on which)."""
+    """A call object's keys (its top level, as pairs): `name`, `arguments` and `parameters` once
+    each at most, and not both of the last two (an object that says two things is no call: JSON
+    readers disagree on which)."""
     keys = [k for k, _ in pairs]
     return keys.count("name") <= 1 and not ("arguments" in keys and "parameters" in keys) \
         and keys.count("arguments") <= 1 and keys.count("parameters") <= 1
@@ -649,7 +650,6 @@ class _ObjectSequence:
     or something the stream cannot follow: the finish parses the output whole)."""
     pos: int
     separator: str
-    end: str | None
     block: _CallBlock | None = None
     outer: _JsonScan = field(default_factory=_JsonScan)
     need_separator: bool = False
@@ -715,10 +715,6 @@ _XML_CALLS = {
                                "</function>", True),
     "glm45": _XmlDialect(_glm_name, "<arg_key>", "</arg_key>", "<arg_value>", ("</arg_value>",), None, False),
 }
-# Parsers whose calls stream as they come (every one): the JSON and XML ones above, Llama
-# 3's JSON and Mistral's older array (a sequence of JSON call objects, each
-# one's arguments as written) and the pythonic lists (each call whole once its parenthesis closes).
-_STREAMED = frozenset({*_JSON_CALLS, *_XML_CALLS, "llama3_json", "pythonic"})
 # Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
 # argument texts the stream sent (their whole-output rules: any part that does not parse leaves
 # the whole output as content).
@@ -749,8 +745,9 @@ class _XmlCall:
 
 @dataclass
 class _CallBlock:
-    """A call's block being streamed: where it starts (from the first call), where its body starts
-    and its close may be (in the text), and its call once its head is out."""
+    """A call's block being streamed: where it starts (from the first call; a sequence's object:
+    in the text), where its body starts and its close may be (in the text), and its call once its
+    head is out."""
     start: int
     body: int
     close_from: int = 0
@@ -786,11 +783,11 @@ class ToolCallStream:
         self.first_call = -1  # where the first <tool_call> starts, once seen
         self.openers = _OPENERS.get(plan.parser) if not plan.constrained else None
         self.whole: bool | None = None  # llama3_json / pythonic: the output opens calls (None: not known yet)
-        self.incremental = stream_calls and not plan.constrained and plan.parser in _STREAMED
+        self.incremental = stream_calls and not plan.constrained  # (every parser streams its calls)
         self.sent: list[dict] = []  # calls begun on the stream: {"id", "name", "arguments" sent, "closed"}
-        self._blocks: dict[int, int] = {}  # Hermes: a block's offset (from the first call) -> its call in `sent`
-        self._open: _CallBlock | None = None  # Hermes: the block being written
-        self._scan = 0  # Hermes: where in the text the next block is looked for
+        self._blocks: dict[int, int] = {}  # block parsers: a block's offset (from the first call) -> its call
+        self._open: _CallBlock | None = None  # block parsers: the block being written
+        self._scan = 0  # block parsers: where in the text the next block is looked for
         self._sequence: _ObjectSequence | None = None  # Llama 3's JSON, Mistral's array: the objects
         self._python: _PythonScan | None = None  # pythonic: the list's elements
         self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
@@ -872,7 +869,7 @@ class ToolCallStream:
             if self._sequence is None and self._python is None:
                 at = self._calls_start()
                 if self.plan.parser == "llama3_json":
-                    self._sequence = _ObjectSequence(at, ";", None)
+                    self._sequence = _ObjectSequence(at, ";")
                 else:
                     self._python = _PythonScan(at + 1)  # past the list's "["
             if self._sequence is not None:
@@ -966,7 +963,7 @@ class ToolCallStream:
             return False  # (the whitespace after "[" read again next time: an array's is short)
         self._mistral_array = text[inner] in "{]"
         if self._mistral_array:
-            self._sequence = _ObjectSequence(at + 1, ",", "]")
+            self._sequence = _ObjectSequence(at + 1, ",")
         return True
 
     def _calls_start(self) -> int:

@@ -235,7 +235,7 @@ def test_other_outputs_stay_content(parser, text):
 ])
 def test_streamed_llama3_json_and_pythonic_match_the_whole(parser, text, want_content, want_calls):
     """Cut anywhere, a stream shows the content (as it comes when the output is not calls) and
-    the calls at the end, as the whole output parses."""
+    the calls `finish()` returns, as the whole output parses."""
     plan = ToolPlan("auto", (F, G), parser=parser)
     whole_content, whole_calls = plan.tool_calls(text)
     assert (whole_content or "", [c["function"]["name"] for c in whole_calls]) == (want_content, want_calls)

@@ -123,7 +123,7 @@ def merged(deltas: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("parser", FORMATS)
-def test_a_stream_sends_each_call_once_its_block_closes(parser):
+def test_a_stream_begins_each_call_at_its_name_and_sends_its_arguments_as_written(parser):
     stream, deltas = ToolCallStream(ToolPlan("auto", TOOLS, parser=parser)), []
     text = FORMATS[parser]
     first_end = text.index({"qwen3_coder": "</tool_call>", "glm45": "</tool_call>", "deepseek_v3": "<｜tool▁call▁end｜>",
@@ -142,7 +142,7 @@ def test_a_stream_sends_each_call_once_its_block_closes(parser):
         deltas += stream.take_deltas()
         fed += 4
     assert len([d for d in deltas if d["index"] == 0]) > 3  # its arguments in pieces, as written
-    assert fed < text.index("now")  # either way the first call went before the second was written
+    assert fed < text.index("now")  # the first call went before the second was written
     assert calls_of(merged(deltas)) == WANT[:1]
     for i in range(fed, len(text), 4):
         stream.feed(text[i:i + 4])
