@@ -152,10 +152,11 @@ def engine_kwargs(args) -> dict:
 def _lora_kwargs(args) -> dict:
     """--enable-lora's adapters (none without it; --lora-modules alone is the config's error)."""
     modules, rank, cap = args.lora_modules, args.max_lora_rank, args.max_loras  # a string from the environment
+    host_cap = args.max_cpu_loras
     if not args.enable_lora and not modules:
         return {}
     return dict(enable_lora=args.enable_lora, lora_modules=modules or [], max_lora_rank=rank, max_loras=cap,
-                max_cpu_loras=args.max_cpu_loras)
+                max_cpu_loras=host_cap)
 
 
 _DEAD_CORE_EXIT_S = 20.0
