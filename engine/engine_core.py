@@ -157,11 +157,15 @@ class EngineCore:
         self._retiring_loras.add(name)
         self._free_retired_loras()
 
+    def _unfinished_requests(self):
+        """Every request this engine still owes an answer: the scheduler's and those waiting for a grammar."""
+        yield from self.scheduler.requests.values()
+        yield from self.structured_output.waiting.values()
+
     def _free_retired_loras(self) -> None:
         if self._in_flight is not None:  # a step launched ahead may still read the weights
             return
-        in_use = {r.sampling_params.lora_name for r in self.scheduler.requests.values()}
-        in_use.update(r.sampling_params.lora_name for r in self.structured_output.waiting.values())
+        in_use = {r.sampling_params.lora_name for r in self._unfinished_requests()}
         for name in [n for n in self._retiring_loras if n not in in_use]:
             self.runner.lora.remove(name)
             del self.lora_paths[name]
@@ -203,8 +207,7 @@ class EngineCore:
             reason = (f"LoRA adapter {name!r} could not be read back from {self.lora_paths.get(name)} (its "
                       f"host copy was evicted under --max-cpu-loras): {why}")
             logger.error(reason)
-            ids = [r.request_id for r in self.scheduler.requests.values() if r.sampling_params.lora_name == name]
-            ids += [rid for rid, r in self.structured_output.waiting.items() if r.sampling_params.lora_name == name]
+            ids = [r.request_id for r in self._unfinished_requests() if r.sampling_params.lora_name == name]
             self.abort_requests(ids)
             outputs += [EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=reason, finished=True)
                         for rid in ids]

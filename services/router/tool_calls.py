@@ -793,6 +793,7 @@ class ToolCallStream:
         self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
         self._mistral_scan = 0  # Mistral: where the text after the tag is read from to tell
         self._halted = False  # a call the stream cannot follow: it and those after it go at the finish
+        self._calls_at = 0  # llama3_json / pythonic: where the calls begin (past whitespace and the tag)
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -812,6 +813,7 @@ class ToolCallStream:
             elif tag.startswith(s):
                 return ""  # whitespace, or maybe the tag's start
             self.whole = s.startswith(opener)
+            self._calls_at = len(self.text) - len(s)  # where its "{" or "[" is, when it opens calls
         if self.whole:
             return ""
         out, self.shown = self.text[self.shown:], len(self.text)
@@ -867,7 +869,7 @@ class ToolCallStream:
             return
         if self.plan.parser in _OPENERS:
             if self._sequence is None and self._python is None:
-                at = self._calls_start()
+                at = self._calls_at
                 if self.plan.parser == "llama3_json":
                     self._sequence = _ObjectSequence(at, ";")
                 else:
@@ -965,16 +967,6 @@ class ToolCallStream:
         if self._mistral_array:
             self._sequence = _ObjectSequence(at + 1, ",")
         return True
-
-    def _calls_start(self) -> int:
-        """Llama 3's JSON, pythonic: where the calls' "{" or "[" is (past whitespace and the tag)."""
-        text, tag = self.text, self.openers[0]
-        at = len(text) - len(text.lstrip())
-        if text.startswith(tag, at):
-            at += len(tag)
-            while text[at].isspace():
-                at += 1
-        return at
 
     def _advance_sequence(self) -> None:
         """Llama 3's `;`-joined call objects, Mistral's array of them: each call begins once its
