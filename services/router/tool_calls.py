@@ -545,6 +545,17 @@ def _is_json_object(text: str, strict: bool = True) -> bool:
         return False
 
 
+def _after_calls(text: str, separator: str) -> str:
+    """The text after a sequence's last call, as content: a separator and an array's or list's
+    closing bracket right after the call are the calls' markup (the whitespace before what
+    follows is kept)."""
+    markup = re.match(r"\s*(?:%s\s*)?%s" % (re.escape(separator), r"(?:\]\s*)?" if separator == "," else ""), text)
+    rest = text[markup.end():].rstrip()
+    if not rest:
+        return ""
+    return re.search(r"\s*$", text[:markup.end()]).group() + rest
+
+
 def _hermes_head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
     """A Hermes block's head `{"name": ..., "arguments": ` in text[start:end]: (name, no id, where
     the arguments object starts), once it is out."""
@@ -654,6 +665,7 @@ class _ObjectSequence:
     outer: _JsonScan = field(default_factory=_JsonScan)
     need_separator: bool = False
     stopped: bool = False
+    calls_end: int = -1  # where the last call object read ends (-1: none yet)
 
 
 class _PythonScan:
@@ -668,6 +680,7 @@ class _PythonScan:
         self.escaped = False
         self.element = -1  # where the element being read starts (-1: between elements)
         self.stopped = False
+        self.calls_end = pos  # where the last call read ends (past the list's "[" before any)
 
 
 _NOT_TEXT = frozenset({"null", "integer", "number", "boolean", "object", "array"})
@@ -717,7 +730,7 @@ _XML_CALLS = {
 }
 # Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
 # argument texts the stream sent (their whole-output rules: any part that does not parse leaves
-# the whole output as content).
+# the whole output as content; a stream's calls, once begun, stand instead: _as_streamed).
 _RECONCILED = frozenset({"mistral", "llama3_json", "pythonic"})
 
 
@@ -772,7 +785,8 @@ class ToolCallStream:
     piece by piece (the arguments are then the model's JSON text as written); Qwen3-Coder's and
     GLM-4.5's as JSON built as their parameters come; a pythonic call whole once its parenthesis
     closes. Any not sent yet go at the finish. `finish` returns every call, with the ids the
-    stream sent (under Mistral, Llama 3 JSON and pythonic, the calls the whole output parses to)."""
+    stream sent (under Mistral, Llama 3 JSON and pythonic, the calls the whole output parses to,
+    or the stream's own where that would drop calls it began)."""
 
     def __init__(self, plan: ToolPlan, stream_calls: bool = True) -> None:
         """`stream_calls`: make the calls' deltas as they come (False: an answer read whole, its
@@ -793,6 +807,7 @@ class ToolCallStream:
         self._mistral_array: bool | None = None  # Mistral: its calls an array (None: not known yet)
         self._mistral_scan = 0  # Mistral: where the text after the tag is read from to tell
         self._halted = False  # a call the stream cannot follow: it and those after it go at the finish
+        self._halted_at = -1  # (Mistral v11) where the part it could not read begins, past its tag
         self._calls_at = 0  # llama3_json / pythonic: where the calls begin (past whitespace and the tag)
         self._deltas: list[dict] = []
 
@@ -934,8 +949,10 @@ class ToolCallStream:
                     trailer = trailer[3:].strip()  # its fence's end
                 if closed and self.plan.parser != "hermes" and trailer:
                     self.sent[block.call]["invalid"] = True  # more after the object: no call, as parsed whole
+                    self.sent[block.call]["trailer"] = text[block.head_end + block.arguments.length:body_end].rstrip()
             elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip():
                 self._halted = True  # (Mistral) a part the stream cannot read: it and the rest at the finish
+                self._halted_at = block.body
                 return
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
@@ -1012,7 +1029,7 @@ class ToolCallStream:
                 seq.stopped = True
                 return
             self.sent[block.call]["closed"] = True
-            seq.block, seq.pos, seq.need_separator = None, end, True
+            seq.block, seq.pos, seq.need_separator, seq.calls_end = None, end, True, end
 
     def _advance_python(self) -> None:
         """Pythonic: each element of the list, once its last parenthesis closes, parsed as the whole
@@ -1048,7 +1065,7 @@ class ToolCallStream:
                             break
                         fn = calls[0]["function"]
                         self._begin(fn["name"], calls[0]["id"], fn["arguments"], closed=True)
-                        py.element = -1
+                        py.element, py.calls_end = -1, at + 1
             at += 1
         py.pos = at
 
@@ -1144,6 +1161,8 @@ class ToolCallStream:
         """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""
         if self.plan.constrained or self.openers is not None and self.whole is not False:
             content, calls = self.plan.tool_calls(self.text)
+            if not self._answers_stream(calls):
+                return self._as_streamed()
             rest = (content or "")[self.shown:] if not calls else ""
             self._reconcile(calls)
             self._send_rest(calls)
@@ -1168,10 +1187,47 @@ class ToolCallStream:
                     at = m.end()
             content = "".join(kept + [region[at:]]).strip() if self.sent else region
             return self.text[self.shown:self.first_call] + content, calls
+        if self.incremental and self.plan.parser == "mistral":
+            self._advance(final=True)  # (v11) its last call ends with the output
         content, calls = parse_auto(self.plan.parser, region, self.plan.tools)
+        if not self._answers_stream(calls):
+            return self._as_streamed()
         self._reconcile(calls)
         self._send_rest(calls)
         return self.text[self.shown:self.first_call] + (content or ""), calls
+
+    def _answers_stream(self, calls: list[dict]) -> bool:
+        """Whether the whole output's calls begin with the calls the stream began (the same names,
+        in order, with the same arguments where the stream's are complete JSON)."""
+        if len(calls) < len(self.sent):
+            return False
+        for call, sent in zip(calls, self.sent):
+            fn = call["function"]
+            if fn["name"] != sent["name"] or not sent["closed"] or not _same_json(fn["arguments"], sent["arguments"]):
+                return False
+        return True
+
+    def _as_streamed(self) -> tuple[str, list[dict]]:
+        """Under `llama3_json`, `mistral` and `pythonic`, the whole output does not parse to the
+        calls the stream began (text after them, a call cut off, a part the whole parse rejects):
+        the stream's calls stand, as they were sent (it cannot take them back; vLLM's streams keep
+        theirs too), each a call where its arguments are a complete JSON object, and the text after
+        them is content; a call begun on the stream is never content as well."""
+        calls = [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent
+                 if c["closed"] and _is_json_object(c["arguments"])]
+        # (Mistral v11) text after a call's arguments object, before the next call: content
+        rest = "".join(c.get("trailer", "") for c in self.sent)
+        if self._sequence is not None:
+            seq = self._sequence
+            if seq.block is None or seq.block.call is None:  # (else a call being written: the rest is its)
+                rest = _after_calls(self.text[seq.calls_end:], seq.separator)
+        elif self._python is not None:
+            rest = _after_calls(self.text[self._python.calls_end:], ",")
+        elif self._halted_at >= 0:  # (Mistral v11) from the part the stream could not read
+            rest += self.text[self._halted_at:].rstrip()
+        before = self.text[self.shown:self.first_call] if self.first_call >= 0 else ""
+        self.shown = len(self.text)
+        return before + rest, calls
 
     def _reconcile(self, calls: list[dict]) -> None:
         """The whole output's calls take the ids the stream sent, and the arguments' text it sent

@@ -228,7 +228,7 @@ def test_other_outputs_stay_content(parser, text):
     ("llama3_json", LLAMA, "", ["f", "g"]),
     ("llama3_json", "  <|python_tag|> " + LLAMA, "", ["f", "g"]),
     ("llama3_json", "It is sunny, {not a call}.", "It is sunny, {not a call}.", []),
-    ("llama3_json", '{"name": "f", "parameters": {"x": 1', '{"name": "f", "parameters": {"x": 1', []),
+    # (a call cut off after it began on the stream: tests/router/test_tool_parsers.py, no call and no content)
     ("pythonic", PYTHONIC, "", ["f", "g"]),
     ("pythonic", "[not, a, call]", "[not, a, call]", []),
     ("pythonic", "No tools needed.", "No tools needed.", []),

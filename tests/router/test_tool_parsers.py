@@ -369,16 +369,12 @@ def test_llama_mistral_and_pythonic_calls_stream_as_they_come_cut_anywhere(name)
             "name": "get_weather", "arguments": '{"city": "New '}}]
 
 SEQUENCE_ODDITIES = [  # each read by the stream as the whole output parses it
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}} and then some'),  # content
     ("llama3_json", '{"parameters": {"city": "X"}, "name": "get_weather"}; {"name": "now", "parameters": {}}'),
     ("llama3_json", '{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\"}"}'),  # arguments as a string
     ("llama3_json", '{"name": "now", "parameters": {}};'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "a}b{\\"c"}, "extra": [1, {"d": 2}]}'),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"'),  # cut off: content
-    ("mistral", 'Hi.[TOOL_CALLS]get_weather[ARGS]{"city": "X"} trailing'),  # content, all of it
     ("mistral", "[TOOL_CALLS]now[CALL_ID]abcdefghi[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\": \"]\"}"),
     ("mistral", '[TOOL_CALLS][{"arguments": {}, "name": "now"}, {"name": "get_weather", "arguments": {"city": "X"}}]'),
-    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more'),
     # a part the stream cannot read (arguments not an object, a name with markup, an array
     # between v11 calls, a second tag): it and the calls after it at the finish, in order
     ("mistral", "[TOOL_CALLS]now[ARGS][1][TOOL_CALLS]get_weather[ARGS]{}"),
@@ -386,15 +382,9 @@ SEQUENCE_ODDITIES = [  # each read by the stream as the whole output parses it
     ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS][{"name": "now", "arguments": {}}][TOOL_CALLS]get_weather'
                 '[ARGS]{"city": "X"}'),
     ("mistral", '[TOOL_CALLS] [TOOL_CALLS]get_weather[ARGS]{"city": "X"}'),
-    # an object that says two things (a name twice, both argument keys) is no call: content
-    ("llama3_json", '{"name": "get_weather", "arguments": {"city": "X"}, "parameters": {"city": "Y"}}'),
-    ("llama3_json", '{"name": "get_weather", "parameters": {}, "name": "now"}'),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "parameters": {"city": "X"}, "arguments": {"city": "Y"}}]'),
     ("pythonic", '[get_weather(city="a), ]b\\"c", days=(3)), now()]'),
-    ("pythonic", "[get_weather(city='X'), 1]"),  # not all calls: content
     ("pythonic", "[now(), get_weather(city='''x)''')]"),
-    ("pythonic", "[get_weather(city=open('/etc/passwd'))]"),
-    ("pythonic", "[now()"),
+    ("pythonic", "[get_weather(city=open('/etc/passwd'))]"),  # no call begun: content, whole
 ]
 
 
@@ -406,3 +396,49 @@ def test_odd_sequences_stream_as_they_parse_whole(parser, text):
         assert calls_of(calls) == calls_of(whole_calls) and content == (whole_content or ""), step
         if whole_calls:
             assert merged(deltas) == calls, step
+
+
+X = [("get_weather", {"city": "X"})]
+STREAMED_CALLS_STAND = [  # outputs that do not parse whole (all content, unstreamed) after calls began on the stream
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}} and then some', " and then some", X),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}};  and so', "  and so", X),
+    ("mistral", 'Hi.[TOOL_CALLS]get_weather[ARGS]{"city": "X"} trailing', "Hi. trailing", X),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "X"}!![TOOL_CALLS]now[ARGS][1]', "!!now[ARGS][1]", X),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more', " and more", [("now", {})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "X"}}, 7]', " 7]", X),
+    ("pythonic", "[get_weather(city='X'), 1]", " 1]", X),
+    ("pythonic", "[now()", "", [("now", {})]),
+    # an object that says two things is no call whole; streamed, the reading the stream sent stands
+    ("llama3_json", '{"name": "get_weather", "arguments": {"city": "X"}, "parameters": {"city": "Y"}}', "", X),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}, "name": "now"}', "", X),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "parameters": {"city": "X"}, "arguments": {"city": "Y"}}]',
+     "", X),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,want", STREAMED_CALLS_STAND)
+def test_calls_begun_on_the_stream_stand_when_the_output_does_not_parse_whole(parser, text, content, want):
+    """vLLM's streams keep the calls they sent; so do these: the answer's calls are the ones the
+    stream sent (ids, arguments as written), the text after them content, however the output
+    comes in pieces. Unstreamed, the same output is content, whole (vLLM's rule)."""
+    assert parse_auto(parser, text, TOOLS) == (text, [])
+    for step in (1, 2, 3, 5, len(text)):
+        got, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert (got, calls_of(calls)) == (content, want), step
+        assert merged(deltas) == calls, step
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"'),
+    ("llama3_json", '{"name": "now", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "X"'),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "X"'),
+])
+def test_a_call_cut_off_on_the_stream_is_no_call_and_no_content(parser, text):
+    """Cut off by max_tokens inside its arguments: the call has begun on the stream but is no call
+    in the answer, and its text is not content as well; the calls before it stand."""
+    for step in (1, 3, len(text)):
+        got, calls, deltas = streamed_in_pieces(parser, text, step)
+        begun = [d["function"]["name"] for d in merged(deltas)]
+        assert got == "" and begun[-1] == "get_weather", step
+        assert [c["function"]["name"] for c in calls] == begun[:-1], step
