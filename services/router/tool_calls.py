@@ -16,7 +16,8 @@ by the router's --tool-call-parser (vLLM's names):
   later) or one JSON array of `{"name", "arguments"}` (earlier); the text before it is content.
   `[TOOL_CALLS]` is a special token there, so such requests keep special tokens in their text.
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call><function=NAME><parameter=KEY>value
-  </parameter>...</function></tool_call>` blocks; `glm45` (GLM-4.5 to 4.7):
+  </parameter>...</function></tool_call>` blocks (or, where a `<function=` comes before any
+  `<tool_call>`, the bare `<function=...>...</function>` calls, as vLLM reads them); `glm45` (GLM-4.5 to 4.7):
   `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>`. Their values
   are text: each is read as its parameter's JSON schema type (integer, number, boolean, object,
   array, null; a string, or a parameter without a type, stays text).
@@ -37,11 +38,12 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.router.errors import bad_request
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+QWEN_FUNCTION_OPEN, QWEN_FUNCTION_CLOSE = "<function=", "</function>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -428,7 +430,17 @@ def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
         body = m.group(2) + ("</function>" if m.group(0).endswith("</function>") else "")
         pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(body)]
         return _typed_call(tools, m.group(1).strip(), pairs)
+    if _qwen_bare(text):
+        return _calls_after(text, QWEN_FUNCTION_OPEN, QWEN_FUNCTION_OPEN, lambda part: one(QWEN_FUNCTION_OPEN + part))
     return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
+
+
+def _qwen_bare(text: str) -> bool:
+    """Qwen3-Coder's calls written without their `<tool_call>` blocks: a `<function=` comes first
+    (vLLM reads those too; the first marker decides, as a stream must)."""
+    bare = text.find(QWEN_FUNCTION_OPEN)
+    block = text.find(TOOL_CALL_OPEN, 0, bare if bare >= 0 else len(text))
+    return bare >= 0 and block < 0
 
 
 _GLM_ARG = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)  # a key is no markup
@@ -554,6 +566,14 @@ def _after_calls(text: str, separator: str) -> str:
     if not rest:
         return ""
     return re.search(r"\s*$", text[:markup.end()]).group() + rest
+
+
+def _tag_start_at_end(text: str, tag: str) -> int:
+    """How many characters at the text's end may be the start of `tag` (0: none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
 
 
 def _hermes_head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
@@ -694,6 +714,13 @@ def _qwen_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int]
     return (name, gt + 1) if name and "\n" not in name else None
 
 
+def _qwen_bare_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
+    """Qwen3-Coder without its `<tool_call>` blocks: NAME> right after `<function=`."""
+    gt = text.find(">", start, end)
+    name = text[start:gt].strip() if gt >= 0 else ""
+    return (name, gt + 1) if name and "\n" not in name else None
+
+
 def _glm_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
     """GLM-4.5: the text before the first `<arg_key>` (or the whole block, closed without one)."""
     at = text.find("<arg_key>", start, end)
@@ -728,6 +755,8 @@ _XML_CALLS = {
                                "</function>", True),
     "glm45": _XmlDialect(_glm_name, "<arg_key>", "</arg_key>", "<arg_value>", ("</arg_value>",), None, False),
 }
+# Qwen3-Coder's bare calls: a block from `<function=` to `</function>` (or the next `<function=`).
+_QWEN_BARE = replace(_XML_CALLS["qwen3_coder"], name=_qwen_bare_name, args_end=None)
 # Parsers whose final calls are the whole output's, parsed at the finish, with the ids and the
 # argument texts the stream sent (their whole-output rules: any part that does not parse leaves
 # the whole output as content; a stream's calls, once begun, stand instead: _as_streamed).
@@ -809,6 +838,7 @@ class ToolCallStream:
         self._halted = False  # a call the stream cannot follow: it and those after it go at the finish
         self._halted_at = -1  # (Mistral v11) where the part it could not read begins, past its tag
         self._calls_at = 0  # llama3_json / pythonic: where the calls begin (past whitespace and the tag)
+        self._bare = False  # qwen3_coder: its calls bare `<function=` blocks (the first marker one)
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -846,14 +876,14 @@ class ToolCallStream:
         if self.first_call >= 0:
             self._advance()
             return ""
-        tag = _TAGGED[self.plan.parser]
-        limit = self.first_call = self.text.find(tag)
-        if limit < 0:
-            limit = len(self.text)
-            for k in range(min(len(tag) - 1, len(self.text)), 0, -1):
-                if tag.startswith(self.text[-k:]):
-                    limit -= k
-                    break
+        tags = (TOOL_CALL_OPEN, QWEN_FUNCTION_OPEN) if self.plan.parser == "qwen3_coder" \
+            else (_TAGGED[self.plan.parser],)
+        found = [(at, tag) for tag in tags if (at := self.text.find(tag)) >= 0]
+        if found:
+            limit, tag = min(found)
+            self.first_call, self._bare = limit, tag == QWEN_FUNCTION_OPEN
+        else:  # held back: a tail that may be a tag's start
+            limit = len(self.text) - max(_tag_start_at_end(self.text, tag) for tag in tags)
         out = self.text[self.shown:limit] if limit > self.shown else ""
         self.shown = max(self.shown, limit)
         if self.first_call >= 0:
@@ -1070,9 +1100,10 @@ class ToolCallStream:
         py.pos = at
 
     def _advance_xml_calls(self, final: bool) -> None:
-        text, dialect = self.text, _XML_CALLS[self.plan.parser]
+        text, dialect = self.text, _QWEN_BARE if self._bare else _XML_CALLS[self.plan.parser]
+        opener, closer = (QWEN_FUNCTION_OPEN, QWEN_FUNCTION_CLOSE) if self._bare else (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
         while True:
-            found = self._next_block(TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _XmlCall)
+            found = self._next_block(opener, closer, _XmlCall)
             if found is None:
                 return
             block, close, after = found

@@ -442,3 +442,30 @@ def test_a_call_cut_off_on_the_stream_is_no_call_and_no_content(parser, text):
         begun = [d["function"]["name"] for d in merged(deltas)]
         assert got == "" and begun[-1] == "get_weather", step
         assert [c["function"]["name"] for c in calls] == begun[:-1], step
+
+
+QWEN_BARE = QWEN.replace("<tool_call>\n", "").replace("\n</tool_call>", "")
+
+
+@pytest.mark.parametrize("text, content, want", [
+    (QWEN_BARE, "Let me check.", WANT),
+    # the first marker decides: bare first, a block after it still holds a call
+    ("Hi <function=now></function> then <tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n"
+     "</function>\n</tool_call>", "Hi", [("now", {}), ("get_weather", {"city": "X"})]),
+    ("A <function word, no call", "A <function word, no call", []),
+])
+def test_qwen3_coder_calls_without_their_tool_call_blocks(text, content, want):
+    """Qwen3-Coder models now and then leave out `<tool_call>`: a `<function=NAME>...</function>`
+    before any `<tool_call>` is a call (vLLM reads it so), whole and streamed in pieces of any size,
+    the text before it content; `<function` alone is text."""
+    got_content, calls = parse_auto("qwen3_coder", text, TOOLS)
+    assert ((got_content or ""), calls_of(calls)) == (content, want)
+    for step in (1, 2, 3, 7, len(text)):
+        shown, calls, deltas = streamed_in_pieces("qwen3_coder", text, step)
+        assert shown.strip() == content and calls_of(calls) == want, step
+        assert merged(deltas) == calls, step
+    if text == QWEN_BARE:  # the call begins at its name, the city's text streaming before its parameter closes
+        stream = ToolCallStream(ToolPlan("auto", TOOLS, parser="qwen3_coder"))
+        assert stream.feed(text[:text.index("New York") + 4]) == "Let me check."
+        assert merged(stream.take_deltas()) == [{"id": ANY_ID, "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "New '}}]
