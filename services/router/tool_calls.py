@@ -974,11 +974,8 @@ class ToolCallStream:
                 block.arguments.feed(text, block.head_end + block.arguments.length, body_end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
                 self.sent[block.call]["closed"] = closed
-                trailer = text[block.head_end + block.arguments.length:body_end].strip()
-                if self.plan.parser == "deepseek_v3" and trailer.startswith("```"):
-                    trailer = trailer[3:].strip()  # its fence's end
-                if closed and self.plan.parser != "hermes" and trailer:
-                    self.sent[block.call]["invalid"] = True  # more after the object: no call, as parsed whole
+                if closed and self.plan.parser == "mistral":  # (v11) text after the object, before the next
+                    # call: content when the whole output does not parse (_as_streamed); else it does not
                     self.sent[block.call]["trailer"] = text[block.head_end + block.arguments.length:body_end].rstrip()
             elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip():
                 self._halted = True  # (Mistral) a part the stream cannot read: it and the rest at the finish
@@ -1182,11 +1179,13 @@ class ToolCallStream:
         self._extend(k, self.sent[k]["arguments"] + piece)
 
     def _json_calls(self) -> list[dict]:
-        """The calls sent whose arguments are a JSON object (one cut off by the output's end, or not
-        JSON, is not a call; NaN and Infinity are Hermes' JSON, as Python reads it, not the others')."""
+        """The calls sent whose arguments are a JSON object: a call begun on the stream stands, as
+        sent, where the whole output would drop it for text after its arguments (one cut off by
+        the output's end, or not JSON, is not a call; NaN and Infinity are Hermes' JSON, as Python
+        reads it, not the others')."""
         strict = self.plan.parser != "hermes"
         return [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent
-                if not c.get("invalid") and _is_json_object(c["arguments"], strict)]
+                if _is_json_object(c["arguments"], strict)]
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""

@@ -35,6 +35,7 @@ KIMI = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.g
 FORMATS = {"qwen3_coder": QWEN, "glm45": GLM, "deepseek_v3": DEEPSEEK_V3, "deepseek_v31": DEEPSEEK_V31,
            "kimi_k2": KIMI}
 WANT = [("get_weather", {"city": "New York", "days": 3, "metric": False}), ("now", {})]
+X = [("get_weather", {"city": "X"})]
 MARKERS = {"qwen3_coder": "<", "glm45": "<", "deepseek_v3": "<｜", "deepseek_v31": "<｜", "kimi_k2": "<|"}
 
 
@@ -294,15 +295,8 @@ ODD_OUTPUTS = [  # what models write now and then; the stream reads each as the 
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
      "</tool_call>"),  # a key without its value
-    ("deepseek_v31", 'Hi.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "X"}}'
-     '<｜tool▁call▁end｜>'),  # more after the arguments: no call
-    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
-     '{"city": "X"}\n``` and so<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```\n{}'
-     '<｜tool▁call▁end｜>'),  # more after the fence: no call; a fence left open, or untagged: a call
     ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```'
      '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n{"city": "X"}<｜tool▁call▁end｜>'),  # no fence: none
-    ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("get_weather", 0, '{"city": "X"} and so')
-     + "<|tool_call_end|>" + KIMI_CALL.format("now", 1, "{}") + "<|tool_call_end|>"),
 ]
 
 
@@ -313,6 +307,27 @@ def test_odd_outputs_stream_as_they_parse_whole(parser, text):
         content, calls, deltas = streamed_in_pieces(parser, text, step)
         assert calls_of(calls) == calls_of(whole_calls), step
         assert content.strip() == (whole_content or "").strip() or not whole_calls, step
+
+
+TRAILED = [  # text after a call's arguments: no call whole; streamed, the call has begun and stands
+    ("deepseek_v31", 'Hi.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "X"}}'
+     '<｜tool▁call▁end｜>', "Hi.", X),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+     '{"city": "X"}\n``` and so<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```\n{}'
+     '<｜tool▁call▁end｜>', "", X + [("now", {})]),
+    ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("get_weather", 0, '{"city": "X"} and so')
+     + "<|tool_call_end|>" + KIMI_CALL.format("now", 1, "{}") + "<|tool_call_end|>", "", X + [("now", {})]),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,want", TRAILED)
+def test_a_call_begun_on_the_stream_stands_with_text_after_its_arguments(parser, text, content, want):
+    """The whole output leaves such a call out; a stream has sent it by then (id, name and
+    arguments), so it stands as sent, as under every parser (the text after it is not content)."""
+    assert [c[0] for c in calls_of(parse_auto(parser, text, TOOLS)[1])] == [name for name, _ in want[1:]]
+    for step in (1, 2, 5, len(text)):
+        got, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert (got, calls_of(calls)) == (content, want) and merged(deltas) == calls, step
 
 
 def test_a_value_cut_by_the_blocks_end_reads_the_same_whatever_the_pieces():
@@ -398,7 +413,6 @@ def test_odd_sequences_stream_as_they_parse_whole(parser, text):
             assert merged(deltas) == calls, step
 
 
-X = [("get_weather", {"city": "X"})]
 STREAMED_CALLS_STAND = [  # outputs that do not parse whole (all content, unstreamed) after calls began on the stream
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}} and then some', " and then some", X),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}};  and so', "  and so", X),
