@@ -348,3 +348,32 @@ def test_a_streamed_call_whose_arguments_are_not_json_is_an_incomplete_item(make
     assert [i["status"] for i in final["output"]] == ["completed", "incomplete", "completed"]
     assert final["output"][0]["content"][0]["text"] == "Checking."  # the call's text is not content too
     assert json.loads(final["output"][2]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_streamed_call_stands_when_text_follows_it(make_stack, tokenizer):
+    """llama3_json: a call, then prose. Unstreamed the output does not parse as calls, so it is all
+    content (vLLM's rule); streamed, the call has gone out by the time the prose comes, and it
+    stands: a completed function_call item (a chat stream's tool call, finish_reason tool_calls),
+    the prose after it a message."""
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo"}} Hope that helps.'
+    script = tokenizer.encode(text, add_special_tokens=False)
+    stack = make_stack(prefill=1, decode=1, tool_call_parser="llama3_json", prefill_kwargs=[{"script": script}],
+                       decode_kwargs=[{"script": script}])
+    events = stack.sse("/v1/responses", {"input": "Weather?", "tools": TOOLS, "max_output_tokens": 200, "stream": True})
+    final = events[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("function_call", "completed"),
+                                                                   ("message", "completed")]
+    assert json.loads(final["output"][0]["arguments"]) == {"city": "Oslo"}
+    assert final["output"][1]["content"][0]["text"] == " Hope that helps."
+    chat = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200,
+            "tools": [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]}
+    message = stack.post("/v1/chat/completions", chat)[2]["choices"][0]
+    assert message["message"]["content"] == text and not message["message"].get("tool_calls")
+    assert message["finish_reason"] == "stop"
+    chunks = stack.sse("/v1/chat/completions", {**chat, "stream": True})[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls if "id" in c] == ["get_weather"]
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Oslo"}
+    assert "".join(d.get("content") or "" for d in deltas) == " Hope that helps."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
