@@ -16,8 +16,9 @@ by the router's --tool-call-parser (vLLM's names):
   later) or one JSON array of `{"name", "arguments"}` (earlier); the text before it is content.
   `[TOOL_CALLS]` is a special token there, so such requests keep special tokens in their text.
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call><function=NAME><parameter=KEY>value
-  </parameter>...</function></tool_call>` blocks (or, where a `<function=` comes before any
-  `<tool_call>`, the bare `<function=...>...</function>` calls, as vLLM reads them); `glm45` (GLM-4.5 to 4.7):
+  </parameter>...</function></tool_call>` blocks (or, from a `<function=NAME>` naming one of the
+  request's tools before any `<tool_call>`, bare `<function=...>...</function>` calls, as vLLM
+  reads an output without blocks); `glm45` (GLM-4.5 to 4.7):
   `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>`. Their values
   are text: each is read as its parameter's JSON schema type (integer, number, boolean, object,
   array, null; a string, or a parameter without a type, stays text).
@@ -422,25 +423,38 @@ _QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<par
 def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
     """Qwen3-Coder's XML calls: `<tool_call><function=NAME><parameter=KEY>value</parameter>...
     </function></tool_call>`; values read by the parameters' schema types."""
-    def one(block: str) -> dict | None:
-        m = _QWEN_FUNCTION.search(block.split(TOOL_CALL_CLOSE, 1)[0])
+    def one(block: str, bare: bool = False) -> dict | None:
+        m = _QWEN_FUNCTION.search(block if bare else block.split(TOOL_CALL_CLOSE, 1)[0])
         if m is None or not m.group(1).strip():
             return None
         # A value whose </parameter> is missing ends at </function> (kept there: a closed function).
         body = m.group(2) + ("</function>" if m.group(0).endswith("</function>") else "")
         pairs = [(k.strip(), _one_newline_off(v)) for k, v in _QWEN_PARAMETER.findall(body)]
         return _typed_call(tools, m.group(1).strip(), pairs)
-    if _qwen_bare(text):
-        return _calls_after(text, QWEN_FUNCTION_OPEN, QWEN_FUNCTION_OPEN, lambda part: one(QWEN_FUNCTION_OPEN + part))
-    return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
+    first = text.find(TOOL_CALL_OPEN)
+    at = text.find(QWEN_FUNCTION_OPEN, 0, first if first >= 0 else len(text))
+    while at >= 0 and not _qwen_bare_call(text, at, tools):
+        at = text.find(QWEN_FUNCTION_OPEN, at + 1, first if first >= 0 else len(text))
+    if at < 0:
+        return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
+    parts = text[at:].split(QWEN_FUNCTION_OPEN)[1:]  # each ends where the next opens (as a stream reads them)
+    calls = [one(QWEN_FUNCTION_OPEN + part + (QWEN_FUNCTION_CLOSE if i + 1 < len(parts) else ""), bare=True)
+             for i, part in enumerate(parts)]
+    calls = [call for call in calls if call is not None]
+    return ((text[:at].strip() or None), calls) if calls else (text, [])
 
 
-def _qwen_bare(text: str) -> bool:
-    """Qwen3-Coder's calls written without their `<tool_call>` blocks: a `<function=` comes first
-    (vLLM reads those too; the first marker decides, as a stream must)."""
-    bare = text.find(QWEN_FUNCTION_OPEN)
-    block = text.find(TOOL_CALL_OPEN, 0, bare if bare >= 0 else len(text))
-    return bare >= 0 and block < 0
+def _qwen_bare_call(text: str, at: int, tools) -> bool | None:
+    """Whether the `<function=` at `at`, before any `<tool_call>`, opens a Qwen3-Coder call written
+    without its block: its name is one of the request's tools (prose that writes the tag names
+    none, as a rule); None: its name is not out yet."""
+    start = at + len(QWEN_FUNCTION_OPEN)
+    names = {t["function"]["name"] for t in tools if isinstance(t.get("function"), dict)}
+    longest = max(map(len, names), default=0) + 2
+    gt = text.find(">", start, start + longest + 1)
+    if gt < 0:
+        return None if len(text) - start <= longest and "\n" not in text[start:] else False
+    return text[start:gt].strip() in names
 
 
 _GLM_ARG = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)  # a key is no markup
@@ -557,15 +571,19 @@ def _is_json_object(text: str, strict: bool = True) -> bool:
         return False
 
 
-def _after_calls(text: str, separator: str) -> str:
-    """The text after a sequence's last call, as content: a separator and an array's or list's
-    closing bracket right after the call are the calls' markup (the whitespace before what
-    follows is kept)."""
-    markup = re.match(r"\s*(?:%s\s*)?%s" % (re.escape(separator), r"(?:\]\s*)?" if separator == "," else ""), text)
+def _after_calls(text: str, separator: str, bracket: bool, end_tag: str = "") -> str:
+    """The text after a sequence's last call, as content: a separator, then an array's or list's
+    closing bracket and the model's end tag, right after the call, are the calls' markup (the
+    whitespace before what follows is kept)."""
+    markup = re.match(r"\s*(?:%s\s*)?%s%s" % (re.escape(separator), r"(?:\]\s*)?" if bracket else "",
+                                             r"(?:%s\s*)?" % re.escape(end_tag) if end_tag else ""), text)
     rest = text[markup.end():].rstrip()
+    if end_tag and rest.endswith(end_tag):
+        rest = rest[:-len(end_tag)].rstrip()
     if not rest:
         return ""
-    return re.search(r"\s*$", text[:markup.end()]).group() + rest
+    lead = text[:markup.end()]
+    return lead[len(lead.rstrip()):] + rest
 
 
 def _tag_start_at_end(text: str, tag: str) -> int:
@@ -839,6 +857,7 @@ class ToolCallStream:
         self._halted_at = -1  # (Mistral v11) where the part it could not read begins, past its tag
         self._calls_at = 0  # llama3_json / pythonic: where the calls begin (past whitespace and the tag)
         self._bare = False  # qwen3_coder: its calls bare `<function=` blocks (the first marker one)
+        self._tag_scan = 0  # before the first call: where its tag is looked for from
         self._deltas: list[dict] = []
 
     def take_deltas(self) -> list[dict]:
@@ -876,19 +895,36 @@ class ToolCallStream:
         if self.first_call >= 0:
             self._advance()
             return ""
-        tags = (TOOL_CALL_OPEN, QWEN_FUNCTION_OPEN) if self.plan.parser == "qwen3_coder" \
-            else (_TAGGED[self.plan.parser],)
-        found = [(at, tag) for tag in tags if (at := self.text.find(tag)) >= 0]
-        if found:
-            limit, tag = min(found)
-            self.first_call, self._bare = limit, tag == QWEN_FUNCTION_OPEN
-        else:  # held back: a tail that may be a tag's start
-            limit = len(self.text) - max(_tag_start_at_end(self.text, tag) for tag in tags)
+        limit = self._find_first_call()
         out = self.text[self.shown:limit] if limit > self.shown else ""
         self.shown = max(self.shown, limit)
         if self.first_call >= 0:
             self._advance()
         return out
+
+    def _find_first_call(self) -> int:
+        """Looks for the first call's tag in what is new (setting `first_call`); returns how much
+        of the text may show as content: up to the tag, or short of a tail that may be its start
+        (Qwen3-Coder: or of a bare `<function=` whose name is not out yet)."""
+        text = self.text
+        tags = (TOOL_CALL_OPEN, QWEN_FUNCTION_OPEN) if self.plan.parser == "qwen3_coder" \
+            else (_TAGGED[self.plan.parser],)
+        while True:
+            found = [(at, tag) for tag in tags if (at := text.find(tag, self._tag_scan)) >= 0]
+            if not found:
+                self._tag_scan = max(self._tag_scan, len(text) - max(len(tag) for tag in tags) + 1)
+                return len(text) - max(_tag_start_at_end(text, tag) for tag in tags)
+            at, tag = min(found)
+            if tag == QWEN_FUNCTION_OPEN:
+                bare = _qwen_bare_call(text, at, self.plan.tools)
+                if bare is None:  # its name not out yet
+                    self._tag_scan = at
+                    return at
+                if not bare:  # prose
+                    self._tag_scan = at + 1
+                    continue
+            self.first_call, self._bare = at, tag == QWEN_FUNCTION_OPEN
+            return at
 
     # -- calls as they come ------------------------------------------------------------------
 
@@ -977,8 +1013,11 @@ class ToolCallStream:
                 if closed and self.plan.parser == "mistral":  # (v11) text after the object, before the next
                     # call: content when the whole output does not parse (_as_streamed); else it does not
                     self.sent[block.call]["trailer"] = text[block.head_end + block.arguments.length:body_end].rstrip()
-            elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip():
-                self._halted = True  # (Mistral) a part the stream cannot read: it and the rest at the finish
+            elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip() and (
+                    close >= 0 or text[block.body:body_end].partition(MISTRAL_ARGS)[2].strip()):
+                # (Mistral) a part the stream cannot read: it and the rest at the finish (one the
+                # output ends in before its arguments begin is a call cut off: no call, not content)
+                self._halted = True
                 self._halted_at = block.body
                 return
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
@@ -1159,7 +1198,8 @@ class ToolCallStream:
                 continue
             longest = max(len(m) for m in d.value_ends)
             block.value_scan = max(block.value, end - longest + 1)
-            held = (*d.value_ends, TOOL_CALL_CLOSE, TOOL_CALL_OPEN)  # a tag that may end the value, or the block
+            held = (*d.value_ends, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, QWEN_FUNCTION_OPEN)  # a tag that may end
+            # the value, or the block (a bare Qwen call's block ends where the next <function= opens)
             if block.text_value:  # what surely belongs to the value: not a newline or a tag's start at its end
                 value = text[block.value:end]
                 if d.trim and value.startswith("\n"):
@@ -1244,15 +1284,17 @@ class ToolCallStream:
         theirs too), each a call where its arguments are a complete JSON object, and the text after
         them is content; a call begun on the stream is never content as well."""
         calls = [make_call(c["name"], c["arguments"], c["id"]) for c in self.sent
-                 if c["closed"] and _is_json_object(c["arguments"])]
+                 if _is_json_object(c["arguments"], strict=False)]  # (NaN: Python's JSON, as parsed whole)
         # (Mistral v11) text after a call's arguments object, before the next call: content
         rest = "".join(c.get("trailer", "") for c in self.sent)
         if self._sequence is not None:
             seq = self._sequence
-            if seq.block is None or seq.block.call is None:  # (else a call being written: the rest is its)
-                rest = _after_calls(self.text[seq.calls_end:], seq.separator)
+            if seq.block is None or seq.outer.closed:  # (else an object cut off by the end: a call's)
+                rest = _after_calls(self.text[seq.calls_end:], seq.separator, seq.separator == ",")
         elif self._python is not None:
-            rest = _after_calls(self.text[self._python.calls_end:], ",")
+            py = self._python
+            if py.element < 0 or py.stopped:  # (else an element cut off by the end: a call's)
+                rest = _after_calls(self.text[py.calls_end:], ",", True, "<|python_end|>")
         elif self._halted_at >= 0:  # (Mistral v11) from the part the stream could not read
             rest += self.text[self._halted_at:].rstrip()
         before = self.text[self.shown:self.first_call] if self.first_call >= 0 else ""

@@ -421,7 +421,15 @@ STREAMED_CALLS_STAND = [  # outputs that do not parse whole (all content, unstre
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more', " and more", [("now", {})]),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "X"}}, 7]', " 7]", X),
     ("pythonic", "[get_weather(city='X'), 1]", " 1]", X),
+    ("pythonic", "[get_weather(city='X'), 1]<|python_end|>", " 1]", X),
+    ("pythonic", "<|python_start|>[get_weather(city='X')]<|python_end|> text", " text", X),
     ("pythonic", "[now()", "", [("now", {})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"ratio": NaN}} tail', " tail",
+     [("get_weather", {"ratio": float("nan")})]),
+    # cut off after its arguments, before the object's end: its arguments are complete, it stands
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}}; {"name": "now", "parameters": {}', "",
+     X + [("now", {})]),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}', "", [("now", {})]),
     # an object that says two things is no call whole; streamed, the reading the stream sent stands
     ("llama3_json", '{"name": "get_weather", "arguments": {"city": "X"}, "parameters": {"city": "Y"}}', "", X),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}, "name": "now"}', "", X),
@@ -438,7 +446,7 @@ def test_calls_begun_on_the_stream_stand_when_the_output_does_not_parse_whole(pa
     assert parse_auto(parser, text, TOOLS) == (text, [])
     for step in (1, 2, 3, 5, len(text)):
         got, calls, deltas = streamed_in_pieces(parser, text, step)
-        assert (got, calls_of(calls)) == (content, want), step
+        assert (got, json.dumps(calls_of(calls))) == (content, json.dumps(want)), step  # (NaN == NaN as text)
         assert merged(deltas) == calls, step
 
 
@@ -458,6 +466,23 @@ def test_a_call_cut_off_on_the_stream_is_no_call_and_no_content(parser, text):
         assert [c["function"]["name"] for c in calls] == begun[:-1], step
 
 
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"name": "now", "parameters": {}}; {"name": "get_wea'),
+    ("llama3_json", '{"name": "now", "parameters": {}}; {"na'),
+    ("pythonic", "[now(), get_weather(city='Osl"),
+    ("pythonic", "<|python_start|>[now(), get_wea"),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_wea'),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[ARGS]'),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "get'),
+])
+def test_a_call_cut_off_before_the_stream_began_it_is_not_content(parser, text):
+    """Cut off before its head was out (the stream had not begun it): no call, and its fragment of
+    call syntax is not content either; the calls before it stand."""
+    for step in (1, 2, 5, len(text)):
+        got, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert (got, calls_of(calls)) == ("", [("now", {})]) and merged(deltas) == calls, step
+
+
 QWEN_BARE = QWEN.replace("<tool_call>\n", "").replace("\n</tool_call>", "")
 
 
@@ -467,6 +492,15 @@ QWEN_BARE = QWEN.replace("<tool_call>\n", "").replace("\n</tool_call>", "")
     ("Hi <function=now></function> then <tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n"
      "</function>\n</tool_call>", "Hi", [("now", {}), ("get_weather", {"city": "X"})]),
     ("A <function word, no call", "A <function word, no call", []),
+    # a bare tag that names none of the request's tools is prose
+    ("Write `<function=foo>` in HTML? no.", "Write `<function=foo>` in HTML? no.", []),
+    ("The syntax is <function=NAME>.\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+     "The syntax is <function=NAME>.", [("now", {})]),
+    # a bare call ends where the next begins; a value is text, </tool_call> in it included
+    ("<function=get_weather><parameter=city>x<function=now></function>", "", [("get_weather", {"city": "x"}),
+                                                                            ("now", {})]),
+    ("<function=get_weather>\n<parameter=city>\nParis</tool_call>x\n</parameter>\n</function>", "",
+     [("get_weather", {"city": "Paris</tool_call>x"})]),
 ])
 def test_qwen3_coder_calls_without_their_tool_call_blocks(text, content, want):
     """Qwen3-Coder models now and then leave out `<tool_call>`: a `<function=NAME>...</function>`
