@@ -272,7 +272,7 @@ def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
                     any(kw.arg is None for kw in call.keywords):
                 return text, []
             args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-            calls.append(make_call(call.func.id, json.dumps(args, ensure_ascii=False)))
+            calls.append(make_call(call.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return text, []  # not Python, not literals, or not JSON (bytes, sets)
     return None, calls
@@ -454,7 +454,7 @@ def _qwen_bare_call(text: str, at: int, tools) -> bool | None:
     gt = text.find(">", start, start + longest + 1)
     if gt < 0:
         return None if len(text) - start <= longest and "\n" not in text[start:] else False
-    return text[start:gt].strip() in names
+    return "\n" not in text[start:gt] and text[start:gt].strip() in names  # (no newline: as the whole parse reads names)
 
 
 _GLM_ARG = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)  # a key is no markup
@@ -569,6 +569,13 @@ def _is_json_object(text: str, strict: bool = True) -> bool:
         return isinstance((_STRICT_JSON.decode if strict else json.loads)(text), dict)
     except ValueError:
         return False
+
+
+# What the output may end in when it is cut off inside a call's head: Mistral v11's NAME, maybe
+# [CALL_ID]ID and [ARGS] (or a piece of those markers), nothing after it; a pythonic call's name
+# (then its parenthesis, its arguments).
+_MISTRAL_HEAD_SO_FAR = re.compile(r"[\w.\-]*(?:\[[A-Z_]*(?:\][\w.\-]*)?)*")
+_PYTHON_CALL_SO_FAR = re.compile(r"\s*[A-Za-z_]\w*\s*(?:\(|$)")
 
 
 def _after_calls(text: str, separator: str, bracket: bool, end_tag: str = "") -> str:
@@ -728,15 +735,15 @@ def _qwen_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int]
     """Qwen3-Coder: `<function=NAME>`: (the name, where its parameters start), once out."""
     at = text.find("<function=", start, end)
     gt = text.find(">", at, end) if at >= 0 else -1
-    name = text[at + len("<function="):gt].strip() if gt >= 0 else ""
-    return (name, gt + 1) if name and "\n" not in name else None
+    name = text[at + len("<function="):gt] if gt >= 0 else ""
+    return (name.strip(), gt + 1) if name.strip() and "\n" not in name else None
 
 
 def _qwen_bare_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
     """Qwen3-Coder without its `<tool_call>` blocks: NAME> right after `<function=`."""
     gt = text.find(">", start, end)
-    name = text[start:gt].strip() if gt >= 0 else ""
-    return (name, gt + 1) if name and "\n" not in name else None
+    name = text[start:gt] if gt >= 0 else ""
+    return (name.strip(), gt + 1) if name.strip() and "\n" not in name else None
 
 
 def _glm_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
@@ -923,7 +930,8 @@ class ToolCallStream:
                 if not bare:  # prose
                     self._tag_scan = at + 1
                     continue
-            self.first_call, self._bare = at, tag == QWEN_FUNCTION_OPEN
+            # (blocks are looked for from here: a marker written in prose before it is no call)
+            self.first_call, self._bare, self._scan = at, tag == QWEN_FUNCTION_OPEN, at
             return at
 
     # -- calls as they come ------------------------------------------------------------------
@@ -1014,11 +1022,11 @@ class ToolCallStream:
                     # call: content when the whole output does not parse (_as_streamed); else it does not
                     self.sent[block.call]["trailer"] = text[block.head_end + block.arguments.length:body_end].rstrip()
             elif closed and self.plan.parser in _RECONCILED and text[block.body:body_end].strip() and (
-                    close >= 0 or text[block.body:body_end].partition(MISTRAL_ARGS)[2].strip()):
+                    close >= 0 or not _MISTRAL_HEAD_SO_FAR.fullmatch(text[block.body:body_end].strip())):
                 # (Mistral) a part the stream cannot read: it and the rest at the finish (one the
                 # output ends in before its arguments begin is a call cut off: no call, not content)
                 self._halted = True
-                self._halted_at = block.body
+                self._halted_at = base + block.start  # (its tag too: content as written)
                 return
             elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
                 _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
@@ -1289,11 +1297,12 @@ class ToolCallStream:
         rest = "".join(c.get("trailer", "") for c in self.sent)
         if self._sequence is not None:
             seq = self._sequence
-            if seq.block is None or seq.outer.closed:  # (else an object cut off by the end: a call's)
+            if seq.block is None or seq.outer.closed or seq.stopped:  # (else an object cut off by the end)
                 rest = _after_calls(self.text[seq.calls_end:], seq.separator, seq.separator == ",")
         elif self._python is not None:
             py = self._python
-            if py.element < 0 or py.stopped:  # (else an element cut off by the end: a call's)
+            if py.element < 0 or py.stopped or not _PYTHON_CALL_SO_FAR.match(self.text, py.element):
+                # (else an element the end cut off that is a call's start: no call, not content)
                 rest = _after_calls(self.text[py.calls_end:], ",", True, "<|python_end|>")
         elif self._halted_at >= 0:  # (Mistral v11) from the part the stream could not read
             rest += self.text[self._halted_at:].rstrip()

@@ -217,6 +217,7 @@ def test_llama3_json_and_pythonic_outputs_are_calls(parser, text, calls):
     ("pythonic", "[1, 2, 3]"),
     ("pythonic", "[f(1)]"),  # a positional argument names nothing
     ("pythonic", "[f(x=open('/etc/passwd'))]"),  # not a literal: never evaluated
+    ("pythonic", "[f(x=1e999)]"),  # infinity: no JSON
     ("pythonic", "[f(x=1), "),
     ("pythonic", "I would call [f(x=1)]"),
 ])

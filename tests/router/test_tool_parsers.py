@@ -417,7 +417,14 @@ STREAMED_CALLS_STAND = [  # outputs that do not parse whole (all content, unstre
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}} and then some', " and then some", X),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "X"}};  and so', "  and so", X),
     ("mistral", 'Hi.[TOOL_CALLS]get_weather[ARGS]{"city": "X"} trailing', "Hi. trailing", X),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "X"}!![TOOL_CALLS]now[ARGS][1]', "!!now[ARGS][1]", X),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "X"}!![TOOL_CALLS]now[ARGS][1]', "!![TOOL_CALLS]now[ARGS][1]", X),
+    ("mistral", "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]Sorry, let me explain instead.",
+     "[TOOL_CALLS]Sorry, let me explain instead.", [("now", {})]),
+    ("pythonic", "[now(), and so on", " and so on", [("now", {})]),
+    # an object the stream could not follow (its head past 4,096 characters), then prose: content
+    ("llama3_json", '{"name": "now", "parameters": {}}; {"parameters": {"city": "' + "a" * 5000
+     + '"}, "name": "get_weather"} tail', ' {"parameters": {"city": "' + "a" * 5000 + '"}, "name": "get_weather"} tail',
+     [("now", {})]),
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}] and more', " and more", [("now", {})]),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "X"}}, 7]', " 7]", X),
     ("pythonic", "[get_weather(city='X'), 1]", " 1]", X),
@@ -473,6 +480,8 @@ def test_a_call_cut_off_on_the_stream_is_no_call_and_no_content(parser, text):
     ("pythonic", "<|python_start|>[now(), get_wea"),
     ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_wea'),
     ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[ARGS]'),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[CALL_ID]ab'),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[AR'),
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "get'),
 ])
 def test_a_call_cut_off_before_the_stream_began_it_is_not_content(parser, text):
@@ -501,6 +510,9 @@ QWEN_BARE = QWEN.replace("<tool_call>\n", "").replace("\n</tool_call>", "")
                                                                             ("now", {})]),
     ("<function=get_weather>\n<parameter=city>\nParis</tool_call>x\n</parameter>\n</function>", "",
      [("get_weather", {"city": "Paris</tool_call>x"})]),
+    ("Use <function=foo> tags. <function=now></function>", "Use <function=foo> tags.", [("now", {})]),
+    ("<function=\nnow></function>", "<function=\nnow></function>", []),  # a name has no newline
+    ("<function=now\n></function>", "<function=now\n></function>", []),
 ])
 def test_qwen3_coder_calls_without_their_tool_call_blocks(text, content, want):
     """Qwen3-Coder models now and then leave out `<tool_call>`: a `<function=NAME>...</function>`
@@ -517,3 +529,18 @@ def test_qwen3_coder_calls_without_their_tool_call_blocks(text, content, want):
         assert stream.feed(text[:text.index("New York") + 4]) == "Let me check."
         assert merged(stream.take_deltas()) == [{"id": ANY_ID, "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "New '}}]
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("kimi_k2", "Use <|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}<|tool_call_end|> ok"
+     + KIMI.split("Let me check.")[1]),
+    ("deepseek_v31", "Use <｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜> ok" + DEEPSEEK_V31.split("Let me check.")[1]),
+])
+def test_a_call_marker_written_before_the_calls_section_is_content(parser, text):
+    """A model quoting a call's marker in prose before its calls' section: the quote is content,
+    the section's calls the calls, whole and streamed."""
+    content, calls = parse_auto(parser, text, TOOLS)
+    assert content.startswith("Use ") and content.endswith(" ok") and calls_of(calls) == WANT
+    for step in (1, 2, 5, len(text)):
+        shown, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert (shown, calls_of(calls)) == (content, WANT) and merged(deltas) == calls, step
