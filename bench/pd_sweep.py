@@ -309,7 +309,7 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
     print(f"\ncapacity: the highest rate with >= {100 * target:.0f}% of a rung's requests in SLO (rungs x{factor:g} "
           "from the simulated capacity; '>=' where no rung above failed)")
     print(f"{'cell':<16}{'config':<16}{'measured':>10}{'predicted':>11}{'pred/meas':>11}  rungs (req/s: % in SLO)")
-    wins, worst, worst_like = [], math.inf, math.inf
+    wins, worst, worst_like, below = [], math.inf, math.inf, []
     for i, c in enumerate(cells):
         print(f"-- {c.shape} {c.slo} (TTFT {1000 * c.slos['ttft']:.0f} ms, TPOT {1000 * c.slos['tpot']:.1f} ms); "
               f"plan: {c.planned}")
@@ -340,7 +340,13 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
                   f"to back): {c.planned} {100 * got[c.planned]:.0f}% in SLO, {check['top']} "
                   f"{100 * got[check['top']]:.0f}%")
         if c.planned in mine and i in ladders.get("vllm", {}):
-            r = ratio(mine[c.planned].capacity, ladders["vllm"][i].capacity)
+            theirs = ladders["vllm"][i]
+            if theirs.capacity <= 0 and theirs.rungs:  # vLLM held no rung: its capacity is under its lowest
+                below.append(min(rung["rate"] for rung in theirs.rungs))
+                r = ratio(mine[c.planned].capacity, below[-1])
+                print(f"{'':<16}vLLM held no rung down to {below[-1]:.3f} req/s: planned/vLLM is above {r:.3f}")
+            else:
+                r = ratio(mine[c.planned].capacity, theirs.capacity)
             worst = min(worst, r)
             # Where the plan's choice held vLLM's capacity at like rates, it is level with vLLM there.
             level = (check is not None and check["top"] == "vllm"
@@ -357,6 +363,9 @@ def capacity_report(cells: list[Cell], ladders: dict[str, dict[int, Ladder]], no
     for name, why in not_run.items():
         print(f"{name}: not run ({why})")
     vllm_note = "" if "vllm" in ladders else "  (vLLM not run)"
+    if below:
+        vllm_note = (f"  (a lower bound: vLLM held no rung in {len(below)} cell(s), its capacity there under "
+                     f"its lowest rung, {min(below):.3f} req/s)")
     print(f"\nplan_choice_won_capacity_cells={sum(wins)}/{len(wins)}")
     print(f"planned_vs_vllm_capacity_min_ratio={worst if worst != math.inf else math.nan:.3f}{vllm_note}")
     if checks:

@@ -176,3 +176,21 @@ def test_like_rate_check_serves_the_top_capacity_to_the_plans_choice_and_the_top
            "vllm 100%" in out
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio=0\.723", out, re.M), out
     assert re.search(r"^planned_vs_vllm_capacity_min_ratio_like_rates=1\.000 ", out, re.M), out
+
+
+def test_a_vllm_that_held_no_rung_bounds_the_ratio_from_below(capsys):
+    """vLLM failing every rung down to its lowest: its capacity is under that rung, so the plan's
+    ratio to it is at least the plan's capacity over that rate (printed as a bound, not NaN)."""
+    cell = pd_sweep.Cell("10:1", "tight", [], {"ttft": 4, "tpot": 0.0178}, 0.16, "disaggregated",
+                         {"disaggregated": 0.2, "colocated": 0.132}, ("uniform:1000:2000", "uniform:64:128"), 104)
+    found = {"disaggregated": Ladder([{"rate": 0.2, "slo_attainment": 0.85}, {"rate": 0.167, "slo_attainment": 0.9}],
+                                     0.167, True),
+             "colocated": Ladder([{"rate": 0.132, "slo_attainment": 0.9}, {"rate": 0.158, "slo_attainment": 0.85}],
+                                 0.132, True),
+             "vllm": Ladder([{"rate": 0.16, "slo_attainment": 0.65}, {"rate": 0.054, "slo_attainment": 0.7}], 0.0, True)}
+    pd_sweep.capacity_report([cell], {n: {0: lad} for n, lad in found.items()}, {}, 1.2, 0.9, None, {})
+    out = capsys.readouterr().out
+    assert "vLLM held no rung down to 0.054 req/s: planned/vLLM is above 3.093" in out, out
+    assert re.search(r"^planned_vs_vllm_capacity_min_ratio=3\.093  \(a lower bound: vLLM held no rung in 1 cell",
+                     out, re.M), out
+    assert re.search(r"^plan_choice_won_capacity_cells=1/1", out, re.M), out
