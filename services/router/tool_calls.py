@@ -601,7 +601,7 @@ def _tag_start_at_end(text: str, tag: str) -> int:
     return 0
 
 
-def _hermes_head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
+def _hermes_head(text: str, start: int, end: int, block=None) -> tuple[str, str | None, int] | None:
     """A Hermes block's head `{"name": ..., "arguments": ` in text[start:end]: (name, no id, where
     the arguments object starts), once it is out."""
     head = _HERMES_HEAD.match(text, start, end)
@@ -612,18 +612,22 @@ def _hermes_head(text: str, start: int, end: int) -> tuple[str, str | None, int]
 def _sep_head(sep: str, header):
     """Heads that end at a separator, the arguments' JSON object after it (DeepSeek-V3.1: NAME then
     `<｜tool▁sep｜>`; Kimi K2: functions.NAME:N, its id, then `<|tool_call_argument_begin|>`)."""
-    def head(text: str, start: int, end: int) -> tuple[str, str | None, int] | None:
-        at = text.find(sep, start, end)
+    def head(text: str, start: int, end: int, block: "_CallBlock") -> tuple[str, str | None, int] | None:
+        # Each feed reads on from where the last stopped (a long header, or a long run of
+        # whitespace after the separator, is read once, not again at every piece).
+        at = block.head_from = text.find(sep, max(start, block.head_from), end)
         if at < 0:
+            block.head_from = max(start, end - len(sep) + 1)
             return None
-        args = at + len(sep)
-        while args < end and text[args].isspace():
-            args += 1
+        args = block.args_from = _SPACES.match(text, max(at + len(sep), block.args_from), end).end()
         if args >= end or text[args] != "{":
             return None  # not yet out, or not an object (then no call: whole-output parsing agrees)
         named = header(text[start:at].strip())
         return (*named, args) if named is not None else None
     return head
+
+
+_SPACES = re.compile(r"\s*")
 
 
 def _kimi_header(header: str) -> tuple[str, str] | None:
@@ -636,7 +640,7 @@ _DEEPSEEK_V3_HEAD = re.compile(r"(?:(?!" + re.escape(DEEPSEEK_SEP) + r").)*" + r
                                + r"([^\n]*)\n\s*```(?:json)?\s*(?=\{)", re.S)
 
 
-def _deepseek_v3_head(text: str, start: int, end: int) -> tuple[str, None, int] | None:
+def _deepseek_v3_head(text: str, start: int, end: int, block=None) -> tuple[str, None, int] | None:
     head = _DEEPSEEK_V3_HEAD.match(text, start, end)
     name = head.group(1).strip() if head is not None else ""
     return (name, None, head.end()) if name else None
@@ -820,6 +824,8 @@ class _CallBlock:
     close_from: int = 0
     open_from: int = 0
     head_end: int = -1  # where its arguments object starts, once its head is out
+    head_from: int = 0  # a separator's head: where the separator is looked for from, then where it is
+    args_from: int = 0  # and how far the whitespace after it is read
     call: int | None = None  # its call's index in ToolCallStream.sent
     arguments: _JsonScan = field(default_factory=_JsonScan)
 
@@ -1010,7 +1016,7 @@ class ToolCallStream:
             closed = close >= 0 or final
             body_end = close if close >= 0 else len(text)
             if block.call is None and block.head_end < 0:
-                head = read_head(text, block.body, body_end)
+                head = read_head(text, block.body, body_end, block)
                 if head is not None:  # its name is known: the call begins, its arguments go as written
                     name, call_id, block.head_end = head
                     block.call = self._blocks[block.start] = self._begin(name, call_id)

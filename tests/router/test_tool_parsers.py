@@ -544,3 +544,19 @@ def test_a_call_marker_written_before_the_calls_section_is_content(parser, text)
     for step in (1, 2, 5, len(text)):
         shown, calls, deltas = streamed_in_pieces(parser, text, step)
         assert (shown, calls_of(calls)) == (content, WANT) and merged(deltas) == calls, step
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("mistral", "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]" + " " * 5000 + "{}"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>" + "\n " * 2500 + "{}<｜tool▁call▁end｜>"),
+    ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("now", 0, " " * 5000 + "{}") + "<|tool_call_end|>"),
+])
+def test_whitespace_between_a_separator_and_the_arguments_is_read_once(parser, text):
+    """A model writing a long run of whitespace after `[ARGS]` / its separator: each feed reads on
+    from where the last stopped (it re-read the run every piece: 40k spaces a character at a time
+    held the router's event loop for 49 s), and the call is the whole output's whatever the pieces."""
+    whole = calls_of(parse_auto(parser, text, TOOLS)[1])
+    assert whole and whole[-1] == ("now", {})
+    for step in (1, 2, 7, len(text)):
+        _, calls, deltas = streamed_in_pieces(parser, text, step)
+        assert calls_of(calls) == whole and merged(deltas) == calls, step
