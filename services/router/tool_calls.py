@@ -40,6 +40,7 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field, replace
+from functools import cache, cached_property
 
 from services.router.errors import bad_request
 
@@ -81,6 +82,11 @@ class ToolPlan:
     tools: tuple  # the request's tools, for the chat template
     name: str | None = None  # mode "named": the function
     parser: str = "hermes"  # mode "auto": how the output is read (--tool-call-parser)
+
+    @cached_property
+    def names(self) -> frozenset:
+        """The offered functions' names (read once a request)."""
+        return tool_names(self.tools)
 
     @property
     def constrained(self) -> bool:
@@ -433,7 +439,8 @@ def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
         return _typed_call(tools, m.group(1).strip(), pairs)
     first = text.find(TOOL_CALL_OPEN)
     at = text.find(QWEN_FUNCTION_OPEN, 0, first if first >= 0 else len(text))
-    while at >= 0 and not _qwen_bare_call(text, at, tools):
+    names = tool_names(tools)
+    while at >= 0 and not _qwen_bare_call(text, at, names):
         at = text.find(QWEN_FUNCTION_OPEN, at + 1, first if first >= 0 else len(text))
     if at < 0:
         return _calls_after(text, TOOL_CALL_OPEN, TOOL_CALL_OPEN, one)
@@ -444,12 +451,16 @@ def parse_qwen3_coder(text: str, tools=()) -> tuple[str | None, list[dict]]:
     return ((text[:at].strip() or None), calls) if calls else (text, [])
 
 
-def _qwen_bare_call(text: str, at: int, tools) -> bool | None:
+def tool_names(tools) -> frozenset:
+    """The names of a request's functions."""
+    return frozenset(t["function"]["name"] for t in tools if isinstance(t.get("function"), dict))
+
+
+def _qwen_bare_call(text: str, at: int, names: frozenset) -> bool | None:
     """Whether the `<function=` at `at`, before any `<tool_call>`, opens a Qwen3-Coder call written
-    without its block: its name is one of the request's tools (prose that writes the tag names
-    none, as a rule); None: its name is not out yet."""
+    without its block: its name is one of the request's tools (`names`; prose that writes the tag
+    names none, as a rule); None: its name is not out yet."""
     start = at + len(QWEN_FUNCTION_OPEN)
-    names = {t["function"]["name"] for t in tools if isinstance(t.get("function"), dict)}
     longest = max(map(len, names), default=0) + 2
     gt = text.find(">", start, start + longest + 1)
     if gt < 0:
@@ -578,12 +589,17 @@ _MISTRAL_HEAD_SO_FAR = re.compile(r"[\w.\-]*(?:\[[A-Z_]*(?:\][\w.\-]*)?)*")
 _PYTHON_CALL_SO_FAR = re.compile(r"\s*[A-Za-z_]\w*\s*(?:\(|$)")
 
 
+@cache
+def _calls_markup(separator: str, bracket: bool, end_tag: str) -> re.Pattern:
+    return re.compile(r"\s*(?:%s\s*)?%s%s" % (re.escape(separator), r"(?:\]\s*)?" if bracket else "",
+                                            r"(?:%s\s*)?" % re.escape(end_tag) if end_tag else ""))
+
+
 def _after_calls(text: str, separator: str, bracket: bool, end_tag: str = "") -> str:
     """The text after a sequence's last call, as content: a separator, then an array's or list's
     closing bracket and the model's end tag, right after the call, are the calls' markup (the
     whitespace before what follows is kept)."""
-    markup = re.match(r"\s*(?:%s\s*)?%s%s" % (re.escape(separator), r"(?:\]\s*)?" if bracket else "",
-                                             r"(?:%s\s*)?" % re.escape(end_tag) if end_tag else ""), text)
+    markup = _calls_markup(separator, bracket, end_tag).match(text)
     rest = text[markup.end():].rstrip()
     if end_tag and rest.endswith(end_tag):
         rest = rest[:-len(end_tag)].rstrip()
@@ -601,12 +617,27 @@ def _tag_start_at_end(text: str, tag: str) -> int:
     return 0
 
 
-def _hermes_head(text: str, start: int, end: int, block=None) -> tuple[str, str | None, int] | None:
-    """A Hermes block's head `{"name": ..., "arguments": ` in text[start:end]: (name, no id, where
-    the arguments object starts), once it is out."""
-    head = _HERMES_HEAD.match(text, start, end)
-    name = _json_string(head.group(1)) if head is not None else None
-    return (name, None, head.end()) if name is not None else None
+def _brace_head(pattern: re.Pattern, named):
+    """Heads read by a pattern that ends right before the arguments' `{` (Hermes, DeepSeek-V3):
+    one can only come out with a `{` the text read before did not have, so each feed looks for one
+    in what is new (a long run of whitespace, or a long name, is not read again at every piece);
+    a head not out within _LONGEST_HEAD characters of its first one that is not whitespace is left
+    to the finish (which parses it whole). `named(match)`: the name, or None where the head is no
+    call's."""
+    def head(text: str, start: int, end: int, block: "_CallBlock") -> tuple[str, None, int] | None:
+        read, block.head_from = max(start, block.head_from), end
+        lead = block.args_from = _SPACES.match(text, max(start, block.args_from), end).end()
+        if read - lead > _LONGEST_HEAD or text.find("{", read, end) < 0:
+            return None
+        m = pattern.match(text, start, end)
+        name = named(m) if m is not None else None
+        return (name, None, m.end()) if name is not None else None
+    return head
+
+
+# A Hermes block's head `{"name": ..., "arguments": `: (name, no id, where the arguments object
+# starts), once it is out.
+_hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)))
 
 
 def _sep_head(sep: str, header):
@@ -640,10 +671,7 @@ _DEEPSEEK_V3_HEAD = re.compile(r"(?:(?!" + re.escape(DEEPSEEK_SEP) + r").)*" + r
                                + r"([^\n]*)\n\s*```(?:json)?\s*(?=\{)", re.S)
 
 
-def _deepseek_v3_head(text: str, start: int, end: int, block=None) -> tuple[str, None, int] | None:
-    head = _DEEPSEEK_V3_HEAD.match(text, start, end)
-    name = head.group(1).strip() if head is not None else ""
-    return (name, None, head.end()) if name else None
+_deepseek_v3_head = _brace_head(_DEEPSEEK_V3_HEAD, lambda m: m.group(1).strip() or None)
 
 
 def _mistral_header(header: str) -> tuple[str, str] | None:
@@ -665,6 +693,11 @@ _JSON_CALLS = {
     # ends where the next begins, or with the output).
     "mistral": (MISTRAL_TAG, None, _sep_head(MISTRAL_ARGS, _mistral_header)),
 }
+
+
+# Blocks whose head the stream did not read (_brace_head), read whole once closed: their calls.
+_WHOLE_BLOCK = {"hermes": lambda block: parse_hermes(block)[1],
+                "deepseek_v3": lambda block: parse_deepseek_v3(DEEPSEEK_CALLS + block)[1]}
 
 
 class _JsonScan:
@@ -712,6 +745,7 @@ class _ObjectSequence:
     separator: str
     block: _CallBlock | None = None
     outer: _JsonScan = field(default_factory=_JsonScan)
+    bracket: bool = False  # a closing `]` ends the calls (Mistral's array)
     need_separator: bool = False
     stopped: bool = False
     calls_end: int = -1  # where the last call object read ends (-1: none yet)
@@ -735,19 +769,18 @@ class _PythonScan:
 _NOT_TEXT = frozenset({"null", "integer", "number", "boolean", "object", "array"})
 
 
-def _qwen_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
-    """Qwen3-Coder: `<function=NAME>`: (the name, where its parameters start), once out."""
-    at = text.find("<function=", start, end)
-    gt = text.find(">", at, end) if at >= 0 else -1
-    name = text[at + len("<function="):gt] if gt >= 0 else ""
-    return (name.strip(), gt + 1) if name.strip() and "\n" not in name else None
-
-
 def _qwen_bare_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
-    """Qwen3-Coder without its `<tool_call>` blocks: NAME> right after `<function=`."""
+    """Qwen3-Coder without its `<tool_call>` blocks: NAME> right after `<function=`: (the name,
+    where its parameters start), once out."""
     gt = text.find(">", start, end)
     name = text[start:gt] if gt >= 0 else ""
     return (name.strip(), gt + 1) if name.strip() and "\n" not in name else None
+
+
+def _qwen_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
+    """Qwen3-Coder: `<function=NAME>` in its block."""
+    at = text.find(QWEN_FUNCTION_OPEN, start, end)
+    return _qwen_bare_name(text, at + len(QWEN_FUNCTION_OPEN), end, closed) if at >= 0 else None
 
 
 def _glm_name(text: str, start: int, end: int, closed: bool) -> tuple[str, int] | None:
@@ -825,7 +858,7 @@ class _CallBlock:
     open_from: int = 0
     head_end: int = -1  # where its arguments object starts, once its head is out
     head_from: int = 0  # a separator's head: where the separator is looked for from, then where it is
-    args_from: int = 0  # and how far the whitespace after it is read
+    args_from: int = 0  # and how far the whitespace after it is read (a brace head: before it)
     call: int | None = None  # its call's index in ToolCallStream.sent
     arguments: _JsonScan = field(default_factory=_JsonScan)
 
@@ -929,7 +962,7 @@ class ToolCallStream:
                 return len(text) - max(_tag_start_at_end(text, tag) for tag in tags)
             at, tag = min(found)
             if tag == QWEN_FUNCTION_OPEN:
-                bare = _qwen_bare_call(text, at, self.plan.tools)
+                bare = _qwen_bare_call(text, at, self.plan.names)
                 if bare is None:  # its name not out yet
                     self._tag_scan = at
                     return at
@@ -1034,8 +1067,10 @@ class ToolCallStream:
                 self._halted = True
                 self._halted_at = base + block.start  # (its tag too: content as written)
                 return
-            elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
-                _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
+            elif closed and self.plan.parser in _WHOLE_BLOCK:
+                # another shape (Hermes: "arguments" first), or a head longer than the stream
+                # follows: the block read whole, if it is a call
+                calls = _WHOLE_BLOCK[self.plan.parser](text[base + block.start:body_end + len(closer)])
                 if calls:
                     self._blocks[block.start] = self._begin(calls[0]["function"]["name"],
                                                             arguments=calls[0]["function"]["arguments"], closed=True)
@@ -1062,7 +1097,7 @@ class ToolCallStream:
             return False  # (the whitespace after "[" read again next time: an array's is short)
         self._mistral_array = text[inner] in "{]"
         if self._mistral_array:
-            self._sequence = _ObjectSequence(at + 1, ",")
+            self._sequence = _ObjectSequence(at + 1, ",", bracket=True)
         return True
 
     def _advance_sequence(self) -> None:
@@ -1093,7 +1128,7 @@ class ToolCallStream:
             seq.outer.feed(text, block.start + seq.outer.length, len(text))
             end = block.start + seq.outer.length
             if block.call is None and block.head_end < 0:
-                head = _hermes_head(text, block.start, end)
+                head = _hermes_head(text, block.start, end, block)
                 if head is not None:
                     name, _, block.head_end = head
                     block.call = self._begin(name)
@@ -1304,7 +1339,7 @@ class ToolCallStream:
         if self._sequence is not None:
             seq = self._sequence
             if seq.block is None or seq.outer.closed or seq.stopped:  # (else an object cut off by the end)
-                rest = _after_calls(self.text[seq.calls_end:], seq.separator, seq.separator == ",")
+                rest = _after_calls(self.text[seq.calls_end:], seq.separator, seq.bracket)
         elif self._python is not None:
             py = self._python
             if py.element < 0 or py.stopped or not _PYTHON_CALL_SO_FAR.match(self.text, py.element):

@@ -550,13 +550,36 @@ def test_a_call_marker_written_before_the_calls_section_is_content(parser, text)
     ("mistral", "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]" + " " * 5000 + "{}"),
     ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>" + "\n " * 2500 + "{}<｜tool▁call▁end｜>"),
     ("kimi_k2", "<|tool_calls_section_begin|>" + KIMI_CALL.format("now", 0, " " * 5000 + "{}") + "<|tool_call_end|>"),
+    ("hermes", "<tool_call>" + "\n " * 2500 + '{"name": "now", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "now", "arguments":' + " " * 5000 + "{}}</tool_call>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n" + " " * 3000
+     + "```json\n{}\n```<｜tool▁call▁end｜>"),
 ])
 def test_whitespace_between_a_separator_and_the_arguments_is_read_once(parser, text):
-    """A model writing a long run of whitespace after `[ARGS]` / its separator: each feed reads on
-    from where the last stopped (it re-read the run every piece: 40k spaces a character at a time
+    """A model writing a long run of whitespace after `[ARGS]` / its separator (Hermes: before its
+    object or its arguments; DeepSeek-V3: before its fence): each feed reads on from where the
+    last stopped (it re-read the run every piece: 40k spaces a character at a time
     held the router's event loop for 49 s), and the call is the whole output's whatever the pieces."""
     whole = calls_of(parse_auto(parser, text, TOOLS)[1])
     assert whole and whole[-1] == ("now", {})
     for step in (1, 2, 7, len(text)):
         _, calls, deltas = streamed_in_pieces(parser, text, step)
         assert calls_of(calls) == whole and merged(deltas) == calls, step
+
+
+@pytest.mark.parametrize("parser, text, name", [
+    ("hermes", '<tool_call>{"name": "' + "{" * 6000 + '", "arguments": {"a": 1}}</tool_call> ok', "{" * 6000),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n" + " " * 6000
+     + "```json\n{\"a\": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "now"),
+])
+def test_a_head_longer_than_the_stream_follows_is_read_whole_at_its_close(parser, text, name):
+    """A call's head past 4,096 characters (a name of braces, each of which could end it; a run of
+    whitespace before DeepSeek-V3's fence): the stream stops reading it piece by piece (each
+    reading was the whole head again) and reads the block whole once it closes: the same call as
+    the whole output's, whatever the pieces."""
+    content, calls = parse_auto(parser, text, TOOLS)
+    assert calls_of(calls) == [(name, {"a": 1})]
+    for step in (1, 3, len(text)):
+        shown, streamed, deltas = streamed_in_pieces(parser, text, step)
+        assert calls_of(streamed) == [(name, {"a": 1})] and merged(deltas) == streamed, step
+        assert (shown or None) == content, step
