@@ -200,15 +200,14 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     for m in _BLOCK.finditer(text):
         try:
             call = json.loads(m.group(1))
-            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            if not isinstance(name, str):
+            name, arguments = call["name"], _arguments(call.get("arguments", call.get("parameters")))
+            if not isinstance(name, str) or arguments is None:
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             continue
         kept.append(text[at:m.start()])
         at = m.end()
-        calls.append(make_call(name, arguments if isinstance(arguments, str)
-                               else json.dumps(arguments, ensure_ascii=False)))
+        calls.append(make_call(name, arguments))
     kept.append(text[at:])
     content = "".join(kept).strip()
     return (content or None), calls
@@ -231,8 +230,15 @@ def _call_keys_once(pairs: list) -> bool:
 _PAIRS = json.JSONDecoder(object_pairs_hook=lambda pairs: pairs)
 
 
-def _arguments(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+def _arguments(value) -> str | None:
+    """A call's arguments as JSON text: an object's (or a string holding one, as written); null
+    for none (`{}`); None for anything else (then it is no call, the stream's rule too: OpenAI's
+    arguments are an object's JSON, and a client passes them as keyword arguments)."""
+    if value is None:
+        return "{}"
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) and arguments_object(value) is not None else None
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
@@ -251,7 +257,10 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
                 not ("parameters" in obj or "arguments" in obj) or not _call_keys_once(_PAIRS.raw_decode(s, start)[0]):
             return text, []
-        calls.append(make_call(obj["name"], _arguments(obj["parameters"] if "parameters" in obj else obj["arguments"])))
+        arguments = _arguments(obj["parameters"] if "parameters" in obj else obj["arguments"])
+        if arguments is None:
+            return text, []
+        calls.append(make_call(obj["name"], arguments))
         rest = s[at:].lstrip()
         if rest.startswith(";"):
             rest = rest[1:].lstrip()
@@ -307,16 +316,16 @@ def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
                 if not all(isinstance(p, list) and _call_keys_once(p) for p in pairs):
                     return text, []
                 for call in array:
-                    name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-                    if not isinstance(name, str):
+                    name, arguments = call["name"], _arguments(call.get("arguments", call.get("parameters")))
+                    if not isinstance(name, str) or arguments is None:
                         return text, []
-                    calls.append(make_call(name, _arguments(arguments), mistral_call_id(call.get("id"))))
+                    calls.append(make_call(name, arguments, mistral_call_id(call.get("id"))))
                 continue
             name, sep, arguments = part.partition(MISTRAL_ARGS)
             name, _, given_id = name.partition("[CALL_ID]")
             name = name.strip()
             value, end = json.JSONDecoder().raw_decode(arguments.strip())
-            if not sep or not name or arguments.strip()[end:].strip():
+            if not sep or not name or arguments.strip()[end:].strip() or not isinstance(value, dict):
                 return text, []
             calls.append(make_call(name, json.dumps(value, ensure_ascii=False),
                                    mistral_call_id(given_id.strip() or None)))
@@ -585,7 +594,7 @@ def _is_json_object(text: str, strict: bool = True) -> bool:
 # What the output may end in when it is cut off inside a call's head: Mistral v11's NAME, maybe
 # [CALL_ID]ID and [ARGS] (or a piece of those markers), nothing after it; a pythonic call's name
 # (then its parenthesis, its arguments).
-_MISTRAL_HEAD_SO_FAR = re.compile(r"[\w.\-]*(?:\[[A-Z_]*(?:\][\w.\-]*)?)*")
+_MISTRAL_HEAD_SO_FAR = re.compile(r"[\w.\-]*(?:\[CALL_ID\][\w.\-]*)?(?:\[[A-Z_]*\]?)?")
 _PYTHON_CALL_SO_FAR = re.compile(r"\s*[A-Za-z_]\w*\s*(?:\(|$)")
 
 

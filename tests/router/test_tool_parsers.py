@@ -583,3 +583,49 @@ def test_a_head_longer_than_the_stream_follows_is_read_whole_at_its_close(parser
         shown, streamed, deltas = streamed_in_pieces(parser, text, step)
         assert calls_of(streamed) == [(name, {"a": 1})] and merged(deltas) == streamed, step
         assert (shown or None) == content, step
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Hi <tool_call>{"name": "now", "arguments": [1]}</tool_call>'),
+    ("hermes", 'Hi <tool_call>{"name": "now", "arguments": "x"}</tool_call>'),
+    ("llama3_json", '{"name": "now", "parameters": 5}'),
+    ("llama3_json", '{"name": "now", "parameters": "[1]"}'),
+    ("mistral", "[TOOL_CALLS]now[ARGS][1]"),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": true}]'),
+])
+def test_arguments_that_are_not_an_object_make_no_call(parser, text):
+    """A call's arguments are an object's JSON (clients pass them as keyword arguments): a list, a
+    number, or a string that does not hold an object makes no call, whole (where vLLM's parsers
+    pass them on) and streamed alike: the output is content, as written."""
+    assert parse_auto(parser, text, TOOLS) == (text, [])
+    for step in (1, 4, len(text)):
+        shown, calls, _ = streamed_in_pieces(parser, text, step)
+        assert (shown, calls) == (text, []), step
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "now", "arguments": null}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "now", "arguments": "{\\"a\\": 1}"}</tool_call>'),
+    ("llama3_json", '{"name": "now", "parameters": null}'),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": null}]'),
+    ("mistral", '[TOOL_CALLS][{"name": "now"}]'),
+])
+def test_null_arguments_are_none_and_a_string_holding_an_object_is_kept(parser, text):
+    """null (or no arguments at all) is a call without arguments (`{}`); arguments written as a
+    string holding an object's JSON are that object's text, as written."""
+    want = [("now", {"a": 1} if '\\"a\\": 1' in text else {})]
+    content, calls = parse_auto(parser, text, TOOLS)
+    assert (content, calls_of(calls)) == (None, want)
+    for step in (1, 4, len(text)):
+        shown, streamed, deltas = streamed_in_pieces(parser, text, step)
+        assert (shown, calls_of(streamed)) == ("", want) and merged(deltas) == streamed, step
+
+
+def test_mistral_arguments_that_are_not_an_object_after_a_call_are_content():
+    """Tokenizer v11: a second call whose arguments are a number (the output ends there) is no
+    call cut off in its head: it is content, and the first call, streamed, stands."""
+    text = "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]5"
+    assert parse_auto("mistral", text, TOOLS) == (text, [])
+    for step in (1, 3, len(text)):
+        shown, calls, _ = streamed_in_pieces("mistral", text, step)
+        assert (shown, calls_of(calls)) == ("[TOOL_CALLS]now[ARGS]5", [("now", {})]), step
