@@ -629,16 +629,21 @@ def _tag_start_at_end(text: str, tag: str) -> int:
 def _brace_head(pattern: re.Pattern, named):
     """Heads read by a pattern that ends right before the arguments' `{` (Hermes, DeepSeek-V3):
     one can only come out with a `{` the text read before did not have, so each feed looks for one
-    in what is new (a long run of whitespace, or a long name, is not read again at every piece);
-    a head not out within _LONGEST_HEAD characters of its first one that is not whitespace is left
-    to the finish (which parses it whole). `named(match)`: the name, or None where the head is no
-    call's."""
-    def head(text: str, start: int, end: int, block: "_CallBlock") -> tuple[str, None, int] | None:
+    in what is new, and the pattern reads from past the whitespace before the head (a long run of
+    whitespace, or a long name, is not read again at every piece). A head not out within
+    _LONGEST_HEAD characters of its first one that is not whitespace is read once more when its
+    block closes (`closed`), not before: the same reading as the block's text fed whole.
+    `named(match)`: the name, or None where the head is no call's."""
+    def head(text: str, start: int, end: int, block: "_CallBlock",
+             closed: bool = False) -> tuple[str, None, int] | None:
         read, block.head_from = max(start, block.head_from), end
         lead = block.args_from = _SPACES.match(text, max(start, block.args_from), end).end()
-        if read - lead > _LONGEST_HEAD or text.find("{", read, end) < 0:
+        if read - lead > _LONGEST_HEAD:
+            if not closed:
+                return None
+        elif text.find("{", read, end) < 0:
             return None
-        m = pattern.match(text, start, end)
+        m = pattern.match(text, lead, end)
         name = named(m) if m is not None else None
         return (name, None, m.end()) if name is not None else None
     return head
@@ -652,7 +657,8 @@ _hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)))
 def _sep_head(sep: str, header):
     """Heads that end at a separator, the arguments' JSON object after it (DeepSeek-V3.1: NAME then
     `<｜tool▁sep｜>`; Kimi K2: functions.NAME:N, its id, then `<|tool_call_argument_begin|>`)."""
-    def head(text: str, start: int, end: int, block: "_CallBlock") -> tuple[str, str | None, int] | None:
+    def head(text: str, start: int, end: int, block: "_CallBlock",
+             closed: bool = False) -> tuple[str, str | None, int] | None:
         # Each feed reads on from where the last stopped (a long header, or a long run of
         # whitespace after the separator, is read once, not again at every piece).
         at = block.head_from = text.find(sep, max(start, block.head_from), end)
@@ -702,11 +708,6 @@ _JSON_CALLS = {
     # ends where the next begins, or with the output).
     "mistral": (MISTRAL_TAG, None, _sep_head(MISTRAL_ARGS, _mistral_header)),
 }
-
-
-# Blocks whose head the stream did not read (_brace_head), read whole once closed: their calls.
-_WHOLE_BLOCK = {"hermes": lambda block: parse_hermes(block)[1],
-                "deepseek_v3": lambda block: parse_deepseek_v3(DEEPSEEK_CALLS + block)[1]}
 
 
 class _JsonScan:
@@ -1058,7 +1059,7 @@ class ToolCallStream:
             closed = close >= 0 or final
             body_end = close if close >= 0 else len(text)
             if block.call is None and block.head_end < 0:
-                head = read_head(text, block.body, body_end, block)
+                head = read_head(text, block.body, body_end, block, closed)
                 if head is not None:  # its name is known: the call begins, its arguments go as written
                     name, call_id, block.head_end = head
                     block.call = self._blocks[block.start] = self._begin(name, call_id)
@@ -1076,10 +1077,8 @@ class ToolCallStream:
                 self._halted = True
                 self._halted_at = base + block.start  # (its tag too: content as written)
                 return
-            elif closed and self.plan.parser in _WHOLE_BLOCK:
-                # another shape (Hermes: "arguments" first), or a head longer than the stream
-                # follows: the block read whole, if it is a call
-                calls = _WHOLE_BLOCK[self.plan.parser](text[base + block.start:body_end + len(closer)])
+            elif closed and self.plan.parser == "hermes":  # another shape ("arguments" first): whole, if a call
+                _, calls = parse_hermes(text[base + block.start:body_end + len(TOOL_CALL_CLOSE)])
                 if calls:
                     self._blocks[block.start] = self._begin(calls[0]["function"]["name"],
                                                             arguments=calls[0]["function"]["arguments"], closed=True)

@@ -567,22 +567,33 @@ def test_whitespace_between_a_separator_and_the_arguments_is_read_once(parser, t
         assert calls_of(calls) == whole and merged(deltas) == calls, step
 
 
-@pytest.mark.parametrize("parser, text, name", [
-    ("hermes", '<tool_call>{"name": "' + "{" * 6000 + '", "arguments": {"a": 1}}</tool_call> ok', "{" * 6000),
-    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n" + " " * 6000
-     + "```json\n{\"a\": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "now"),
-])
-def test_a_head_longer_than_the_stream_follows_is_read_whole_at_its_close(parser, text, name):
+DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n"
+LONG_HEADS = [  # (parser, text, the content shown, the calls)
+    ("hermes", '<tool_call>{"name": "' + "{" * 6000 + '", "arguments": {"a": 1}}</tool_call> ok', "ok",
+     [("{" * 6000, {"a": 1})]),
+    ("hermes", '<tool_call>{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}} junk</tool_call>', "",
+     [("now", {"a": 1})]),
+    ("hermes", 'Hi <tool_call>{"name": "' + "x" * 5000 + '", "arguments": {"a": ', "Hi", []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>" + DS_CALL + " " * 6000 + '```json\n{"a": 1}\n```<｜tool▁call▁end｜>'
+     "<｜tool▁calls▁end｜>", "", [("now", {"a": 1})]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>" + DS_CALL + " " * 5000 + '```json\n{"a": 1}\n```' + DS_CALL
+     + "```json\n{}\n```<｜tool▁call▁end｜>", "", [("now", {"a": 1}), ("now", {})]),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, want", LONG_HEADS)
+def test_a_head_longer_than_the_stream_follows_is_read_at_its_close(parser, text, content, want):
     """A call's head past 4,096 characters (a name of braces, each of which could end it; a run of
-    whitespace before DeepSeek-V3's fence): the stream stops reading it piece by piece (each
-    reading was the whole head again) and reads the block whole once it closes: the same call as
-    the whole output's, whatever the pieces."""
-    content, calls = parse_auto(parser, text, TOOLS)
-    assert calls_of(calls) == [(name, {"a": 1})]
-    for step in (1, 3, len(text)):
+    whitespace inside the head or before DeepSeek-V3's fence): the stream stops reading it at
+    every piece (each reading was the whole head again) and reads it once when its block closes
+    (or the output ends): the same content and calls as the text fed whole, whatever the pieces."""
+    def reading(step):
         shown, streamed, deltas = streamed_in_pieces(parser, text, step)
-        assert calls_of(streamed) == [(name, {"a": 1})] and merged(deltas) == streamed, step
-        assert (shown or None) == content, step
+        return shown.strip(), calls_of(streamed), [d["function"] for d in merged(deltas)]
+    whole = reading(len(text))
+    assert whole[:2] == (content, want)
+    for step in (1, 3, 7):
+        assert reading(step) == whole, step
 
 
 @pytest.mark.parametrize("parser, text", [
