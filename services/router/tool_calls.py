@@ -626,11 +626,24 @@ def _tag_start_at_end(text: str, tag: str) -> int:
     return 0
 
 
-def _brace_head(pattern: re.Pattern, named):
+def _after_markup(*markups: str):
+    """Whether the `{` at `at` follows one of `markups`, past whitespace: where a head's pattern
+    can end (each `{` looks back over the whitespace right before it only: linear in all)."""
+    def follows(text: str, at: int, start: int) -> bool:
+        q = at
+        while q > start and text[q - 1].isspace():
+            q -= 1
+        return any(text.startswith(m, q - len(m)) and q - len(m) >= start for m in markups)
+    return follows
+
+
+def _brace_head(pattern: re.Pattern, named, opens):
     """Heads read by a pattern that ends right before the arguments' `{` (Hermes, DeepSeek-V3):
-    one can only come out with a `{` the text read before did not have, so each feed looks for one
-    in what is new, and the pattern reads from past the whitespace before the head (a long run of
-    whitespace, or a long name, is not read again at every piece). A head not out within
+    one can only come out with a `{` the text read before did not have, and only one after the
+    markup the pattern ends in (`opens(text, at, start)`: Hermes' `:`, DeepSeek-V3's fence), so
+    each feed looks for such a `{` in what is new, and the pattern reads from past the whitespace
+    before the head (a long run of whitespace, a long name, a name of braces, is not read again at
+    every piece). A head not out within
     _LONGEST_HEAD characters of its first one that is not whitespace is read once more when its
     block closes (`closed`), not before: the same reading as the block's text fed whole.
     `named(match)`: the name, or None where the head is no call's."""
@@ -641,7 +654,7 @@ def _brace_head(pattern: re.Pattern, named):
         if read - lead > _LONGEST_HEAD:
             if not closed:
                 return None
-        elif text.find("{", read, end) < 0:
+        elif not _brace_opens(text, read, end, start, opens):
             return None
         m = pattern.match(text, lead, end)
         name = named(m) if m is not None else None
@@ -649,9 +662,16 @@ def _brace_head(pattern: re.Pattern, named):
     return head
 
 
+def _brace_opens(text: str, read: int, end: int, start: int, opens) -> bool:
+    at = text.find("{", read, end)
+    while at >= 0 and not opens(text, at, start):
+        at = text.find("{", at + 1, end)
+    return at >= 0
+
+
 # A Hermes block's head `{"name": ..., "arguments": `: (name, no id, where the arguments object
 # starts), once it is out.
-_hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)))
+_hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)), _after_markup(":"))
 
 
 def _sep_head(sep: str, header):
@@ -686,7 +706,8 @@ _DEEPSEEK_V3_HEAD = re.compile(r"(?:(?!" + re.escape(DEEPSEEK_SEP) + r").)*" + r
                                + r"([^\n]*)\n\s*```(?:json)?\s*(?=\{)", re.S)
 
 
-_deepseek_v3_head = _brace_head(_DEEPSEEK_V3_HEAD, lambda m: m.group(1).strip() or None)
+_deepseek_v3_head = _brace_head(_DEEPSEEK_V3_HEAD, lambda m: m.group(1).strip() or None,
+                                _after_markup("```", "```json"))
 
 
 def _mistral_header(header: str) -> tuple[str, str] | None:

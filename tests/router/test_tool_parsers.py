@@ -571,6 +571,9 @@ DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n"
 LONG_HEADS = [  # (parser, text, the content shown, the calls)
     ("hermes", '<tool_call>{"name": "' + "{" * 6000 + '", "arguments": {"a": 1}}</tool_call> ok', "ok",
      [("{" * 6000, {"a": 1})]),
+    ("hermes", '<tool_call>{"name": "' + "{" * 3000 + '", "arguments": {"a": 1}}</tool_call>', "",
+     [("{" * 3000, {"a": 1})]),
+    ("mistral", '[TOOL_CALLS][{"name": "' + "{" * 3000 + '", "arguments": {"a": 1}}]', "", [("{" * 3000, {"a": 1})]),
     ("hermes", '<tool_call>{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}} junk</tool_call>', "",
      [("now", {"a": 1})]),
     ("hermes", 'Hi <tool_call>{"name": "' + "x" * 5000 + '", "arguments": {"a": ', "Hi", []),
@@ -583,10 +586,11 @@ LONG_HEADS = [  # (parser, text, the content shown, the calls)
 
 @pytest.mark.parametrize("parser, text, content, want", LONG_HEADS)
 def test_a_head_longer_than_the_stream_follows_is_read_at_its_close(parser, text, content, want):
-    """A call's head past 4,096 characters (a name of braces, each of which could end it; a run of
-    whitespace inside the head or before DeepSeek-V3's fence): the stream stops reading it at
-    every piece (each reading was the whole head again) and reads it once when its block closes
-    (or the output ends): the same content and calls as the text fed whole, whatever the pieces."""
+    """A call's head past 4,096 characters (a name of braces; a run of whitespace inside the head
+    or before DeepSeek-V3's fence): the stream stops reading it at every piece (each reading was
+    the whole head again) and reads it once when its block closes (or the output ends); a name of
+    braces below that is read again only at a brace after the head's markup (`:`, the fence): the
+    same content and calls as the text fed whole, whatever the pieces."""
     def reading(step):
         shown, streamed, deltas = streamed_in_pieces(parser, text, step)
         return shown.strip(), calls_of(streamed), [d["function"] for d in merged(deltas)]
