@@ -1034,7 +1034,7 @@ class ToolCallStream:
                 else:
                     self._python = _PythonScan(at + 1)  # past the list's "["
             if self._sequence is not None:
-                self._advance_sequence()
+                self._advance_sequence(final)
             else:
                 self._advance_python()
             return
@@ -1042,7 +1042,7 @@ class ToolCallStream:
             if self._mistral_array is None and not self._mistral_form():
                 return  # not known yet
             if self._mistral_array:
-                self._advance_sequence()
+                self._advance_sequence(final)
                 return
         if self.plan.parser in _JSON_CALLS:
             self._advance_json_calls(final)
@@ -1129,11 +1129,12 @@ class ToolCallStream:
             self._sequence = _ObjectSequence(at + 1, ",", bracket=True)
         return True
 
-    def _advance_sequence(self) -> None:
+    def _advance_sequence(self, final: bool = False) -> None:
         """Llama 3's `;`-joined call objects, Mistral's array of them: each call begins once its
-        `{"name": ..., "arguments": ` is out, its arguments going as written. An object that does
-        not begin so (its keys in another order, its arguments a string) or anything else between
-        them stops the stream's reading: the finish parses the output whole."""
+        `{"name": ..., "arguments": ` is out, its arguments going as written (a head past
+        _LONGEST_HEAD characters: read once, when its object closes or the output ends). An object
+        that does not begin so (its keys in another order, its arguments a string) or anything else
+        between them stops the stream's reading: the finish parses the output whole."""
         seq, text = self._sequence, self.text
         while not seq.stopped:
             if seq.block is None:
@@ -1157,13 +1158,10 @@ class ToolCallStream:
             seq.outer.feed(text, block.start + seq.outer.length, len(text))
             end = block.start + seq.outer.length
             if block.call is None and block.head_end < 0:
-                head = _hermes_head(text, block.start, end, block)
+                head = _hermes_head(text, block.start, end, block, seq.outer.closed or final)
                 if head is not None:
                     name, _, block.head_end = head
                     block.call = self._begin(name)
-                elif end - block.start > _LONGEST_HEAD:  # no name this long: the finish reads it whole
-                    seq.stopped = True
-                    return
             if block.call is not None:
                 block.arguments.feed(text, block.head_end + block.arguments.length, end)
                 self._extend(block.call, text[block.head_end:block.head_end + block.arguments.length])
@@ -1308,6 +1306,8 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict]]:
         """(content not streamed yet, tool calls); the calls not sent yet become deltas too."""
         if self.plan.constrained or self.openers is not None and self.whole is not False:
+            if self._sequence is not None:
+                self._advance(final=True)  # (a head too long to read on the way: read now)
             content, calls = self.plan.tool_calls(self.text)
             if not self._answers_stream(calls):
                 return self._as_streamed()

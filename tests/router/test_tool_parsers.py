@@ -577,6 +577,12 @@ LONG_HEADS = [  # (parser, text, the content shown, the calls)
     ("hermes", '<tool_call>{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}} junk</tool_call>', "",
      [("now", {"a": 1})]),
     ("hermes", 'Hi <tool_call>{"name": "' + "x" * 5000 + '", "arguments": {"a": ', "Hi", []),
+    ("llama3_json", '{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}}', "", [("now", {"a": 1})]),
+    ("llama3_json", '{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}}; {"name": "now", "arguments": {}} and',
+     "and", [("now", {"a": 1}), ("now", {})]),
+    ("llama3_json", '{"name": "now", "arguments":' + " " * 5000 + '{"a": ', "", []),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments":' + " " * 5000 + '{"a": 1}}, {"name": "now", "arguments": {}}]',
+     "", [("now", {"a": 1}), ("now", {})]),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>" + DS_CALL + " " * 6000 + '```json\n{"a": 1}\n```<｜tool▁call▁end｜>'
      "<｜tool▁calls▁end｜>", "", [("now", {"a": 1})]),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>" + DS_CALL + " " * 5000 + '```json\n{"a": 1}\n```' + DS_CALL
@@ -588,7 +594,8 @@ LONG_HEADS = [  # (parser, text, the content shown, the calls)
 def test_a_head_longer_than_the_stream_follows_is_read_at_its_close(parser, text, content, want):
     """A call's head past 4,096 characters (a name of braces; a run of whitespace inside the head
     or before DeepSeek-V3's fence): the stream stops reading it at every piece (each reading was
-    the whole head again) and reads it once when its block closes (or the output ends); a name of
+    the whole head again) and reads it once when its block (Llama's and Mistral's array's: its
+    object) closes or the output ends; a name of
     braces below that is read again only at a brace after the head's markup (`:`, the fence): the
     same content and calls as the text fed whole, whatever the pieces."""
     def reading(step):
