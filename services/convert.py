@@ -11,6 +11,10 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb
 
 # What an unset (0) max_tokens means at the public Generate front, capped by the room left.
 DEFAULT_MAX_TOKENS = 16
+# The SamplingParams fields with presence on the wire that a generation config gives defaults
+# to, and what each reads as when unset.
+NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 FLOAT32_MAX = 3.4028234663852886e38
@@ -19,7 +23,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 def sampling_kwargs(p: pb.SamplingParams) -> dict:
     """SamplingParams keyword arguments, with proto3's zeros read as "unset" where zero is not a
     usable value: max_tokens 0 is None (the caller's default), top_p 0 is 1.0; temperature 0 is
-    greedy. Text stop strings: the router cuts the text at them; a decode or colocated engine
+    greedy. Fields left unset read as their neutral values (the router's Generate front puts the
+    model's defaults over them). Text stop strings: the router cuts the text at them; a decode or colocated engine
     stops generating where it finds one too (a prefill's one token is the router's to judge)."""
     return dict(
         max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or 1.0,
@@ -117,11 +122,13 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
 
 
 def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
-    p = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    p = pb.SamplingParams(max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           min_tokens=s.min_tokens, stop=list(s.stop),
                           include_stop_str_in_output=s.include_stop_str_in_output,
                           skip_special_tokens=s.skip_special_tokens)
+    for name, neutral in NEUTRAL.items():  # unset reads as neutral: sent only where it differs
+        if getattr(s, name) != neutral:
+            setattr(p, name, getattr(s, name))
     if s.seed is not None:
         p.seed = s.seed
     if s.logprobs is not None:
@@ -132,9 +139,6 @@ def _sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.cache_salt = s.cache_salt
     if s.lora_name is not None:
         p.lora_name = s.lora_name
-    if s.repetition_penalty != 1.0:
-        p.repetition_penalty = s.repetition_penalty
-    p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
     p.logit_bias.update(s.logit_bias)
     p.bad_words_token_ids.extend(pb.TokenIds(ids=word) for word in s.bad_words_token_ids)
     p.resumed_tokens = s.resumed_tokens

@@ -8,7 +8,7 @@ import logging
 from engine.request import InvalidRequestError
 
 from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
-from services.convert import DEFAULT_MAX_TOKENS, sampling_kwargs, thinking_from_proto
+from services.convert import DEFAULT_MAX_TOKENS, NEUTRAL, sampling_kwargs, thinking_from_proto
 from services.router.errors import RouterError, bad_request, key_matches
 from services.router.generation import REQUEST_ID
 from services.router.sampling import PreparedPrompt, RequestLimits, bad_words_token_ids, logprobs_count, prepare
@@ -60,6 +60,10 @@ class GenerateService(pb_grpc.GenerateServicer):
             knobs = sampling_kwargs(s)
         except InvalidRequestError as e:  # a malformed structured_outputs
             raise bad_request(str(e), "structured_outputs") from None
+        # The model's sampling defaults (--generation-config) where the request leaves a field
+        # unset, as the HTTP APIs apply them; max_tokens keeps its 16, as completions do.
+        knobs.update({k: v for k, v in self.model.sampling_defaults.items()
+                      if k in NEUTRAL and not s.HasField(k)})
         if knobs["logprobs"] is not None:
             knobs["logprobs"] = logprobs_count(knobs["logprobs"], self.model, self.limits, "logprobs")
         if knobs["structured_outputs"] is not None:

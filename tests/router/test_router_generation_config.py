@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from services.convert import sampling_from_proto
 from services.router.generation_config import sampling_defaults
 
 from router_harness import router_config
@@ -71,8 +72,9 @@ def test_the_flags(tiny_model_path):
 
 
 def sampled(stack):
-    """The SamplingParams the decode got for the last request."""
-    return stack.decodes[0].engine.requests[-1].sampling
+    """The SamplingParams the decode made of what it got for the last request (a field left
+    unset on the wire reads as its neutral value)."""
+    return sampling_from_proto(stack.decodes[0].engine.requests[-1].sampling)
 
 
 def test_requests_sample_with_the_models_defaults(make_stack, tmp_path):
@@ -102,3 +104,37 @@ def test_requests_sample_with_the_models_defaults(make_stack, tmp_path):
     plain = make_stack(prefill=1, decode=1, generation_config="vllm")
     plain.post("/v1/chat/completions", {**chat, "max_tokens": 2})
     assert (sampled(plain).temperature, sampled(plain).top_p, sampled(plain).top_k) == (1.0, 1.0, 0)
+
+
+def test_grpc_generate_takes_the_models_defaults_for_what_it_leaves_unset(make_stack, tmp_path):
+    import grpc
+
+    from services.api.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+
+    qwen = folder(tmp_path, "qwen", {"generation_config.json": {**QWEN3, "max_new_tokens": 7, "min_p": 0.05,
+                                                                "repetition_penalty": 1.1}})
+    stack = make_stack(prefill=1, decode=1, generation_config=qwen)
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerateStub(channel)
+
+        def generate(**sampling):
+            chunks = list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling)),
+                                        timeout=30))
+            assert chunks[-1].finish_reason
+            return sampled(stack)
+
+        s = generate()
+        assert (round(s.temperature, 6), round(s.top_p, 6), s.top_k, round(s.min_p, 6)) == (0.6, 0.95, 20, 0.05)
+        assert round(s.repetition_penalty, 6) == 1.1 and s.max_tokens == 16  # Generate's default, as completions'
+        # Set, even to 0, wins, field by field: temperature 0 is greedy whatever the model says.
+        s = generate(temperature=0, top_k=-1, min_p=0, max_tokens=3)
+        assert (s.temperature, round(s.top_p, 6), s.top_k, s.min_p, s.max_tokens) == (0.0, 0.95, -1, 0.0, 3)
+        s = generate(top_p=0.5, presence_penalty=0.25, repetition_penalty=1.0)
+        assert (round(s.temperature, 6), s.top_p, s.presence_penalty, s.repetition_penalty) == (0.6, 0.5, 0.25, 1.0)
+    # --generation-config vllm: nothing to apply, so unset is greedy (Generate's neutral values).
+    plain = make_stack(prefill=1, decode=1, generation_config="vllm")
+    with grpc.insecure_channel(plain.grpc_target) as channel:
+        list(pb_grpc.GenerateStub(channel).Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams()),
+                                                    timeout=30))
+    s = sampled(plain)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0)
