@@ -626,21 +626,28 @@ def _tag_start_at_end(text: str, tag: str) -> int:
     return 0
 
 
-def _after_markup(*markups: str):
-    """Whether the `{` at `at` follows one of `markups`, past whitespace: where a head's pattern
-    can end (each `{` looks back over the whitespace right before it only: linear in all)."""
+def _brace_after(*markups: str):
+    """`opens(text, read, end, start)`: whether a `{` in text[read:end] follows one of `markups`
+    (past whitespace, not before `start`): where a head's pattern can end. Each `{` looks back
+    over the whitespace right before it only: linear in all."""
     def follows(text: str, at: int, start: int) -> bool:
         q = at
         while q > start and text[q - 1].isspace():
             q -= 1
         return any(text.startswith(m, q - len(m)) and q - len(m) >= start for m in markups)
-    return follows
+
+    def opens(text: str, read: int, end: int, start: int) -> bool:
+        at = text.find("{", read, end)
+        while at >= 0 and not follows(text, at, start):
+            at = text.find("{", at + 1, end)
+        return at >= 0
+    return opens
 
 
 def _brace_head(pattern: re.Pattern, named, opens):
     """Heads read by a pattern that ends right before the arguments' `{` (Hermes, DeepSeek-V3):
     one can only come out with a `{` the text read before did not have, and only one after the
-    markup the pattern ends in (`opens(text, at, start)`: Hermes' `:`, DeepSeek-V3's fence), so
+    markup the pattern ends in (`opens`, from _brace_after: Hermes' `:`, DeepSeek-V3's fence), so
     each feed looks for such a `{` in what is new, and the pattern reads from past the whitespace
     before the head (a long run of whitespace, a long name, a name of braces, is not read again at
     every piece). A head not out within
@@ -650,11 +657,11 @@ def _brace_head(pattern: re.Pattern, named, opens):
     def head(text: str, start: int, end: int, block: "_CallBlock",
              closed: bool = False) -> tuple[str, None, int] | None:
         read, block.head_from = max(start, block.head_from), end
-        lead = block.args_from = _SPACES.match(text, max(start, block.args_from), end).end()
+        lead = block.lead_to = _SPACES.match(text, max(start, block.lead_to), end).end()
         if read - lead > _LONGEST_HEAD:
             if not closed:
                 return None
-        elif not _brace_opens(text, read, end, start, opens):
+        elif not opens(text, read, end, start):
             return None
         m = pattern.match(text, lead, end)
         name = named(m) if m is not None else None
@@ -662,21 +669,16 @@ def _brace_head(pattern: re.Pattern, named, opens):
     return head
 
 
-def _brace_opens(text: str, read: int, end: int, start: int, opens) -> bool:
-    at = text.find("{", read, end)
-    while at >= 0 and not opens(text, at, start):
-        at = text.find("{", at + 1, end)
-    return at >= 0
-
-
 # A Hermes block's head `{"name": ..., "arguments": `: (name, no id, where the arguments object
 # starts), once it is out.
-_hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)), _after_markup(":"))
+_hermes_head = _brace_head(_HERMES_HEAD, lambda m: _json_string(m.group(1)), _brace_after(":"))
 
 
 def _sep_head(sep: str, header):
     """Heads that end at a separator, the arguments' JSON object after it (DeepSeek-V3.1: NAME then
-    `<｜tool▁sep｜>`; Kimi K2: functions.NAME:N, its id, then `<|tool_call_argument_begin|>`)."""
+    `<｜tool▁sep｜>`; Kimi K2: functions.NAME:N, its id, then `<|tool_call_argument_begin|>`).
+    Such a head is out at its separator, however long: `closed` (the brace heads') changes
+    nothing here."""
     def head(text: str, start: int, end: int, block: "_CallBlock",
              closed: bool = False) -> tuple[str, str | None, int] | None:
         # Each feed reads on from where the last stopped (a long header, or a long run of
@@ -707,7 +709,7 @@ _DEEPSEEK_V3_HEAD = re.compile(r"(?:(?!" + re.escape(DEEPSEEK_SEP) + r").)*" + r
 
 
 _deepseek_v3_head = _brace_head(_DEEPSEEK_V3_HEAD, lambda m: m.group(1).strip() or None,
-                                _after_markup("```", "```json"))
+                                _brace_after("```", "```json"))
 
 
 def _mistral_header(header: str) -> tuple[str, str] | None:
@@ -888,8 +890,9 @@ class _CallBlock:
     close_from: int = 0
     open_from: int = 0
     head_end: int = -1  # where its arguments object starts, once its head is out
-    head_from: int = 0  # a separator's head: where the separator is looked for from, then where it is
-    args_from: int = 0  # and how far the whitespace after it is read (a brace head: before it)
+    head_from: int = 0  # where a head is read on from (a separator's head: the separator, then where it is)
+    args_from: int = 0  # a separator's head: how far the whitespace after the separator is read
+    lead_to: int = 0  # a brace head: how far the whitespace before it is read
     call: int | None = None  # its call's index in ToolCallStream.sent
     arguments: _JsonScan = field(default_factory=_JsonScan)
 
