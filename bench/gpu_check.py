@@ -18,6 +18,9 @@
     loop on Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes (bf16, 1 to 2,048 tokens): seconds,
     the ratio, the fraction of the copy bandwidth reading the experts the step touches, the
     largest difference, and the kernel on the same experts kept in FP8 (sm89 and later).
+(g) --kv-cache-dtype fp8: decode step time at batch 32 and 256 over 1,024-token contexts with an
+    fp8 cache against the model's dtype (the KV a step reads halves), the blocks each fits in the
+    same memory, and how many greedy tokens of the workload's first requests match bf16's.
 A part whose optional package is missing (ucxx, say) is reported as not run; nothing else is skipped.
 Run it with a Python that has the project's dependencies: `make gpu-check` (PYTHON=...), or
 `python bench/gpu_check.py --report docs/gpu-check.md`. `--small` runs every part at toy sizes
@@ -286,6 +289,34 @@ def gpu_tests(small: bool) -> dict:
     return result
 
 
+def fp8_cache(model: str, size: dict, device: str) -> dict:
+    """(g): decode steps over an fp8 KV cache against the model's dtype; blocks per memory; and
+    the greedy tokens an fp8 cache keeps of the model-dtype cache's."""
+    import torch
+    from engine import LLM, SamplingParams
+
+    kinds = ["auto", "fp8" if device != "cuda" or torch.cuda.get_device_capability() >= (8, 9) else "fp8_e5m2"]
+    prompt_len = 64 if size is SMALL else 1024
+    result: dict = {"kv_cache_dtype": kinds[1], "batch": {}}
+    for batch in ((1, 4) if size is SMALL else (32, 256)):
+        step = {kind: decode_step_s(model, size, device, batch, prompt_len, kv_cache_dtype=kind)[0] for kind in kinds}
+        result["batch"][batch] = {"auto_s": step["auto"], "fp8_s": step[kinds[1]],
+                                  "speedup": step["auto"] / step[kinds[1]]}
+    prompts = [p for p, _ in workload(size)[:8]]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    tokens, blocks = {}, {}
+    for kind in kinds:
+        llm = LLM(model, device=device, dtype=size["dtype"], kv_cache_dtype=kind,
+                  kv_cache_memory_bytes=int(size["kv_gib"] * (1 << 30)))
+        blocks[kind] = llm.engine.runner.num_blocks
+        tokens[kind] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.engine.shutdown()
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*tokens.values())]
+    result.update(blocks_auto=blocks["auto"], blocks_fp8=blocks[kinds[1]],
+                  greedy_prefix_matched=sum(same) / sum(len(x) for x in tokens["auto"]))
+    return result
+
+
 def memory_share(model: str, size: dict, device: str) -> dict:
     """--gpu-memory-utilization on the real device: the parts it measured, the blocks it sized,
     and what the engine then holds after a batch, against the share asked for."""
@@ -398,7 +429,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", default=str(ROOT / "build" / "gpu-check" / "report.json"))
     p.add_argument("--small", action="store_true", help="toy sizes (also runs on CPU): checks the script")
-    p.add_argument("--parts", default="tests,engine,stack,decode,memory,quant,moe")
+    p.add_argument("--parts", default="tests,engine,stack,decode,memory,quant,moe,fp8kv")
     args = p.parse_args()
     import torch
 
@@ -422,6 +453,7 @@ def main() -> int:
                  "memory": lambda: memory_share(model, size, device),
                  "quant": lambda: quantized_linear(args.small),
                  "moe": lambda: fused_moe(args.small, rates),
+                 "fp8kv": lambda: fp8_cache(model, size, device),
                  "stack": lambda: disaggregated(make_model(os.path.join(tmp, "stack"), SMALL if args.small else STACK),
                                                 device, rates, 24 if args.small else 800)}
         for part in parts:

@@ -18,7 +18,8 @@ def _generate(args) -> int:
                                           max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                                           async_scheduling=args.async_scheduling,
                                           speculative_config=args.speculative_config,
-                                          tensor_parallel_size=args.tensor_parallel_size)
+                                          tensor_parallel_size=args.tensor_parallel_size,
+                                          kv_cache_dtype=args.kv_cache_dtype)
         try:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -72,6 +73,8 @@ def add_engine_commands(sub) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: K and V stored in 8 bits")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (worker processes; on CUDA one GPU each, from --device)")
     g.add_argument("--async-scheduling", action="store_true", help="queue step n+1 while step n runs")

@@ -12,6 +12,8 @@ from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
+# --kv-cache-dtype's values (vLLM's names) -> the cache's torch dtype name (auto: the model's).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # vLLM's --kv-cache-dtype: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: K and V
+    # stored as 8-bit floats (scale 1, saturating), half of a 16-bit cache's bytes, read back in
+    # the model's dtype by attention. Blocks move between engines as stored.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -115,9 +115,10 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: a step launched ahead
         self.structured_output = StructuredOutputManager(config.model.path, self.vocab_size)
         self.num_async_steps = 0
-        logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len=%d, kernels=%s, "
+        logger.info("engine core ready: %d KV blocks of %d tokens (%s), max_model_len=%d, kernels=%s, "
                     "tensor_parallel_size=%d", self.runner.num_blocks, config.cache.block_size,
-                    self.max_model_len, self.runner.kernels.name, config.parallel.tensor_parallel_size)
+                    str(self.runner.kv_dtype).removeprefix("torch."), self.max_model_len, self.runner.kernels.name,
+                    config.parallel.tensor_parallel_size)
 
     def add_request(self, request: Request) -> None:
         lora = request.sampling_params.lora_name

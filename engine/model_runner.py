@@ -15,7 +15,7 @@ from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
 from engine.memory import MemoryBudget, check_start, default_size_warning, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
-from engine.models.loader import check_quantization, resolve_dtype
+from engine.models.loader import check_quantization, resolve_dtype, resolve_kv_cache_dtype
 from engine.parallel import TPLayout
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -54,6 +54,11 @@ class ModelRunner:
         self.device = resolve_device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if (self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda" and self.kernels.name == "triton"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError("--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or later (Ada, Hopper) for the "
+                             "Triton kernels' conversions; use --kv-cache-dtype fp8_e5m2 on this GPU")
         torch.manual_seed(config.model.seed)
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
@@ -99,7 +104,7 @@ class ModelRunner:
                                "KV cache was not sized around; --max-loras N reserves N adapter slots at start "
                                "and keeps the adapters beyond them in host memory (vLLM's default is 1)")
         self.kv_cache_spec = KVCacheSpec(arch.num_layers, self.num_kv_heads, arch.head_dim,
-                                         self.block_size, self.dtype, self.device, tp_size, 0, arch.num_kv_heads)
+                                         self.block_size, self.kv_dtype, self.device, tp_size, 0, arch.num_kv_heads)
         if connector is not None and self.tp is not None:
             from engine.parallel.kv_connector import TPConnectorWorker
 
@@ -239,7 +244,7 @@ class ModelRunner:
     def bytes_per_block(self, arch=None) -> int:
         """Of this rank's KV shard."""
         arch = arch or self.model.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * arch.head_dim * elem * arch.num_layers
 
     def prepare(self, so: SchedulerOutput):

@@ -21,8 +21,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = to_cache_dtype(key[valid], kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = to_cache_dtype(value[valid], kv_cache.dtype)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 cache dtype (--kv-cache-dtype fp8); 0.0 for any other."""
+    return torch.finfo(dtype).max if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 0.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V as the cache stores them: an fp8 cache rounds to nearest and saturates (as the
+    GPU's conversion does; torch's own e5m2 conversion would make an out-of-range value inf)."""
+    top = fp8_max(dtype)
+    return (x.clamp(-top, top) if top else x).to(dtype)
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,

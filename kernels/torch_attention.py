@@ -38,7 +38,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     ext = _ext(query)
-    if ext is not None:
+    if ext is not None and query.dtype == kv_cache.dtype:  # (an fp8 cache: the torch path)
         if out is None or not out.is_contiguous():
             result = torch.empty_like(query)
             ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
@@ -54,6 +54,7 @@ def _torch_decode(query, kv_cache, seq_lens, block_tables, scale, out):
     b, h, d = query.shape
     max_seq_len = int(seq_lens.max())
     k, v = _gather_context(kv_cache, block_tables, max_seq_len)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # an fp8 cache, read back in the query's dtype
     s = k.shape[1]
     mask = (torch.arange(s, device=query.device)[None, :] < seq_lens[:, None].to(torch.long))
     o = F.scaled_dot_product_attention(
@@ -133,8 +134,9 @@ def _sdpa_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale) -> torch.
         if q_len == 0:
             continue
         ids = block_tables[i, :-(-seq_len // block_size)].long()
-        k = kv_cache[0, ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvH, S, D]
-        v = kv_cache[1, ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+        # [kvH, S, D], in the query's dtype (an fp8 cache's values widened).
+        k = kv_cache[0, ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
+        v = kv_cache[1, ids].flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
         q = query[start:end].transpose(0, 1)  # [H, Q, D]
         if k.shape[0] != q.shape[0]:
             # Repeat the KV heads rather than pass enable_gqa: with it, CPU SDPA takes its math

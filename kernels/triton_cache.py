@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import fp8_max
+
 COPY_CHUNK = 4096  # elements one gather/scatter program moves
 
 
@@ -13,7 +15,7 @@ def _store_kv_kernel(key, value, kv_cache, slot_mapping,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kv, stride_blk, stride_slot, stride_kvh,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr):
     # One program per token: all its kv heads at once.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
@@ -26,6 +28,10 @@ def _store_kv_kernel(key, value, kv_cache, slot_mapping,
         + h[:, None] * stride_kvh + d[None, :]
     k = tl.load(key + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if SATURATE > 0:  # an fp8 cache: out-of-range values stored as its largest finite one, NaN
+        # kept (in float32, exact for any input dtype: one rounding, float32 -> fp8)
+        k = tl.clamp(k.to(tl.float32), -SATURATE, SATURATE, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(v.to(tl.float32), -SATURATE, SATURATE, propagate_nan=tl.PropagateNan.ALL)
     tl.store(kv_cache + dst, k.to(kv_cache.dtype.element_ty), mask=mask)
     tl.store(kv_cache + stride_kv + dst, v.to(kv_cache.dtype.element_ty), mask=mask)
 
@@ -46,7 +52,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE=fp8_max(kv_cache.dtype))
 
 
 @triton.jit

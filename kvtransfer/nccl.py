@@ -48,6 +48,8 @@ class _Pair:
     def start(self, buf: torch.Tensor, send: bool, chunk: int, deadline: float) -> Callable[[], None]:
         """Post one send/recv; returns the wait for it (gloo and NCCL report a dead peer, a lost
         store and a timeout all as RuntimeError)."""
+        if buf.element_size() == 1 and buf.dtype != torch.uint8:  # an fp8 cache: moved as its bytes (not
+            buf = buf.view(torch.uint8)                           # every NCCL build takes fp8 dtypes)
         try:
             group = self.join(deadline)
             work = group.send([buf], 1 - self.rank, chunk) if send else group.recv([buf], 1 - self.rank, chunk)

@@ -305,3 +305,35 @@ def test_prefill_only_step_writes_the_callers_output():
     assert torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, view) is view
     torch.testing.assert_close(view, expected, atol=1e-5, rtol=1e-5)
     assert torch.isnan(wide[..., q.shape[2]:]).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_an_fp8_cache_is_read_in_the_querys_dtype(cache_dtype, dtype, tol):
+    """--kv-cache-dtype fp8: decode rows, fresh prompts and chunks after context over an 8-bit
+    cache match the reference, which widens the same stored values (the C++ kernels take caches
+    of the query's dtype only: these rows run the torch path)."""
+    q_lens = [1, 7, 1, 16, 33, 1]
+    ctx = [20, 7, 1, 40, 100, 257]
+    q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 2, block_size=32, dtype=dtype)
+    kv = (kv.float() * 3).to(cache_dtype)
+    expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.125)
+    out = torch.full_like(q, float("nan"))
+    torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    decode = torch_attention.paged_decode_attention(q[:4], kv, lens[:4], tables[:4], 0.125)
+    torch.testing.assert_close(decode.float(), reference.paged_decode_attention(
+        q[:4], kv, lens[:4], tables[:4], 0.125).float(), atol=tol, rtol=tol)
+    # Stored by the torch path as by the reference: rounded to nearest, saturating (448 is
+    # e4m3's largest finite value, 57,344 e5m2's), never NaN.
+    new = torch.zeros(2, 2, 64, dtype=dtype)  # [tokens, KV heads, head dim]
+    new[:, 0, :4] = torch.tensor([1.0, 1000.0, -1e6, 0.3])
+    got, want = torch.zeros_like(kv), torch.zeros_like(kv)
+    slots = torch.tensor([5, 70])
+    torch_attention.store_kv(new, new, got, slots)
+    reference.store_kv(new, new, want, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    top = torch.finfo(cache_dtype).max
+    stored = [1.0, min(top, float(torch.tensor(1000.0, dtype=dtype).to(cache_dtype))), -top,
+              float(torch.tensor(0.3, dtype=dtype).to(cache_dtype))]
+    assert got[0, 0, 5, 0, :4].float().tolist() == stored and got[1, 2, 6, 0, :4].float().tolist() == stored

@@ -59,6 +59,14 @@ def resolve_dtype(name: str, hf_config: dict) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for --kv-cache-dtype `name` (auto: the model's)."""
+    from engine.config import KV_CACHE_DTYPES
+
+    stored = KV_CACHE_DTYPES[name]
+    return model_dtype if stored is None else getattr(torch, stored)
+
+
 def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
     attn_or_mlp = module
     if name == "qkv_proj":
@@ -347,8 +355,8 @@ def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None 
     if quant is None:
         return None
     if (hf_config.get("quantization_config") or {}).get("kv_cache_scheme"):
-        raise ValueError("the checkpoint quantizes the KV cache (kv_cache_scheme); pdserve's KV cache is the "
-                         "model's dtype (--kv-cache-dtype auto) and its scales are not read")
+        raise ValueError("the checkpoint quantizes the KV cache (kv_cache_scheme) with calibrated scales, which "
+                         "pdserve does not read (its --kv-cache-dtype fp8 stores K and V at scale 1)")
     if tp_size > 1:
         raise ValueError(f"{quant.describe()} checkpoints are not served with tensor parallelism yet "
                          "(--tensor-parallel-size 1)")

@@ -29,7 +29,7 @@ class TPWorker:
         from engine.kv_connector import KVCacheSpec
         from engine.models import load_model
         from engine.models.llama import LlamaArch
-        from engine.models.loader import resolve_dtype
+        from engine.models.loader import resolve_dtype, resolve_kv_cache_dtype
         from engine.parallel.group import TPGroup, make_store, rank_device
         from engine.parallel.layout import TPLayout
         from kernels import get_backend
@@ -43,6 +43,7 @@ class TPWorker:
         store = make_store(init.rank, self.layout.size, init.store_port)
         self.group = TPGroup(self.layout, store, self.device)
         self.dtype = resolve_dtype(config.model.dtype, init.hf_config)
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
                                 tp=self.group, linear_backend=config.model.linear_backend)
@@ -51,11 +52,11 @@ class TPWorker:
         if init.kv_connector_factory is not None:  # this rank's own connector (shm needs its caches)
             _, self.kv_connector = init.kv_connector_factory()
             spec = KVCacheSpec(arch.num_layers, self.layout.local_kv_heads, arch.head_dim, config.cache.block_size,
-                               self.dtype, self.device, self.layout.size, init.rank, arch.num_kv_heads)
+                               kv_dtype, self.device, self.layout.size, init.rank, arch.num_kv_heads)
             self.kv_caches = self.kv_connector.allocate_kv_caches(spec, init.num_blocks)
         else:
             shape = (2, init.num_blocks, config.cache.block_size, self.layout.local_kv_heads, arch.head_dim)
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                               for _ in range(arch.num_layers)]
         self.hidden_size = arch.hidden_size
 
@@ -92,6 +93,7 @@ class TPWorker:
         """What this rank holds (for the driver's checks and the tests)."""
         return {"rank": self.layout.rank, "pid": os.getpid(), "device": str(self.device),
                 "num_blocks": self.num_blocks, "kv_cache_shape": tuple(self.kv_caches[0].shape),
+                "kv_cache_dtype": str(self.kv_caches[0].dtype).removeprefix("torch."),
                 "threads": torch.get_num_threads()}
 
     def serve(self, conn: Connection) -> None:

@@ -127,9 +127,6 @@ def _switch(args, name: str) -> bool:
 
 def engine_kwargs(args) -> dict:
     """The engine options of the shared flags."""
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV caches are not supported yet; the cache "
-                         "is the model's dtype (--kv-cache-dtype auto)")
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -145,7 +142,7 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory_bytes=(None if args.kv_cache_memory_gb is None
                                        else int(args.kv_cache_memory_gb * (1 << 30))),
                 gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
-                quantized_weights=args.quantized_weights,
+                quantized_weights=args.quantized_weights, kv_cache_dtype=args.kv_cache_dtype,
                 **_lora_kwargs(args))
 
 

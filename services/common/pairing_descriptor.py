@@ -71,11 +71,13 @@ def describe_engine(config: EngineConfig, vocab: dict[str, int], model_name: str
     """Computed once at start from the config the engine core runs with (the same checkpoint,
     block size and dtype), so GetLoad costs nothing more. `kv_transport` is empty when colocated."""
     from engine.models.llama import LlamaArch  # torch: only engine processes import this module
-    from engine.models.loader import resolve_dtype
+    from engine.models.loader import resolve_dtype, resolve_kv_cache_dtype
 
     hf_config = config.model.hf_config
     arch = LlamaArch.from_hf_config(hf_config)
-    dtype = str(resolve_dtype(config.model.dtype, hf_config)).removeprefix("torch.")
+    # The cache's own dtype (--kv-cache-dtype): a float8_e4m3fn prefill pairs with a like decode only.
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, hf_config))
+    dtype = str(kv_dtype).removeprefix("torch.")
     # The model-level layout: every rank's shard of the same heads shares it, whatever the TP size.
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.block_size, dtype=dtype)
     return pb.PairingDescriptor(

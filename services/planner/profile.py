@@ -32,6 +32,12 @@ from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, 
 from services.planner.profile_serve import ServePathError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # the engines' --kv-cache-dtype
+
+
+def _kv_dtype_bytes(kv_cache_dtype: str) -> int:
+    """Bytes a KV value takes under --kv-cache-dtype (0: the model's dtype's)."""
+    return 0 if kv_cache_dtype == "auto" else 1
 
 
 class ClonedKVScheduler(KVConnectorScheduler):
@@ -115,7 +121,7 @@ class StepTimer:
 
     def __init__(self, model: str, device: str, num_threads: int, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int | None, dtype: str,
-                 kv_steps: list[list[int]] | None = None) -> None:
+                 kv_steps: list[list[int]] | None = None, kv_cache_dtype: str = "auto") -> None:
         """kv_steps: the token lengths of each step's sequences (_grid_steps); the KV cache holds
         the largest step whole, in this engine's blocks, instead of the engine's default size."""
         from engine.config import EngineConfig
@@ -123,7 +129,7 @@ class StepTimer:
 
         config = EngineConfig.create(model, device=device, num_threads=num_threads, dtype=dtype,
                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len)
+                                     max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
         if kv_steps:
             blocks = _kv_blocks(kv_steps, config.cache.block_size)
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=blocks))
@@ -307,10 +313,12 @@ def default_model() -> str:
 def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_batched_tokens: int = 2048,
                 max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str = "float32",
                 transports: list[str] | None = None, quick: bool = False, progress: bool = True,
-                serve_overhead: bool = True, router_elsewhere: bool = False) -> Profile:
+                serve_overhead: bool = True, router_elsewhere: bool = False,
+                kv_cache_dtype: str = "auto") -> Profile:
     """serve_overhead: also time a live instance behind a router, alone and beside a busy
     neighbour instance (profile_serve.py); router_elsewhere: the fleet's router and clients run
-    on other hosts, so their CPU is not charged to the instances."""
+    on other hosts, so their CPU is not charged to the instances. kv_cache_dtype: the engines'
+    --kv-cache-dtype (an fp8 cache: its steps, a byte a value in every transfer and cache size)."""
     import torch
     from tqdm import tqdm
 
@@ -320,9 +328,9 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
     # The KV cache holds the grid's largest batch (as if every context length were allowed).
     kv_steps = _grid_steps(_grid(quick, max_num_batched_tokens, max_model_len or 1 << 30))
     timer = StepTimer(model, device, num_threads, max_num_batched_tokens, max_num_seqs, max_model_len, dtype,
-                      kv_steps=kv_steps)
+                      kv_steps=kv_steps, kv_cache_dtype=kv_cache_dtype)
     hf = timer.config.model.hf_config
-    shape = ModelShape.from_hf_config(hf, _DTYPE_BYTES.get(dtype, 4))
+    shape = ModelShape.from_hf_config(hf, _DTYPE_BYTES.get(dtype, 4), _kv_dtype_bytes(kv_cache_dtype))
     block_size = timer.config.cache.block_size
     dev = str(timer.core.runner.device)
     transports = transports if transports is not None else available_transports(dev)
@@ -343,9 +351,10 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                                        tick=lambda: bar.update(1), batch=4 if quick else BATCH,
                                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                        measured=points, router_elsewhere=router_elsewhere, sustained=sustained,
-                                       strict=not quick)
+                                       strict=not quick, kv_cache_dtype=kv_cache_dtype)
+        cache_dtype = str(timer.core.runner.kv_dtype).removeprefix("torch.")
         layout = KVLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                          block_size=block_size, dtype=dtype, device=dev)
+                          block_size=block_size, dtype=cache_dtype, device=dev)
         transfers, raw_transfers = {}, {}
         for t in transports:
             try:
@@ -359,6 +368,7 @@ def run_profile(model: str, device: str = "cpu", num_threads: int = 1, max_num_b
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "load_avg": os.getloadavg()[0], "model_path": os.path.abspath(model), "dtype": dtype,
+               "kv_cache_dtype": kv_cache_dtype,
                "allocator": os.path.basename(cpu_allocator.preloaded() or "system")}
     kinds = [p["kind"] for p in timer.points]
     quality = fit_quality(step, points)
@@ -393,6 +403,9 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads, as the services get (bench-pd: 1)")
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the engines' --kv-cache-dtype: an fp8 cache's steps are measured, and its KV takes a "
+                        "byte a value in the transfers and cache sizes the plan works from")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -422,9 +435,9 @@ def write_roofline(args) -> int:
 
     if args.model:
         with open(os.path.join(args.model, "config.json")) as f:
-            shape = ModelShape.from_hf_config(json.load(f), _DTYPE_BYTES[args.dtype])
+            shape = ModelShape.from_hf_config(json.load(f), _DTYPE_BYTES[args.dtype], _kv_dtype_bytes(args.kv_cache_dtype))
     else:
-        shape = LLAMA3_8B
+        shape = dataclasses.replace(LLAMA3_8B, kv_dtype_bytes=_kv_dtype_bytes(args.kv_cache_dtype))
     prof = roofline_profile(args.roofline, shape, args.max_num_batched_tokens, args.max_num_seqs)
     prof.save(args.out)
     s = prof.step
@@ -452,7 +465,8 @@ def run_cli(args) -> int:
     try:
         prof = run_profile(model, args.device, args.num_threads, args.max_num_batched_tokens, args.max_num_seqs,
                            args.max_model_len, args.dtype, transports, args.quick,
-                           serve_overhead=not args.no_serve_overhead, router_elsewhere=args.router_elsewhere)
+                           serve_overhead=not args.no_serve_overhead, router_elsewhere=args.router_elsewhere,
+                           kv_cache_dtype=args.kv_cache_dtype)
     except ServePathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -23,11 +23,12 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    dtype_bytes: int  # of the KV cache
+    dtype_bytes: int  # of the weights, and of the KV cache unless kv_dtype_bytes says otherwise
+    kv_dtype_bytes: int = 0  # of the KV cache where it is not the model's dtype (--kv-cache-dtype fp8: 1)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @property
     def num_params(self) -> int:
@@ -37,13 +38,13 @@ class ModelShape:
         return self.num_layers * per_layer + 2 * self.vocab_size * h
 
     @classmethod
-    def from_hf_config(cls, hf: dict, dtype_bytes: int) -> "ModelShape":
+    def from_hf_config(cls, hf: dict, dtype_bytes: int, kv_dtype_bytes: int = 0) -> "ModelShape":
         heads = hf["num_attention_heads"]
         return cls(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                    intermediate_size=hf["intermediate_size"], num_heads=heads,
                    num_kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                   vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes)
+                   vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
 
 
 @dataclass(frozen=True)

@@ -486,7 +486,8 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
                        vocab_size: int, device: str = "cpu", tick=lambda: None, batch: int = BATCH,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                        measured: list[StepPoint] = (), router_elsewhere: bool = False,
-                       sustained: tuple[int, ...] = SUSTAINED, strict: bool = True) -> ServeCost:
+                       sustained: tuple[int, ...] = SUSTAINED, strict: bool = True,
+                       kv_cache_dtype: str = "auto") -> ServeCost:
     """The served path's costs (module docstring). On CPU the instance takes the first
     `num_threads` cores this process may use and the neighbour the next as many, if there are.
     The instance runs with the profile's engine settings; `measured` are the profile's steps.
@@ -534,7 +535,8 @@ def measure_serve_cost(model: str, step: StepCost, num_threads: int, dtype: str,
     own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cores = set(own[:num_threads]) if on_cpu and own else None
     spare = sorted(_all_cpus() - cores) if cores else []
-    engine_args = ("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs))
+    engine_args = ("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs),
+                   "--kv-cache-dtype", kv_cache_dtype)
     with ExitStack() as stack:
         address = _colocated(model, num_threads, dtype, max_model_len, cores, stack, engine_args)
         url, router_pid = _router(model, address, stack)

@@ -199,6 +199,20 @@ def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
     assert core.runner.tp.call("info") == [worker]  # a failed call leaves no reply behind
 
 
+def test_an_fp8_cache_is_every_ranks(tiny_model_factory):
+    """--kv-cache-dtype fp8 under tensor parallelism: each rank's shard is 8-bit, and the
+    answers are TP=1's with the same cache, token for token."""
+    path = tiny_model_factory("llama", max_position_embeddings=1024)
+    prompts = mixed_prompts(500)
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, kv_cache_dtype="fp8", **BLOCKS)
+    try:
+        (worker,) = llm.engine.runner.tp.call("info")
+        assert worker["kv_cache_dtype"] == "float8_e4m3fn" and llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert run(llm, prompts) == run(LLM(path, device="cpu", kv_cache_dtype="fp8", **BLOCKS), prompts)
+    finally:
+        shutdown(llm)
+
+
 def test_a_killed_worker_fails_the_engine(engines):
     llm, ref = engines.get("llama-1-kv-head", "ngram-spec")  # the last variant: this engine is done for
     engines.tp2.pop("ngram-spec")

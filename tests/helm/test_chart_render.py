@@ -284,6 +284,8 @@ def test_gpu_memory_utilization_reaches_both_engines_and_parses():
         parsed = p.parse_args(args)
         assert parsed.gpu_memory_utilization == 0.9 and parsed.kv_cache_memory_gb is None
         assert parsed.quantized_weights == "dequantize" and not any("quantized" in a for a in args)
-    docs = render("3", "gpu-ucx-rdma", sets={"engine.quantizedWeights": "keep"})
+        assert parsed.kv_cache_dtype == "auto" and not any("kv-cache-dtype" in a for a in args)
+    docs = render("3", "gpu-ucx-rdma", sets={"engine.quantizedWeights": "keep", "engine.kvCacheDtype": "fp8"})
     for name in ENGINES:
-        assert p.parse_args(container(by_kind(docs, "Deployment")[name])["args"]).quantized_weights == "keep"
+        parsed = p.parse_args(container(by_kind(docs, "Deployment")[name])["args"])
+        assert (parsed.quantized_weights, parsed.kv_cache_dtype) == ("keep", "fp8")

@@ -16,6 +16,8 @@ TOLERANCES = {
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
 DTYPES = tuple(TOLERANCES)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # --kv-cache-dtype fp8 (= fp8_e4m3), fp8_e5m2
+FP8_IDS = ["e4m3", "e5m2"]
 DTYPE_IDS = [str(t).removeprefix("torch.") for t in DTYPES]
 
 
@@ -28,6 +30,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-for-bit (data movement); NaN only where the reference has NaN too."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.element_size() == 1:  # fp8: its bytes
+        actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
     torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=0, rtol=0, equal_nan=True)
 
 
@@ -60,8 +64,9 @@ class PagedBatch:
 
 
 def make_paged_batch(q_lens: list[int], seq_lens: list[int], num_kv_heads: int, group: int,
-                     head_dim: int, block_size: int, dtype: torch.dtype) -> PagedBatch:
-    """Random queries and context on CPU.
+                     head_dim: int, block_size: int, dtype: torch.dtype,
+                     cache_dtype: torch.dtype | None = None) -> PagedBatch:
+    """Random queries and context on CPU; the cache in `cache_dtype` (default: `dtype`).
 
     Every cache slot that is not context (free blocks, the tail of a last block, the block
     that pads the block tables) holds NaN, so a kernel that reads one fails.
@@ -69,7 +74,8 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], num_kv_heads: int, 
     assert all(0 < q <= s for q, s in zip(q_lens, seq_lens))
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     needed = sum(blocks_per_seq) + 1  # + the NaN block that pads the tables
-    kv_cache = torch.full((2, 2 * needed + 3, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    kv_cache = torch.full((2, 2 * needed + 3, block_size, num_kv_heads, head_dim), float("nan"),
+                          dtype=cache_dtype or dtype)
     ids = random_block_ids(kv_cache.shape[1], needed)
     pad_block = int(ids[-1])
     block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), pad_block, dtype=torch.int32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_close, make_paged_batch, poisoned
+from kernel_cases import FP8, FP8_IDS, assert_close, make_paged_batch, poisoned
 from kernels import reference
 
 # (query heads per kv head, kv heads, block size, head dim, dtype): every GQA ratio, both
@@ -67,6 +67,28 @@ def test_paged_decode_attention_matches_reference(triton_kernels, device, group,
     out = poisoned(b.query.shape, dtype, device)
     decode_attention(b.query, b.kv_cache, b.seq_lens, b.block_tables, b.scale, out, 5 if chosen == 1 else 1)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
+def test_attention_over_an_fp8_cache_reads_it_in_the_querys_dtype(triton_kernels, device, cache_dtype, dtype):
+    """--kv-cache-dtype fp8: the mixed batch and split-context decode over an 8-bit cache match
+    the reference reading the same stored values widened (NaN poison in every slot not read)."""
+    batch = make_paged_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_kv_heads=2, group=4, head_dim=64,
+                             block_size=16, dtype=dtype, cache_dtype=cache_dtype)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, batch.scale)
+    b = batch.to(device)
+    out = poisoned(b.query.shape, dtype, device)
+    triton_kernels.paged_attention(b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables,
+                                   b.scale, out=out)
+    assert_close(out, expected, dtype)
+    rows = [i for i, n in enumerate(MIXED_Q_LENS) if n == 1]
+    last = b.query_start_loc[1:][rows] - 1
+    out = poisoned((len(rows), *b.query.shape[1:]), dtype, device)
+    triton_kernels.paged_decode_attention(b.query[last], b.kv_cache, b.seq_lens[rows], b.block_tables[rows],
+                                          b.scale, out=out)
+    assert_close(out, expected[last.cpu()], dtype)
 
 
 def test_paged_attention_on_a_mostly_decode_batch(triton_kernels, device):

@@ -27,6 +27,9 @@ def test_every_kernel_compiles_for_sm90_and_decode_pipelines_its_kv_loads():
     assert {c["kernel"] for c in compiled} == {
         "_store_kv_kernel", "_copy_blocks_kernel", "_paged_prefill_kernel", "_paged_decode_kernel",
         "_reduce_splits_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+    # An fp8 cache's kernels compile too: stores that convert to e4m3 / e5m2, loads that widen.
+    assert {c["kernel"] for c in compiled if c["cache"] in ("fp8e4nv", "fp8e5")} == {
+        "_store_kv_kernel", "_copy_blocks_kernel", "_paged_prefill_kernel", "_paged_decode_kernel"}
     for c in compiled:
         assert c["shared"] <= SM90_SHARED_MEMORY, c
         if c["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel"):
@@ -56,14 +59,15 @@ def _record_launches() -> list:
     return launches
 
 
-def _run_wrappers(dtype) -> None:
-    """Every wrapper on Llama-3-8B-like CPU tensors (kernels recorded, not run)."""
+def _run_wrappers(dtype, cache_dtype=None) -> None:
+    """Every wrapper on Llama-3-8B-like CPU tensors (kernels recorded, not run); the KV cache in
+    `cache_dtype` (--kv-cache-dtype fp8: the attention and cache kernels only)."""
     import torch
 
     from kernels import triton_cache, triton_decode, triton_layers, triton_prefill
 
     heads, kv_heads, dim, block = 32, 8, 128, 16
-    cache = torch.zeros(2, 64, block, kv_heads, dim, dtype=dtype)
+    cache = torch.zeros(2, 64, block, kv_heads, dim, dtype=cache_dtype or dtype)
     tables = torch.zeros(4, 16, dtype=torch.int32)
     seq_lens = torch.full((4,), 200, dtype=torch.int32)
     q = torch.zeros(4, heads, dim, dtype=dtype)
@@ -77,6 +81,8 @@ def _run_wrappers(dtype) -> None:
         triton_cache.store_kv(kv, kv, cache, torch.arange(8))
         staging = triton_cache.gather_blocks([cache, cache.clone()], torch.arange(3))
         triton_cache.scatter_blocks(staging, [cache, cache.clone()], torch.arange(3))
+        if cache_dtype is not None:
+            return
         triton_layers.rms_norm(torch.zeros(8, 4096, dtype=dtype), torch.ones(4096, dtype=dtype), 1e-5,
                                torch.zeros(8, 4096, dtype=dtype))
         triton_layers.rotary_embedding(torch.arange(8), q[:2].repeat(4, 1, 1), kv, torch.zeros(100, dim))
@@ -96,7 +102,8 @@ def _compile(kernel, args, constexprs, num_warps, num_stages) -> dict:
     for i, (name, value) in enumerate(zip(names, args)):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                                     torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                                     torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+                                     torch.float8_e5m2: "fp8e5"}[value.dtype]
             aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
             signature[name], aligned = "i1", False
@@ -117,6 +124,7 @@ def _compile(kernel, args, constexprs, num_warps, num_stages) -> dict:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return {"kernel": kernel.__name__, "shared": compiled.metadata.shared,
+            "cache": next((signature[n][1:] for n in ("kv_cache", "cache", "staging") if n in signature), None),
             "async_copies": compiled.asm["ptx"].count("cp.async.cg.shared.global")}
 
 
@@ -127,6 +135,8 @@ def main() -> None:
     launches = _record_launches()
     for dtype in (torch.bfloat16, torch.float32):  # fp16 lowers as bf16 does; fp32 takes IEEE dots
         _run_wrappers(dtype)
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8, fp8_e5m2
+        _run_wrappers(torch.bfloat16, cache_dtype)
     print(json.dumps([_compile(*launch) for launch in launches]))
 
 

@@ -21,6 +21,7 @@ LAYOUTS = {
     "f32-bs16": dict(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16, dtype="float32"),
     "f16-bs8-gqa": dict(num_layers=3, num_kv_heads=2, head_dim=64, block_size=8, dtype="float16"),
     "bf16-bs32-mqa": dict(num_layers=2, num_kv_heads=1, head_dim=128, block_size=32, dtype="bfloat16"),
+    "fp8-bs16": dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float8_e4m3fn"),  # --kv-cache-dtype fp8
 }
 PREFILL_BLOCKS = 400
 DECODE_BLOCKS = 450

@@ -161,6 +161,33 @@ def test_pdserve_profile_roofline_writes_a_gpu_profile(tmp_path, capsys):
     assert "h200 roofline" in capsys.readouterr().out
 
 
+def test_an_fp8_kv_cache_halves_the_bytes_a_plan_moves_and_reads(tmp_path, tiny_llama):
+    """--kv-cache-dtype fp8: the profile's KV is a byte a value (transfers, decode reads); the
+    weights keep the model's dtype."""
+    out = tmp_path / "h200-fp8.json"
+    assert pdserve(["profile", "--roofline", "h200", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+                    "--out", str(out)]) == 0
+    fp8 = Profile.load(str(out))
+    assert fp8.model == dataclasses.replace(LLAMA3_8B, kv_dtype_bytes=1)
+    assert fp8.model.kv_bytes_per_token == LLAMA3_8B.kv_bytes_per_token // 2 and fp8.model.num_params == LLAMA3_8B.num_params
+    bf16 = roofline_profile("h200", LLAMA3_8B)
+    # A decode batch's cost over its contexts' KV: about half as much to read.
+    ratio = ((fp8.step.decode_seconds(64, 4096) - fp8.step.decode_seconds(64, 16))
+             / (bf16.step.decode_seconds(64, 4096) - bf16.step.decode_seconds(64, 16)))
+    assert 0.45 < ratio < 0.56
+    assert fp8.kv_bytes(1000) == bf16.kv_bytes(1000) // 2
+    # Measured: the engine runs an fp8 cache, and its transfers move a byte a value.
+    out = tmp_path / "cpu-fp8.json"
+    assert pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",
+                    "--no-serve-overhead", "--transports", "tcp", "--kv-cache-dtype", "fp8", "--out", str(out)]) == 0
+    prof = Profile.load(str(out))
+    assert prof.model.kv_dtype_bytes == 1 and prof.machine["kv_cache_dtype"] == "fp8"
+    hf = json.loads((tmp_path.parent / tiny_llama).joinpath("config.json").read_text())
+    assert prof.model.kv_bytes_per_token == ModelShape.from_hf_config(hf, 4).kv_bytes_per_token // 4
+    assert [b for b, _ in prof.raw["transfer"]["tcp"]["points"]] == [
+        n * 16 * prof.model.kv_bytes_per_token for n in (1, 8, 32)]
+
+
 def test_pdserve_profile_quick_measures_through_the_engine(tiny_llama, tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = pdserve(["profile", "--model", tiny_llama, "--quick", "--max-num-batched-tokens", "64",

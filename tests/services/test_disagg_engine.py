@@ -35,19 +35,23 @@ async def transfers_settled(prefill_core) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_disaggregated_engines_match_colocated(tiny_llama, transport):
+@pytest.mark.parametrize("transport,kv_cache_dtype", [("tcp", "auto"), ("shm", "auto"), ("tcp", "fp8"),
+                                                    ("shm", "fp8_e5m2")])
+def test_disaggregated_engines_match_colocated(tiny_llama, transport, kv_cache_dtype):
+    """An fp8 cache too: its blocks move as stored, so the decode reads what a colocated engine
+    with the same cache would (the same tokens, to the last)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(n)] for n in (3, 16, 17, 40, 120)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(prompts, params)]
+    expected = [o.outputs[0].token_ids
+                for o in LLM(tiny_llama, kv_cache_dtype=kv_cache_dtype).generate(prompts, params)]
 
     async def main():
         prefill = await AsyncEngine.create(
-            tiny_llama, detokenize=False, max_num_batched_tokens=32,  # chunked prefill
+            tiny_llama, detokenize=False, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype,  # chunked
             kv_connector_factory=KVConnectorConfig(transport, Role.PREFILL, SECRET, "prefill-0"))
         decode = await AsyncEngine.create(
-            tiny_llama, detokenize=False,
+            tiny_llama, detokenize=False, kv_cache_dtype=kv_cache_dtype,
             kv_connector_factory=KVConnectorConfig(transport, Role.DECODE, SECRET, "decode-0"))
         try:
             got = await asyncio.gather(*(disaggregated(prefill, decode, p, params) for p in prompts))

@@ -57,9 +57,11 @@ def test_vllms_spellings_of_the_cache_switches(flags, prefix, chunked):
     assert (kwargs["enable_prefix_caching"], kwargs["enable_chunked_prefill"]) == (prefix, chunked)
 
 
-def test_contradictions_and_fp8_caches_are_refused():
+def test_contradictions_are_refused_and_the_cache_dtype_reaches_the_engine():
     with pytest.raises(ValueError, match="contradict"):
         engine_kwargs(parse(Role.DECODE, "--enable-prefix-caching", "--no-prefix-caching"))
-    with pytest.raises(ValueError, match="fp8 KV caches are not supported yet"):
-        engine_kwargs(parse(Role.PREFILL, "--kv-cache-dtype", "fp8"))
-    assert "kv_cache_dtype" not in engine_kwargs(parse(Role.PREFILL, "--kv-cache-dtype", "auto"))
+    for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
+        assert engine_kwargs(parse(role, "--kv-cache-dtype", "fp8"))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(parse(Role.PREFILL))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit):
+        parse(Role.DECODE, "--kv-cache-dtype", "int8")

@@ -34,9 +34,20 @@ def test_block_size_and_dtype_change_the_layout_not_the_model(tiny):
     base = describe(tiny)
     for other, why in ((describe(tiny, block_size=32), "KV block size 16 vs 32"),
                        (describe(tiny, dtype="float16"), "KV dtype float32 vs float16"),
+                       (describe(tiny, kv_cache_dtype="fp8"), "KV dtype float32 vs float8_e4m3fn"),
                        (describe(tiny, transport="shm"), "KV transport tcp vs shm")):
         assert other.model_fingerprint == base.model_fingerprint
         assert pair_incompatibility(base, other) == why
+
+
+def test_an_fp8_cache_pairs_with_the_same_fp8_cache(tiny):
+    fp8 = describe(tiny, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert fp8.kv_dtype == "float8_e4m3fn"
+    assert fp8.kv_layout_fingerprint == KVLayout(2, 2, 16, 16, dtype="float8_e4m3fn").fingerprint
+    # The model's dtype is not the cache's: a float16 engine's fp8 cache is the same bytes.
+    assert pair_incompatibility(fp8, describe(tiny, dtype="float16", kv_cache_dtype="fp8_e4m3")) is None
+    assert pair_incompatibility(fp8, describe(tiny, dtype="bfloat16", kv_cache_dtype="fp8_e5m2")) == \
+        "KV dtype float8_e4m3fn vs float8_e5m2"
 
 
 def test_another_checkpoint_is_another_model(tiny, tiny_model_factory):
