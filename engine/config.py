@@ -128,8 +128,8 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # vLLM's --kv-cache-dtype: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: K and V
-    # stored as 8-bit floats (scale 1, saturating), half of a 16-bit cache's bytes, read back in
-    # the model's dtype by attention. Blocks move between engines as stored.
+    # stored as 8-bit floats (scale 1 or the checkpoint's k/v scales, saturating), half of a 16-bit
+    # cache's bytes, read back in the model's dtype by attention. Blocks move between engines as stored.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
 from engine.memory import MemoryBudget, check_start, default_size_warning, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
-from engine.models.loader import check_quantization, resolve_dtype, resolve_kv_cache_dtype
+from engine.models.loader import check_quantization, has_kv_scales, resolve_dtype, resolve_kv_cache_dtype
 from engine.parallel import TPLayout
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -94,6 +94,7 @@ class ModelRunner:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
                                     self.device, show_progress, linear_backend=config.model.linear_backend,
                                     quantized_weights=config.model.quantized_weights)
+        self._say_kv_scales(hf_config)
         self.lora = None
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager
@@ -240,6 +241,19 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, sc.max_num_seqs, sizes, self.max_blocks_per_seq,
                               self.block_size, self.device, use_graphs=reason is None)
         return graphs, reason
+
+    def _say_kv_scales(self, hf_config: dict) -> None:
+        """Whether the checkpoint's calibrated KV cache scales are used (an fp8 cache) or not."""
+        fp8 = self.kv_dtype.itemsize == 1
+        if has_kv_scales(self.model):
+            if fp8:
+                logger.info("KV cache scales from the checkpoint: the fp8 cache holds K / k_scale and V / v_scale")
+            else:
+                logger.info("the checkpoint's KV cache scales are not used: the cache is %s "
+                            "(--kv-cache-dtype fp8 uses them)", str(self.kv_dtype).removeprefix("torch."))
+        elif fp8 and (hf_config.get("quantization_config") or {}).get("kv_cache_scheme"):
+            logger.warning("the checkpoint's kv_cache_scheme names KV cache scales, but none were found in its "
+                           "weights: the fp8 cache stores K and V at scale 1")
 
     def bytes_per_block(self, arch=None) -> int:
         """Of this rank's KV shard."""

@@ -105,6 +105,8 @@ class Attention(nn.Module):
     """With tp: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
     row-parallel, its partial sums all-reduced. `*_lora`: LoRA adapters (engine.lora), when served."""
     qkv_lora = o_lora = None
+    # A checkpoint's calibrated (k_scale, v_scale): an fp8 cache stores k / k_scale and v / v_scale.
+    kv_scales = (1.0, 1.0)
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
@@ -137,12 +139,18 @@ class Attention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+        scale, (k_scale, v_scale) = self.scale, self.kv_scales
+        scaled = kv_cache.element_size() == 1 and self.kv_scales != (1.0, 1.0)
+        if scaled:  # an fp8 cache with calibrated scales: softmax(q . k8 * k_scale) . v8 * v_scale
+            k, v, scale = k / k_scale, v / v_scale, scale * k_scale
         self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, self.scale)
+            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale)
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_tables, self.scale)
+                                             meta.block_tables, scale)
+        if scaled and v_scale != 1.0:
+            o = o * v_scale
         o = o.reshape(t, self.q_size)
         out = self.o_proj(o)
         if self.o_lora is not None:

@@ -109,11 +109,16 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    kv_scales: dict[int, dict[str, float]] = {}
     for i, file in enumerate(files):
         if show_progress:
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
+                kv = _KV_SCALE.match(hf_name)
+                if kv is not None:  # a calibrated KV cache's scale (an fp8 cache's: Attention.kv_scales)
+                    _read_kv_scale(kv_scales, hf_name, kv, f.get_tensor(hf_name))
+                    continue
                 expert = _EXPERT.match(quant.main_name(hf_name).removeprefix("model.")) \
                     if kept_experts and not quant.is_companion(hf_name) else None
                 if expert is not None and expert.group(1) in kept_experts and expert.group(2) is not None:
@@ -154,6 +159,10 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
     del params
+    for i, scales in kv_scales.items():
+        if i >= len(model.layers):
+            raise ValueError(f"KV cache scales for layer {i}, but the model has {len(model.layers)} layers")
+        model.layers[i].self_attn.kv_scales = (scales.get("k", 1.0), scales.get("v", 1.0))
     pack_linears(model, linear_backend)
     return model.eval()
 
@@ -354,9 +363,11 @@ def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None 
                          f"{quant.method!r}; leave it out to read the checkpoint's")
     if quant is None:
         return None
-    if (hf_config.get("quantization_config") or {}).get("kv_cache_scheme"):
-        raise ValueError("the checkpoint quantizes the KV cache (kv_cache_scheme) with calibrated scales, which "
-                         "pdserve does not read (its --kv-cache-dtype fp8 stores K and V at scale 1)")
+    scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
+    if scheme and (scheme.get("type", "float") != "float" or scheme.get("num_bits") != 8
+                   or scheme.get("strategy", "tensor") != "tensor" or scheme.get("dynamic")):
+        raise ValueError(f"the checkpoint's kv_cache_scheme {scheme} is not served: its KV cache scales are read "
+                         "as static FP8 ones, one per layer (vLLM's), used with --kv-cache-dtype fp8")
     if tp_size > 1:
         raise ValueError(f"{quant.describe()} checkpoints are not served with tensor parallelism yet "
                          "(--tensor-parallel-size 1)")
@@ -373,6 +384,31 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
                     module, suffix = name.rsplit(".", 1)
                     found.setdefault(module, {})[suffix] = f.get_tensor(name)
     return found
+
+
+# A calibrated KV cache's per-layer scales, by the names vLLM reads: llm-compressor's
+# self_attn.k_scale / v_scale, ModelOpt's k_proj.k_scale / v_proj.v_scale, older checkpoints'
+# k_proj.output_scale / v_proj.output_scale, and the deprecated kv_scale (both K and V).
+_KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?P<own>[kv])_scale|(?P<k>k)_proj\.(?:output|k)_scale"
+                       r"|(?P<v>v)_proj\.(?:output|v)_scale|(?P<both>kv)_scale)$")
+
+
+def _read_kv_scale(found: dict[int, dict[str, float]], hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
+    """A K or V dequantization scale (the cache holds fp8(k / k_scale)): one per layer."""
+    if tensor.numel() != 1:
+        raise ValueError(f"{hf_name!r}: {tensor.numel()} KV cache scales (per head or channel); only one a layer "
+                         "(per tensor, vLLM's) is read")
+    value = float(tensor.float().reshape(()))
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{hf_name!r}: a KV cache scale must be a finite number > 0, got {value}")
+    which = match.group("own") or match.group("k") or match.group("v") or "kv"
+    for part in ("k", "v") if which == "kv" else (which,):
+        found.setdefault(int(match.group(1)), {})[part] = value
+
+
+def has_kv_scales(model) -> bool:
+    """Whether the checkpoint gave the model calibrated KV cache scales."""
+    return any(layer.self_attn.kv_scales != (1.0, 1.0) for layer in model.layers)
 
 
 def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:

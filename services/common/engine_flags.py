@@ -53,8 +53,8 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
         help="chunked prefill (vLLM's flag; on unless --no-enable-chunked-prefill or --no-chunked-prefill)")
     add(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the KV cache's dtype (vLLM's flag): auto, the model's; fp8 (= fp8_e4m3) or fp8_e5m2, K and V "
-             "stored in 8 bits (scale 1, saturating): twice the tokens in the same memory, half the bytes a "
-             "transfer moves; a prefill and a decode must agree on it")
+             "stored in 8 bits (scale 1, or the checkpoint's calibrated k/v scales; saturating): twice the "
+             "tokens in the same memory, half the bytes a transfer moves; a prefill and a decode must agree on it")
     add(p, "--quantization", default=None,
         help="the checkpoint's quantization method (vLLM's flag): read from its quantization_config when left "
              "out; served: fp8, fbgemm_fp8, compressed-tensors, awq, gptq")

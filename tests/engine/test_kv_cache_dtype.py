@@ -3,6 +3,8 @@ read back in the model's dtype. The same memory holds more tokens; the backends 
 stored and read; the answers stay close to a full-precision cache's."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
@@ -84,3 +86,92 @@ def test_the_cuda_kernels_answer_as_the_reference_over_an_fp8_cache(tiny_llama, 
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
             assert all(abs(a[t] - b[t]) < 1e-3 for t in a.keys() & b.keys())
+
+
+def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, scales: dict[str, float]) -> str:
+    """`base` with K made k_factor times larger (q_proj shrunk as much: the same attention) and V
+    v_factor times (o_proj shrunk: the same output), far past what fp8 holds at scale 1, plus
+    `scales` (tensor name suffix -> value) for every layer, as a calibrated checkpoint has them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    (weights,) = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(out, weights))
+    layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
+    for i in layers:
+        a = f"model.layers.{i}.self_attn"
+        tensors[f"{a}.k_proj.weight"] = tensors[f"{a}.k_proj.weight"] * k_factor
+        tensors[f"{a}.q_proj.weight"] = tensors[f"{a}.q_proj.weight"] / k_factor
+        tensors[f"{a}.v_proj.weight"] = tensors[f"{a}.v_proj.weight"] * v_factor
+        tensors[f"{a}.o_proj.weight"] = tensors[f"{a}.o_proj.weight"] / v_factor
+        for suffix, value in scales.items():
+            tensors[f"model.layers.{i}.{suffix}"] = torch.tensor(value, dtype=torch.float32)
+    save_file(tensors, os.path.join(out, weights), metadata={"format": "pt"})
+    return out
+
+
+def _kv_amax(path: str, prompts) -> tuple[float, float]:
+    """The largest |K| and |V| the prompts put in a float32 cache."""
+    llm = LLM(path, kv_cache_dtype="auto", num_blocks=64, enable_prefix_caching=False)
+    caches = []
+    runner = llm.engine.runner
+    original = runner.kernels.store_kv
+
+    def store(k, v, cache, slots):  # every K and V the forward passes store
+        caches.append((k.abs().max().item(), v.abs().max().item()))
+        return original(k, v, cache, slots)
+
+    for layer in runner.model.layers:
+        layer.self_attn.kernels = dataclasses.replace(runner.kernels, store_kv=store)
+    llm.generate(prompts, SamplingParams(max_tokens=1))
+    return max(k for k, _ in caches), max(v for _, v in caches)
+
+
+@pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),  # llm-compressor's
+                                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                                   ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")],  # ModelOpt's
+                         ids=["k_scale", "output_scale", "modelopt"])
+def test_a_checkpoints_kv_scales_keep_large_keys_and_values_in_range(tiny_llama, prompts, tmp_path, names):
+    """A calibrated checkpoint's scales (vLLM's rule): the fp8 cache holds K / k_scale and
+    V / v_scale, attention multiplies them back. Keys and values thousands of times larger than
+    fp8 holds then answer as a float32 cache does, where the same weights without their scales
+    saturate and answer far off."""
+    k0, v0 = _kv_amax(tiny_llama, prompts)
+    k_factor, v_factor = 4000.0, 2000.0
+    scales = {names[0]: k_factor * k0 / 400, names[1]: v_factor * v0 / 400}  # amax -> 400 (e4m3: 448)
+    calibrated = _scaled_checkpoint(tiny_llama, str(tmp_path / "calibrated"), k_factor, v_factor, scales)
+    bare = _scaled_checkpoint(tiny_llama, str(tmp_path / "bare"), k_factor, v_factor, {})
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(path: str, kv: str) -> list[float]:
+        outs = LLM(path, kv_cache_dtype=kv).generate(prompts, params)
+        return [next(iter(p.values())) for o in outs for p in o.prompt_logprobs]
+
+    def mean_diff(a, b):
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+    full = logprobs(calibrated, "auto")  # the scales unused: the cache is float32
+    assert mean_diff(full, logprobs(bare, "auto")) < 1e-4
+    assert mean_diff(full, logprobs(calibrated, "fp8")) < 0.06
+    assert mean_diff(full, logprobs(bare, "fp8")) > 0.3  # saturated at 448
+
+
+def test_kv_scales_are_one_a_layer_and_positive(tiny_llama, tmp_path):
+    head = _scaled_checkpoint(tiny_llama, str(tmp_path / "head"), 1.0, 1.0, {})
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = [f for f in os.listdir(head) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(head, weights))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(2)
+    save_file(tensors, os.path.join(head, weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="2 KV cache scales .* only one a layer"):
+        LLM(head, kv_cache_dtype="fp8")
+    zero = _scaled_checkpoint(tiny_llama, str(tmp_path / "zero"), 1.0, 1.0, {"self_attn.v_scale": 0.0})
+    with pytest.raises(ValueError, match="must be a finite number > 0, got 0.0"):
+        LLM(zero, kv_cache_dtype="fp8")
+    # The deprecated kv_scale is both K's and V's.
+    both = LLM(_scaled_checkpoint(tiny_llama, str(tmp_path / "both"), 1.0, 1.0, {"self_attn.kv_scale": 0.5}),
+               kv_cache_dtype="fp8")
+    assert all(layer.self_attn.kv_scales == (0.5, 0.5) for layer in both.engine.runner.model.layers)

@@ -280,14 +280,51 @@ def _with_config(base: str, out: str, quantization_config: dict) -> str:
       "sparsity_config": {"format": "sparse-24-bitmask"}}, "'sparse-24-bitmask' sparsity is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
       "transform_config": {"config_groups": {"u": {}}}}, "transform_config .* is not served"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"},
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
                                                                  "strategy": "channel"}}}},
-     "quantizes the KV cache"),
+     "kv_cache_scheme .* is not served"),
 ])
 def test_what_is_not_served_is_refused_at_start(base, tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
         LLM(_with_config(base, str(tmp_path / "ckpt"), config))
+
+
+def test_an_fp8_checkpoint_calibrated_for_an_fp8_kv_cache(base, tmp_path):
+    """llm-compressor's kv_cache_scheme (static, per tensor) with its self_attn.k_scale / v_scale
+    beside FP8 weights: --kv-cache-dtype fp8 stores K / k_scale and V / v_scale, auto reads the
+    scales and leaves them unused; either answers close to the other."""
+    from safetensors.torch import load_file, save_file
+
+    path = compressed(base, str(tmp_path / "ct"), "float", "channel")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(os.path.join(path, shard))
+    for i in range(2):
+        for kv, value in (("k", 0.25), ("v", 0.125)):
+            name = f"model.layers.{i}.self_attn.{kv}_scale"
+            tensors[name] = torch.tensor(value)
+            index["weight_map"][name] = shard
+    save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = [list(range(3, 40)), list(range(50, 120, 2))]
+    got = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(path, kv_cache_dtype=kv)
+        assert all(layer.self_attn.kv_scales == (0.25, 0.125) for layer in llm.engine.runner.model.layers)
+        got[kv] = [next(iter(p.values())) for o in llm.generate(prompts, params) for p in o.prompt_logprobs]
+    diffs = [abs(a - b) for a, b in zip(got["auto"], got["fp8"])]
+    assert 0 < sum(diffs) / len(diffs) < 0.06
 
 
 def test_a_quantized_checkpoint_with_tensor_parallelism_is_refused_before_workers_start(base, tmp_path):
