@@ -245,7 +245,7 @@ class ModelRunner:
     def _say_kv_scales(self, hf_config: dict) -> None:
         """Whether the checkpoint's calibrated KV cache scales are used (an fp8 cache) or not."""
         fp8 = self.kv_dtype.itemsize == 1
-        if has_kv_scales(self.model):
+        if has_kv_scales(getattr(self.model, "local", self.model)):  # (tensor parallelism: rank 0's shard)
             if fp8:
                 logger.info("KV cache scales from the checkpoint: the fp8 cache holds K / k_scale and V / v_scale")
             else:

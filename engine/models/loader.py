@@ -361,13 +361,13 @@ def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None 
                              "is read), or leave --quantization out")
         raise ValueError(f"--quantization {requested} does not match the checkpoint's quant_method "
                          f"{quant.method!r}; leave it out to read the checkpoint's")
-    if quant is None:
-        return None
     scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
     if scheme and (scheme.get("type", "float") != "float" or scheme.get("num_bits") != 8
                    or scheme.get("strategy", "tensor") != "tensor" or scheme.get("dynamic")):
         raise ValueError(f"the checkpoint's kv_cache_scheme {scheme} is not served: its KV cache scales are read "
                          "as static FP8 ones, one per layer (vLLM's), used with --kv-cache-dtype fp8")
+    if quant is None:
+        return None
     if tp_size > 1:
         raise ValueError(f"{quant.describe()} checkpoints are not served with tensor parallelism yet "
                          "(--tensor-parallel-size 1)")
@@ -387,10 +387,10 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
 
 
 # A calibrated KV cache's per-layer scales, by the names vLLM reads: llm-compressor's
-# self_attn.k_scale / v_scale, ModelOpt's k_proj.k_scale / v_proj.v_scale, older checkpoints'
-# k_proj.output_scale / v_proj.output_scale, and the deprecated kv_scale (both K and V).
-_KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?P<own>[kv])_scale|(?P<k>k)_proj\.(?:output|k)_scale"
-                       r"|(?P<v>v)_proj\.(?:output|v)_scale|(?P<both>kv)_scale)$")
+# self_attn.k_scale / v_scale (also under attn. or qkv_proj.), k_proj.k_scale / v_proj.v_scale,
+# older checkpoints' k_proj.output_scale / v_proj.output_scale, and the deprecated kv_scale (both).
+_KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?P<own>[kv])_scale"
+                       r"|(?P<k>k)_proj\.(?:output|k)_scale|(?P<v>v)_proj\.(?:output|v)_scale|(?P<both>kv)_scale)$")
 
 
 def _read_kv_scale(found: dict[int, dict[str, float]], hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:

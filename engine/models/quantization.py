@@ -92,6 +92,8 @@ class QuantizedWeights:
         if qc.get("transform_config"):
             raise ValueError("compressed-tensors checkpoint with a transform_config (online rotations: SpinQuant, "
                              "QuIP) is not served")
+        if not qc.get("config_groups") and qc.get("kv_cache_scheme"):
+            return None  # only the KV cache is quantized: dense weights (its scales: loader._KV_SCALE)
         fmt = qc.get("format", "")
         if fmt not in _CT_FORMATS:
             raise ValueError(f"compressed-tensors checkpoint of format {fmt!r} is not served; pdserve serves "

@@ -4,6 +4,7 @@ stored and read; the answers stay close to a full-precision cache's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 
@@ -88,7 +89,8 @@ def test_the_cuda_kernels_answer_as_the_reference_over_an_fp8_cache(tiny_llama, 
             assert all(abs(a[t] - b[t]) < 1e-3 for t in a.keys() & b.keys())
 
 
-def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, scales: dict[str, float]) -> str:
+def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, scales: dict[str, float],
+                       quantization_config: dict | None = None) -> str:
     """`base` with K made k_factor times larger (q_proj shrunk as much: the same attention) and V
     v_factor times (o_proj shrunk: the same output), far past what fp8 holds at scale 1, plus
     `scales` (tensor name suffix -> value) for every layer, as a calibrated checkpoint has them."""
@@ -109,6 +111,12 @@ def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, sc
         for suffix, value in scales.items():
             tensors[f"model.layers.{i}.{suffix}"] = torch.tensor(value, dtype=torch.float32)
     save_file(tensors, os.path.join(out, weights), metadata={"format": "pt"})
+    if quantization_config is not None:
+        with open(os.path.join(out, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = quantization_config
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f)
     return out
 
 
@@ -175,3 +183,31 @@ def test_kv_scales_are_one_a_layer_and_positive(tiny_llama, tmp_path):
     both = LLM(_scaled_checkpoint(tiny_llama, str(tmp_path / "both"), 1.0, 1.0, {"self_attn.kv_scale": 0.5}),
                kv_cache_dtype="fp8")
     assert all(layer.self_attn.kv_scales == (0.5, 0.5) for layer in both.engine.runner.model.layers)
+
+
+KV_ONLY = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
+           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                               "symmetric": True}}
+
+
+def test_a_checkpoint_that_quantizes_only_its_kv_cache(tiny_llama, tmp_path):
+    """llm-compressor's KV-cache-only recipe: dense weights, a kv_cache_scheme, per-layer scales;
+    served as vLLM serves it, under tensor parallelism too. A scheme per head or dynamic is
+    refused at start."""
+    path = _scaled_checkpoint(tiny_llama, str(tmp_path / "kv-only"), 1.0, 1.0,
+                              {"self_attn.k_scale": 0.5, "self_attn.v_scale": 0.25}, KV_ONLY)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(path, kv_cache_dtype="fp8", num_blocks=64)
+    assert all(layer.self_attn.kv_scales == (0.5, 0.25) for layer in one.engine.runner.model.layers)
+    two = LLM(path, kv_cache_dtype="fp8", num_blocks=64, tensor_parallel_size=2)
+    try:
+        prompts = [[5, 6, 7, 8, 9] * 7, list(range(40, 90))]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    finally:
+        two.engine.shutdown()
+    for scheme in ({"strategy": "attn_head"}, {"dynamic": True}, {"num_bits": 4}):
+        bad = dict(KV_ONLY, kv_cache_scheme={**KV_ONLY["kv_cache_scheme"], **scheme})
+        other = _scaled_checkpoint(tiny_llama, str(tmp_path / f"bad-{len(os.listdir(tmp_path))}"), 1.0, 1.0, {}, bad)
+        with pytest.raises(ValueError, match="kv_cache_scheme .* is not served"):
+            LLM(other, kv_cache_dtype="fp8")
