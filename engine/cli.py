@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.config import KV_CACHE_DTYPES
 from engine.log_config import configure_logging
 
 
@@ -73,7 +74,7 @@ def add_engine_commands(sub) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: K and V stored in 8 bits")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (worker processes; on CUDA one GPU each, from --device)")

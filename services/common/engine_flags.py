@@ -7,6 +7,7 @@ import os
 
 from services.common.auth import add_server_auth_flags, read_token
 from engine import cpu_allocator
+from engine.config import KV_CACHE_DTYPES
 from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 from services.common.flags import add
@@ -51,7 +52,7 @@ def add_engine_parser(sub, role: Role, help_text: str) -> argparse.ArgumentParse
         help="the prefix cache (vLLM's flag; on unless --no-enable-prefix-caching or --no-prefix-caching)")
     add(p, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
         help="chunked prefill (vLLM's flag; on unless --no-enable-chunked-prefill or --no-chunked-prefill)")
-    add(p, "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    add(p, "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
         help="the KV cache's dtype (vLLM's flag): auto, the model's; fp8 (= fp8_e4m3) or fp8_e5m2, K and V "
              "stored in 8 bits (scale 1, or the checkpoint's calibrated k/v scales; saturating): twice the "
              "tokens in the same memory, half the bytes a transfer moves; a prefill and a decode must agree on it")

@@ -23,6 +23,7 @@ import sys
 import time
 
 from engine import cpu_allocator
+from engine.config import KV_CACHE_DTYPES
 from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
                                  KVLoad, zeroed_kv_caches)
 from services.common.flags import add
@@ -32,12 +33,11 @@ from services.planner.profile_data import GPUS, LLAMA3_8B, ModelShape, Profile, 
 from services.planner.profile_serve import ServePathError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # the engines' --kv-cache-dtype
 
 
 def _kv_dtype_bytes(kv_cache_dtype: str) -> int:
-    """Bytes a KV value takes under --kv-cache-dtype (0: the model's dtype's)."""
-    return 0 if kv_cache_dtype == "auto" else 1
+    """Bytes a KV value takes under --kv-cache-dtype (0: the model's dtype's; every other is 8-bit)."""
+    return 0 if KV_CACHE_DTYPES[kv_cache_dtype] is None else 1
 
 
 class ClonedKVScheduler(KVConnectorScheduler):
@@ -403,7 +403,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads, as the services get (bench-pd: 1)")
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the engines' --kv-cache-dtype: an fp8 cache's steps are measured, and its KV takes a "
                         "byte a value in the transfers and cache sizes the plan works from")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -4,7 +4,6 @@ stored and read; the answers stay close to a full-precision cache's."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from test_quantized_checkpoints import _with_config
 
 MIB = 1 << 20
 
@@ -98,7 +98,10 @@ def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, sc
 
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(base, out)
+    if quantization_config is None:
+        shutil.copytree(base, out)
+    else:
+        _with_config(base, out, quantization_config)
     (weights,) = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     tensors = load_file(os.path.join(out, weights))
     layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
@@ -111,12 +114,6 @@ def _scaled_checkpoint(base: str, out: str, k_factor: float, v_factor: float, sc
         for suffix, value in scales.items():
             tensors[f"model.layers.{i}.{suffix}"] = torch.tensor(value, dtype=torch.float32)
     save_file(tensors, os.path.join(out, weights), metadata={"format": "pt"})
-    if quantization_config is not None:
-        with open(os.path.join(out, "config.json")) as f:
-            config = json.load(f)
-        config["quantization_config"] = quantization_config
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(config, f)
     return out
 
 
