@@ -110,6 +110,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float]] = {}
+    unused_scales: set[str] = set()
     for i, file in enumerate(files):
         if show_progress:
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
@@ -118,6 +119,9 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                 kv = _KV_SCALE.match(hf_name)
                 if kv is not None:  # a calibrated KV cache's scale (an fp8 cache's: Attention.kv_scales)
                     _read_kv_scale(kv_scales, hf_name, kv, f.get_tensor(hf_name))
+                    continue
+                if _FP8_ATTENTION_SCALE.match(hf_name):
+                    unused_scales.add(hf_name.rsplit(".", 1)[1])
                     continue
                 expert = _EXPERT.match(quant.main_name(hf_name).removeprefix("model.")) \
                     if kept_experts and not quant.is_companion(hf_name) else None
@@ -147,6 +151,10 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                     _load_one(model, params, hf_name, tensor, loaded)
     if show_progress:
         print(file=sys.stderr)
+    if unused_scales:
+        logger.info("the checkpoint's %s (FP8 attention's) are not used: attention takes queries and "
+                    "probabilities in %s, not rounded to fp8 (vLLM uses them only on its FP8-attention backends)",
+                    " and ".join(sorted(unused_scales)), str(dtype).removeprefix("torch."))
     if arch.tie_word_embeddings or "lm_head.weight" not in loaded:
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add("lm_head.weight")
@@ -391,6 +399,11 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
 # older checkpoints' k_proj.output_scale / v_proj.output_scale, and the deprecated kv_scale (both).
 _KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?P<own>[kv])_scale"
                        r"|(?P<k>k)_proj\.(?:output|k)_scale|(?P<v>v)_proj\.(?:output|v)_scale|(?P<both>kv)_scale)$")
+
+# FP8 attention's other scales (llm-compressor's attention scheme, ModelOpt's): the query's and the
+# softmax probabilities'. Attention here takes queries in the model's dtype, so they are not used.
+_FP8_ATTENTION_SCALE = re.compile(r"^(?:model\.)?layers\.\d+\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?:q|prob)_scale"
+                                  r"|q_proj\.q_scale)$")
 
 
 def _read_kv_scale(found: dict[int, dict[str, float]], hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:

@@ -182,6 +182,25 @@ def test_kv_scales_are_one_a_layer_and_positive(tiny_llama, tmp_path):
     assert all(layer.self_attn.kv_scales == (0.5, 0.5) for layer in both.engine.runner.model.layers)
 
 
+def test_fp8_attentions_query_and_probability_scales_load_unused(tiny_llama, prompts, tmp_path, caplog):
+    """A checkpoint calibrated for FP8 attention (llm-compressor's attention scheme) also has
+    q_scale and prob_scale a layer: it loads, its KV scales used, those two not (attention takes
+    queries in the model's dtype), and it answers as the same checkpoint without them."""
+    kv = {"self_attn.k_scale": 0.5, "self_attn.v_scale": 0.25}
+    plain = _scaled_checkpoint(tiny_llama, str(tmp_path / "kv"), 1.0, 1.0, kv)
+    fp8_attention = _scaled_checkpoint(tiny_llama, str(tmp_path / "attn"), 1.0, 1.0,
+                                       {**kv, "self_attn.q_scale": 0.125, "self_attn.attn.prob_scale": 1 / 448})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    with caplog.at_level("INFO", logger="engine.models.loader"):
+        llm = LLM(fp8_attention, kv_cache_dtype="fp8", num_blocks=64)
+    assert "prob_scale and q_scale (FP8 attention's) are not used" in caplog.text
+    assert all(layer.self_attn.kv_scales == (0.5, 0.25) for layer in llm.engine.runner.model.layers)
+    got = llm.generate(prompts, params)
+    want = LLM(plain, kv_cache_dtype="fp8", num_blocks=64).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+
+
 KV_ONLY = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                "symmetric": True}}
