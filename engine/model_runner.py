@@ -20,6 +20,7 @@ from engine.parallel import TPLayout
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
 from engine.structured_output.bitmask import GrammarBitmask
+from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.grammar import mask_proposal_positions
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
 from engine.scheduler import ModelOutput, SchedulerOutput
@@ -69,6 +70,9 @@ class ModelRunner:
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
         self.num_kv_heads = self.tp_layout.local_kv_heads
         self.block_size = config.cache.block_size
+        # A speculative draft model's layers are KV cache layers too: checked now, loaded after the
+        # target, its cache sized with the target's (bytes_per_block) and allocated beside it.
+        self.draft = DraftModel.of(config.speculative, arch, max_model_len)
         probe = None
         if config.cache.sized_by_profile:  # vLLM's --gpu-memory-utilization
             if tp_size > 1:
@@ -95,6 +99,8 @@ class ModelRunner:
                                     self.device, show_progress, linear_backend=config.model.linear_backend,
                                     quantized_weights=config.model.quantized_weights)
         self._say_kv_scales(hf_config)
+        if self.draft is not None:
+            self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend)
         self.lora = None
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager
@@ -115,6 +121,8 @@ class ModelRunner:
             self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
         else:  # the engine's own, or the profiled step's (released after it)
             self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         sc = config.scheduler
         self._input_ids = np.zeros(sc.max_num_batched_tokens, dtype=np.int64)
@@ -173,6 +181,8 @@ class ModelRunner:
         self._profile_step(max_model_len)
         peak = probe.peak_over_current()
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
         probe.release()
         free_after, _ = probe.free_total()
         budget = MemoryBudget(total, free_at_start, free_after, peak, self.config.cache.gpu_memory_utilization)
@@ -187,6 +197,8 @@ class ModelRunner:
             self.kv_caches = self.connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
         else:
             self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, self.block_size, self.kv_dtype, self.device)
         return budget
 
     def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool,
@@ -256,10 +268,11 @@ class ModelRunner:
                            "weights: the fp8 cache stores K and V at scale 1")
 
     def bytes_per_block(self, arch=None) -> int:
-        """Of this rank's KV shard."""
+        """Of this rank's KV shard, and of a draft model's cache (rank 0 holds the draft whole)."""
         arch = arch or self.model.arch
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * arch.head_dim * elem * arch.num_layers
+        elem = self.kv_dtype.itemsize
+        draft = self.draft.bytes_per_block(self.block_size, self.kv_dtype) if self.draft is not None else 0
+        return 2 * self.block_size * self.num_kv_heads * arch.head_dim * elem * arch.num_layers + draft
 
     def prepare(self, so: SchedulerOutput):
         reqs, ns = so.scheduled, so.num_scheduled_tokens

@@ -13,8 +13,10 @@ scheduler keeps k slots past the verified tokens for these writes (num_lookahead
 row without them (its first step after a remote pull) proposes from the next step on.
 
 Proposals are the draft's argmax (q one-hot): for sampled requests the rejection sampler still
-keeps the target's distribution exactly. The draft cache costs its own memory on top of the
-target's KV cache (num_blocks x the draft's bytes per block).
+keeps the target's distribution exactly. The draft's layers are KV cache layers as the target's
+are (vLLM's rule): the runner loads the draft beside the target, before the KV cache is sized,
+and a block's bytes are the target's and the draft's together, in the cache dtype the target's
+has (--kv-cache-dtype; an fp8 draft cache reads the draft checkpoint's own KV scales, if any).
 """
 from __future__ import annotations
 
@@ -34,27 +36,53 @@ from engine.spec_decode.grammar import DraftGrammar
 from engine.spec_decode.proposer import Proposer
 
 
+class DraftModel:
+    """The draft checkpoint beside the target: its shape (checked against the target's at once),
+    then its weights and its KV cache, which the runner loads and sizes with the target's."""
+
+    def __init__(self, config: SpeculativeConfig, target: LlamaArch, max_model_len: int) -> None:
+        with open(os.path.join(config.model, "config.json")) as f:
+            self.hf_config = json.load(f)
+        check_architecture(self.hf_config)
+        self.path = config.model
+        self.arch = arch = LlamaArch.from_hf_config(self.hf_config)
+        if arch.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({arch.vocab_size} tokens) differs "
+                             f"from the target's ({target.vocab_size}): it must share the target's tokenizer")
+        if arch.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config: the draft model covers {arch.max_position_embeddings} positions, "
+                             f"less than max_model_len={max_model_len}")
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | None, target: LlamaArch, max_model_len: int) -> "DraftModel | None":
+        return cls(config, target, max_model_len) if config is not None and config.method == "draft_model" else None
+
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        a = self.arch
+        return 2 * block_size * a.num_kv_heads * a.head_dim * kv_dtype.itemsize * a.num_layers
+
+    def load(self, kernels, dtype: torch.dtype, device: torch.device, linear_backend: str) -> None:
+        self.model = load_model(self.path, self.hf_config, kernels, dtype, device, linear_backend=linear_backend)
+
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> None:
+        """The draft cache, indexed by the target's block ids (the same count of blocks)."""
+        self.kv_caches = []  # the old one freed before the new one is made
+        a = self.arch
+        self.kv_caches = [torch.zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), dtype=kv_dtype,
+                                      device=device) for _ in range(a.num_layers)]
+
+
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, max_model_len: int, runner,
                  block_ids_of: Callable[[str], list[int]]) -> None:
         super().__init__(config.num_speculative_tokens, max_model_len)
-        with open(os.path.join(config.model, "config.json")) as f:
-            hf_config = json.load(f)
-        check_architecture(hf_config)
-        arch = LlamaArch.from_hf_config(hf_config)
-        target_vocab = runner.model.arch.vocab_size
-        if arch.vocab_size != target_vocab:
-            raise ValueError(f"speculative_config: the draft model's vocabulary ({arch.vocab_size} tokens) differs "
-                             f"from the target's ({target_vocab}): it must share the target's tokenizer")
-        if arch.max_position_embeddings < max_model_len:
-            raise ValueError(f"speculative_config: the draft model covers {arch.max_position_embeddings} positions, "
-                             f"less than max_model_len={max_model_len}")
+        draft = runner.draft  # loaded and given its cache by the runner (sized with the target's)
         self.device = runner.device
         self.block_size = runner.block_size
-        self.model = load_model(config.model, hf_config, runner.kernels, runner.dtype, self.device,
-                                linear_backend=runner.config.model.linear_backend)
-        self.kv_caches = [torch.zeros((2, runner.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
-                                      dtype=runner.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.model = draft.model
+        self.kv_caches = draft.kv_caches
         self.block_ids_of = block_ids_of
         self.grammar_kernel = runner.grammar_bitmask.kernel
         # request id -> (its preemption count, tokens whose draft KV is in the draft cache).

@@ -475,6 +475,38 @@ def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_model_factory):
             "method": "draft_model", "model": other, "num_speculative_tokens": 2}))
 
 
+def test_a_draft_models_cache_is_sized_and_stored_as_the_targets(tiny_llama, tiny_model_factory):
+    """vLLM's rule: a draft model's layers are KV cache layers. In the same KV memory a draft
+    engine has fewer blocks (a block's bytes are the target's and the draft's together: both
+    caches fit the memory given), the draft's cache takes the target's dtype (an fp8 cache's one
+    byte a value), and greedy speculation over fp8 caches answers as plain decoding does."""
+    mib = 1 << 20
+    draft = tiny_model_factory("llama", num_layers=1, num_kv_heads=1)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    prompts = cyclic_prompts(random.Random(5), 4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def cache_bytes(caches):
+        return sum(c.numel() * c.element_size() for c in caches)
+
+    for kv in ("auto", "fp8"):
+        plain = LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=mib)
+        spec_llm = LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=mib, speculative_config=spec)
+        runner, alone = spec_llm.engine.runner, plain.engine.runner
+        assert alone.num_blocks == mib // alone.bytes_per_block()
+        assert all(c.dtype == alone.kv_caches[0].dtype and c.shape[1] == runner.num_blocks
+                   for c in runner.draft.kv_caches)
+        held = cache_bytes(runner.kv_caches) + cache_bytes(runner.draft.kv_caches)
+        per_block = held // runner.num_blocks
+        assert per_block == runner.bytes_per_block() > alone.bytes_per_block()
+        assert held <= mib < held + per_block  # as many blocks as the memory holds, both caches counted
+        assert runner.num_blocks < alone.num_blocks
+        assert spec_llm.engine.stats()["num_blocks"] == runner.num_blocks  # the scheduler's pool
+        got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+        assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        assert spec_llm.engine.stats()["spec_decode_num_drafts"] > 0
+
+
 def test_acceptance_metrics_reach_prometheus(tiny_llama):
     from prometheus_client import generate_latest
 
