@@ -17,8 +17,12 @@ and a Llama-3-8B-like 32 / 8 heads of 128. Prints milliseconds a layer, GFLOP/s 
 attention (the work a causal kernel must do, 4 x heads x head size x the query-key pairs) and
 `cpu_prefill_attention_vs_sdpa_speedup`, the worst over the shapes.
 
+`--kv-cache-dtype fp8` (or fp8_e5m2) stores the caches in 8 bits: both sides read the same fp8
+values (the kernels widen them in place, the torch paths gather and widen them); run it beside
+the default float32 to see what an fp8 cache costs or saves a layer.
+
     python -m bench.cpu_attention_bench [--threads 2] [--shapes 12x770,32x300,4x1024,1x2000]
-        [--prefill 1024,2048,512@1536,1812+236] [--prefill-heads 8/4/64,32/8/128]
+        [--prefill 1024,2048,512@1536,1812+236] [--prefill-heads 8/4/64,32/8/128] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.gpu_check import timed  # noqa: E402  (median after a warm-up; no sync on the CPU)
+from engine.config import KV_CACHE_DTYPES  # noqa: E402
+from engine.models.loader import resolve_kv_cache_dtype  # noqa: E402
 from kernels import cpu_ops, torch_attention  # noqa: E402
 
 # bench-pd's model (bench/pd_bench.py): 8 query heads, 4 KV heads of 64, 8 layers.
@@ -65,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="12x770,32x300,4x1024,1x2000", help="BATCHxCONTEXT, comma-separated")
     ap.add_argument("--blocks", type=int, default=4096, help="blocks per layer's cache")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                    help="the caches' dtype (auto: float32, the queries')")
     ap.add_argument("--prefill", default="1024,2048,512@1536,1812+236",
                     help="prefill steps, comma-separated: sequences joined by '+', each QUERY or QUERY@CONTEXT "
                          "(a chunk after CONTEXT earlier tokens); empty: skip")
@@ -72,6 +80,7 @@ def main(argv=None) -> int:
                     help="HEADS/KV_HEADS/HEAD_DIM, comma-separated")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.float32)
     ext = cpu_ops.load()
     if ext is None:
         print("the C++ extension did not build here (no compiler?): nothing to compare", file=sys.stderr)
@@ -81,16 +90,18 @@ def main(argv=None) -> int:
     if need > args.blocks:
         raise SystemExit(f"--blocks {args.blocks} cannot hold the largest shape's {need} blocks")
     g = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, args.blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g) for _ in range(LAYERS)]
+    caches = [torch.randn(2, args.blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(args.cache_dtype)
+              for _ in range(LAYERS)]
     scale = HEAD_DIM ** -0.5
+    cached = str(args.cache_dtype).removeprefix("torch.")
     print(f"{LAYERS} layers x {args.blocks} blocks of {BLOCK} tokens, {HEADS} heads / {KV_HEADS} KV heads of "
-          f"{HEAD_DIM}, float32, {args.threads} threads; median of {args.reps}")
+          f"{HEAD_DIM}, float32 queries, {cached} cache, {args.threads} threads; median of {args.reps}")
     print(f"{'batch x context':<16}{'layout':<12}{'kernel ms':>10}{'GB/s':>7}{'torch ms':>10}{'speedup':>9}")
     worst = float("inf")
     for batch, context in shapes:
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
         lens = torch.full((batch,), context, dtype=torch.int32)
-        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * args.cache_dtype.itemsize
         for layout in ("in turn", "contiguous", "in cache"):
             tables = block_tables(batch, context, layout != "contiguous")
             layers = caches if layout != "in cache" else caches[:1] * LAYERS
@@ -130,8 +141,8 @@ def parse_step(spec: str) -> list[tuple[int, int]]:
 
 def prefill(ext, args, g: torch.Generator) -> None:
     """Prefill steps through the kernel and through SDPA, each layer on its own cache."""
-    print(f"\nprefill: {LAYERS} layers, blocks of {BLOCK} tokens in a shuffled order, float32, "
-          f"{args.threads} threads; median of {args.reps}")
+    print(f"\nprefill: {LAYERS} layers, blocks of {BLOCK} tokens in a shuffled order, float32 queries, "
+          f"{str(args.cache_dtype).removeprefix('torch.')} cache, {args.threads} threads; median of {args.reps}")
     print(f"{'heads':<12}{'step':<18}{'kernel ms':>10}{'GFLOP/s':>9}{'SDPA ms':>10}{'GFLOP/s':>9}{'speedup':>9}")
     worst = float("inf")
     for heads_spec in args.prefill_heads.split(","):
@@ -147,7 +158,8 @@ def prefill(ext, args, g: torch.Generator) -> None:
             for i, n in enumerate(per_seq):
                 tables[i, :n] = order[at:at + n]
                 at += n
-            caches = [torch.randn(2, blocks, BLOCK, kv_heads, head_dim, generator=g) for _ in range(LAYERS)]
+            caches = [torch.randn(2, blocks, BLOCK, kv_heads, head_dim, generator=g).to(args.cache_dtype)
+                      for _ in range(LAYERS)]
             q = torch.randn(sum(q for q, _ in seqs), heads, head_dim, generator=g)
             qsl = torch.tensor([0] + [q for q, _ in seqs]).cumsum(0)
             seq_lens = torch.tensor(lens, dtype=torch.int32)

@@ -2,7 +2,8 @@
 
 Same signatures as kernels.reference. Decode attention, rotary, RMSNorm, store_kv and block
 gather/scatter run as C++ (kernels/csrc/cpu_attention.cpp, built on first use); without a
-compiler, or for inputs the C++ does not take, each falls back to the reference. Prefill
+compiler, or for inputs the C++ does not take, each falls back to the reference. An fp8 cache
+(--kv-cache-dtype fp8) is read in place by the C++ attention and stored by its store_kv. Prefill
 rows too run as C++ (flash attention read in place from the paged cache, ~1.2-1.5x SDPA's CPU
 flash kernel at head size 64); without it they go to SDPA one row at a time (causal for fresh
 prompts; a chunk after earlier context as the context unmasked plus its own causal triangle,
@@ -23,6 +24,17 @@ def _ext(t: torch.Tensor):
     return cpu_ops.load() if t.device.type == "cpu" else None
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _attention_ext(query: torch.Tensor, kv_cache: torch.Tensor):
+    """The C++ module where its attention reads this cache: of the query's dtype, or fp8 (widened
+    a block at a time, in place) under a float32, float16 or bfloat16 query."""
+    if kv_cache.dtype != query.dtype and (kv_cache.dtype not in _FP8 or query.dtype == torch.float64):
+        return None
+    return _ext(query)
+
+
 def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = kv_cache.shape[2]
@@ -37,8 +49,8 @@ def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    ext = _ext(query)
-    if ext is not None and query.dtype == kv_cache.dtype:  # (an fp8 cache: the torch path)
+    ext = _attention_ext(query, kv_cache)
+    if ext is not None:
         if out is None or not out.is_contiguous():
             result = torch.empty_like(query)
             ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
@@ -105,8 +117,8 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out=None) -> t
     """Varlen causal attention over the paged cache (each row's query tokens at the end of its
     keys): the C++ kernel, else _sdpa_prefill; into `out` when given (the kernel writes it in
     place where it is contiguous and of the query's dtype)."""
-    ext = _ext(query)
-    if ext is not None and query.dtype == kv_cache.dtype:
+    ext = _attention_ext(query, kv_cache)
+    if ext is not None:
         direct = out is not None and out.is_contiguous() and out.dtype == query.dtype
         result = out if direct else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         ext.paged_prefill_attention(query.contiguous(), kv_cache, qsl, seq_lens.to(torch.int32),
@@ -180,9 +192,11 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kernels.reference.store_kv as one C++ copy per token (no index tensors built)."""
+    """kernels.reference.store_kv as one C++ copy per token (no index tensors built); into an fp8
+    cache, saturated and rounded as the reference stores."""
     ext = _ext(kv_cache)
-    if ext is None or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+    if ext is None or value.dtype != key.dtype or (key.dtype != kv_cache.dtype and (
+            kv_cache.dtype not in _FP8 or key.dtype == torch.float64)):
         return reference.store_kv(key, value, kv_cache, slot_mapping)
     ext.store_kv(key, value, kv_cache, slot_mapping)
 

@@ -307,16 +307,26 @@ def test_prefill_only_step_writes_the_callers_output():
     assert torch.isnan(wide[..., q.shape[2]:]).all()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_an_fp8_cache_is_read_in_the_querys_dtype(cache_dtype, dtype, tol):
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # unrolled sizes, and a runtime one
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_an_fp8_cache_is_read_in_the_querys_dtype(cache_dtype, dtype, tol, head_dim, path, monkeypatch):
     """--kv-cache-dtype fp8: decode rows, fresh prompts and chunks after context over an 8-bit
-    cache match the reference, which widens the same stored values (the C++ kernels take caches
-    of the query's dtype only: these rows run the torch path)."""
+    cache match the reference, which widens the same stored values: the C++ kernels read the
+    cache in place (a block or a tile at a time through a table of fp8's 256 values), the torch
+    path (no compiler) gathers and widens it."""
     q_lens = [1, 7, 1, 16, 33, 1]
     ctx = [20, 7, 1, 40, 100, 257]
-    q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 2, block_size=32, dtype=dtype)
+    q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 2, head_dim=head_dim, block_size=32, dtype=dtype)
     kv = (kv.float() * 3).to(cache_dtype)
+    if path == "torch":
+        monkeypatch.setattr(torch_attention, "_attention_ext", lambda query, cache: None)
+    else:
+        assert torch_attention._attention_ext(q, kv) is cpu_ops.load() is not None
     expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.125)
     out = torch.full_like(q, float("nan"))
     torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.125, out)
@@ -324,16 +334,66 @@ def test_an_fp8_cache_is_read_in_the_querys_dtype(cache_dtype, dtype, tol):
     decode = torch_attention.paged_decode_attention(q[:4], kv, lens[:4], tables[:4], 0.125)
     torch.testing.assert_close(decode.float(), reference.paged_decode_attention(
         q[:4], kv, lens[:4], tables[:4], 0.125).float(), atol=tol, rtol=tol)
-    # Stored by the torch path as by the reference: rounded to nearest, saturating (448 is
-    # e4m3's largest finite value, 57,344 e5m2's), never NaN.
-    new = torch.zeros(2, 2, 64, dtype=dtype)  # [tokens, KV heads, head dim]
-    new[:, 0, :4] = torch.tensor([1.0, 1000.0, -1e6, 0.3])
-    got, want = torch.zeros_like(kv), torch.zeros_like(kv)
-    slots = torch.tensor([5, 70])
-    torch_attention.store_kv(new, new, got, slots)
-    reference.store_kv(new, new, want, slots)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 4])  # prefill widens a key's row: 8 at a time, or one by one
+def test_the_cpp_kernels_widen_every_fp8_value_exactly(cache_dtype, head_dim):
+    """All 256 bytes of the format (subnormals, the largest values, NaN, e5m2's infinities) read
+    by the decode and prefill kernels as torch widens them: each one-token sequence's output is
+    its V row (one key, softmax weight 1)."""
+    ext = cpu_ops.load()
+    n = 256 // head_dim
+    values = torch.arange(256, dtype=torch.uint8).view(cache_dtype).view(n, 1, head_dim)  # the V rows
+    kv = torch.zeros(2, n, 16, 1, head_dim, dtype=cache_dtype)
+    kv[1, :, 0] = values
+    want = values.float().expand(n, 2, head_dim)  # 2 query heads on the KV head
+    q = torch.randn(n, 2, head_dim)
+    lens = torch.ones(n, dtype=torch.int32)
+    tables = torch.arange(n, dtype=torch.int32)[:, None]
+    out = torch.empty_like(q)
+    ext.paged_decode_attention(q, kv, lens, tables, 0.125, out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    out = torch.empty_like(q)
+    ext.paged_prefill_attention(q, kv, torch.arange(n + 1), lens, tables, 0.125, out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    half = torch.empty_like(q.bfloat16())
+    ext.paged_decode_attention(q.bfloat16(), kv, lens, tables, 0.125, half)
+    torch.testing.assert_close(half, want.bfloat16(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_cpp_kernels_refuse_a_cache_of_another_dtype():
+    q, kv, qsl, lens, tables = make_case([1, 3], [9, 12], 4, 2)
+    ext = cpu_ops.load()
+    with pytest.raises(RuntimeError, match="cache must be the query's dtype or fp8"):
+        ext.paged_decode_attention(q[:2].contiguous(), kv.half(), lens, tables, 0.1, torch.empty_like(q[:2]))
+    with pytest.raises(RuntimeError, match="cache must be the query's dtype or fp8"):
+        ext.paged_prefill_attention(q.double(), kv.to(torch.float8_e4m3fn), qsl, lens, tables, 0.1,
+                                    torch.empty_like(q.double()))
+    assert torch_attention._attention_ext(q.double(), kv.to(torch.float8_e4m3fn)) is None  # the torch path
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_an_fp8_store_rounds_to_nearest_and_saturates(cache_dtype, dtype, monkeypatch):
+    """The C++ store writes what the reference writes, byte for byte: rounded to nearest even,
+    saturated (448 is e4m3's largest finite value, 57,344 e5m2's), NaN kept, from rows that are
+    views into a wider tensor (the fused QKV output)."""
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(40, 3, 2, 64, generator=g) * torch.logspace(-4, 5, 64)).to(dtype)
+    new = qkv[:, 1]  # [tokens, KV heads, head dim], strided
+    new[0, 0, :5] = torch.tensor([1.0, 1000.0, -1e6, 0.3, float("nan")]).to(dtype)
+    slots = torch.randperm(128, generator=g)[:40]
+    slots[3] = -1  # a padding row: not written
+    got, want = torch.zeros(2, 4, 32, 2, 64, dtype=cache_dtype), torch.zeros(2, 4, 32, 2, 64, dtype=cache_dtype)
+    store = reference.store_kv
+    monkeypatch.setattr(reference, "store_kv", lambda *a: pytest.fail("the C++ store should take these rows"))
+    torch_attention.store_kv(new, qkv[:, 2], got, slots)
+    store(new, qkv[:, 2], want, slots)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     top = torch.finfo(cache_dtype).max
-    stored = [1.0, min(top, float(torch.tensor(1000.0, dtype=dtype).to(cache_dtype))), -top,
-              float(torch.tensor(0.3, dtype=dtype).to(cache_dtype))]
-    assert got[0, 0, 5, 0, :4].float().tolist() == stored and got[1, 2, 6, 0, :4].float().tolist() == stored
+    b, o = divmod(int(slots[0]), 32)
+    stored = got[0, b, o, 0, :5].float()
+    assert stored[:4].tolist() == [1.0, min(top, float(torch.tensor(1000.0, dtype=dtype).to(cache_dtype))), -top,
+                                   float(torch.tensor(0.3, dtype=dtype).to(cache_dtype))]
+    assert stored[4].isnan()

@@ -22,11 +22,85 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
+
+// An fp8 cache's values (--kv-cache-dtype fp8 / fp8_e5m2) as floats, exactly (every fp8 value is
+// one), NaN and e5m2's infinities included, and whatever the FTZ / DAZ modes (no subnormal is
+// computed with). One value: the magnitude's bits rebiased into float's fields, subnormals as
+// their mantissa times 2^-9 (e4m3) or 2^-16 (e5m2).
+template <bool kE4M3>
+inline float fp8_to_float(uint8_t b) {
+  constexpr uint32_t kMant = kE4M3 ? 3 : 2, kBias = kE4M3 ? 7 : 15;
+  const uint32_t mag = b & 0x7Fu;
+  float v;
+  if (kE4M3 ? mag == 0x7Fu : mag > 0x7Cu) {
+    v = std::numeric_limits<float>::quiet_NaN();
+  } else if (!kE4M3 && mag == 0x7Cu) {
+    v = std::numeric_limits<float>::infinity();
+  } else if (mag >> kMant == 0) {
+    v = static_cast<float>(mag) * (kE4M3 ? 0x1p-9f : 0x1p-16f);
+  } else {
+    v = __builtin_bit_cast(float, (mag << (23 - kMant)) + ((127 - kBias) << 23));
+  }
+  return b & 0x80u ? -v : v;
+}
+
+// n of them, eight at a time through the CPU's half-precision conversion where it has one (F16C):
+// e5m2 is a half's top byte; e4m3's bits placed in a half's fields make 2^-8 of its value (its
+// subnormals a half's subnormals, which the conversion takes exactly), NaN set before.
+template <typename T>
+inline void widen_fp8(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  constexpr bool kE4M3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+  const uint8_t* __restrict__ bytes = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m128i mag_mask = _mm_set1_epi16(0x7F), sign_mask = _mm_set1_epi16(0x80);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
+    if constexpr (kE4M3) {
+      const __m128i mag = _mm_and_si128(b, mag_mask);
+      __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(b, sign_mask), 8));
+      h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), _mm_cmpeq_epi16(mag, mag_mask));  // 0x7f: NaN
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(0x1p8f)));
+    } else {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = fp8_to_float<kE4M3>(bytes[i]);
+}
+
+// n cache elements as floats: fp8 as above, half and bfloat16 by their own conversions.
+template <typename cache_t>
+inline void widen(const cache_t* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  if constexpr (sizeof(cache_t) == 1) {
+    widen_fp8(src, dst, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+  }
+}
+
+// Calls f with a value of the cache's element type: the query's own, or an fp8 format (for
+// float, half and bfloat16 queries). The kernels widen a cache of another type than float a block
+// or a tile at a time, so an fp8 cache is read in place as a half or bfloat16 one is.
+template <typename scalar_t, typename F>
+void dispatch_cache(const torch::Tensor& cache, F&& f) {
+  const auto c = cache.scalar_type();
+  if (c == c10::CppTypeToScalarType<scalar_t>::value) return f(scalar_t{});
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (c == at::kFloat8_e4m3fn) return f(c10::Float8_e4m3fn{});
+    if (c == at::kFloat8_e5m2) return f(c10::Float8_e5m2{});
+  }
+  TORCH_CHECK(false, "a ", c, " cache with a ", c10::CppTypeToScalarType<scalar_t>::value,
+              " query: the cache must be the query's dtype or fp8 (e4m3fn, e5m2)");
+}
 
 // e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6
 // minimax polynomial (Cephes expf), relative error about 2e-7; 0 below the float range.
@@ -67,11 +141,11 @@ inline float exp_shifted(float* __restrict__ row, int64_t len, float& mx) {
 }
 
 // One decode call: pointers into the contiguous tensors, and the sizes derived from them.
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 struct DecodeArgs {
   const scalar_t* __restrict__ q;   // [B, H, D]
-  const scalar_t* __restrict__ kc;  // K blocks [num_blocks, BS, KVH, D]
-  const scalar_t* __restrict__ vc;  // V blocks, same shape
+  const cache_t* __restrict__ kc;   // K blocks [num_blocks, BS, KVH, D]
+  const cache_t* __restrict__ vc;   // V blocks, same shape
   const int32_t* __restrict__ seq_lens;
   const int32_t* __restrict__ tables;  // [B, max_blocks]
   scalar_t* __restrict__ out;          // [B, H, D]
@@ -97,10 +171,10 @@ inline void prefetch_row(const scalar_t* row, int64_t elems) {
 // as one head's strided slice of them. A batch of fewer sequences than threads cuts each sequence's
 // blocks into `splits` slices (flash-decoding): a slice keeps its max, sum and unnormalised output
 // per head, and the slices are merged at the end.
-template <typename scalar_t, int64_t kD>
-void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
+template <typename scalar_t, typename cache_t, int64_t kD>
+void decode_sequences(const DecodeArgs<scalar_t, cache_t>& a, int64_t splits) {
   const int64_t D = kD > 0 ? kD : a.D;  // kD > 0: known at compile time, inner loops unrolled
-  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  constexpr bool kFloat = std::is_same_v<cache_t, float>;
   const int64_t slice_cap = (((a.max_len + a.BS - 1) / a.BS + splits - 1) / splits) * a.BS;
   std::vector<float> part_max, part_sum, part_acc;  // [B, splits, H] and [B, splits, H, D]
   if (splits > 1) {
@@ -112,12 +186,12 @@ void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
     std::vector<float> qv(a.H * D), acc(a.H * D), scores(a.H * std::max<int64_t>(slice_cap, 1));
     std::vector<float> mx(a.H), sum(a.H);
     std::vector<float> buf(kFloat ? 0 : a.BS * a.row);
-    // A block's rows: in place for float caches, else converted into buf.
-    auto block = [&](const scalar_t* p, int64_t n) -> const float* {
+    // A block's rows: in place for float caches, else (half, bf16, fp8) converted into buf.
+    auto block = [&](const cache_t* p, int64_t n) -> const float* {
       if constexpr (kFloat) {
         return p;
       } else {
-        for (int64_t i = 0; i < n * a.row; ++i) buf[i] = to_f(p[i]);
+        widen(p, buf.data(), n * a.row);
         return buf.data();
       }
     };
@@ -132,16 +206,16 @@ void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
       for (int64_t i = 0; i < a.H * D; ++i) qv[i] = to_f(qs[i]) * a.scale;
       // The slice's blocks in order, K's then V's: the one PREFETCH_AHEAD on from `i` (nullptr past them).
       const int64_t n_blocks = (n_tok + a.BS - 1) / a.BS;
-      auto ahead = [&](int64_t i) -> const scalar_t* {
+      auto ahead = [&](int64_t i) -> const cache_t* {
         const int64_t j = i + PREFETCH_AHEAD;
         if (j >= 2 * n_blocks) return nullptr;
-        const scalar_t* cache = j < n_blocks ? a.kc : a.vc;
+        const cache_t* cache = j < n_blocks ? a.kc : a.vc;
         return cache + static_cast<int64_t>(table[first / a.BS + j % n_blocks]) * a.BS * a.row;
       };
       // Pass 1: scores[hq][t] = q_hq . k_t over the slice.
       for (int64_t start = first; start < last; start += a.BS) {
         const int64_t n = std::min(a.BS, last - start);
-        const scalar_t* next = ahead((start - first) / a.BS);
+        const cache_t* next = ahead((start - first) / a.BS);
         const float* kp = block(a.kc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
           if (next) prefetch_row(next + t * a.row, a.row);
@@ -160,7 +234,7 @@ void decode_sequences(const DecodeArgs<scalar_t>& a, int64_t splits) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = first; start < last; start += a.BS) {
         const int64_t n = std::min(a.BS, last - start);
-        const scalar_t* next = ahead(n_blocks + (start - first) / a.BS);
+        const cache_t* next = ahead(n_blocks + (start - first) / a.BS);
         const float* vp = block(a.vc + static_cast<int64_t>(table[start / a.BS]) * a.BS * a.row, n);
         for (int64_t t = 0; t < n; ++t) {
           if (next) prefetch_row(next + t * a.row, a.row);
@@ -245,33 +319,47 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(4) == D, "kv_cache [2, blocks, block_size, kv_heads, ", D,
+              "] expected");
   TORCH_CHECK(lens.numel() == B && tables.dim() == 2 && tables.size(0) == B,
               "seq_lens [B] and block_tables [B, n] expected for ", B, " queries");
   check_block_tables(lens.data_ptr<int32_t>(), tables, B, BS, NB);
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "the output must be the query's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode", [&] {
-    const scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    const int32_t* lp = lens.data_ptr<int32_t>();
-    const DecodeArgs<scalar_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lp,
-                                    tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                                    B, H, D, BS, tables.size(1), static_cast<float>(scale),
-                                    H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
-    // Whole sequences per thread when there are enough to go round; else each sequence's blocks
-    // are cut into slices, as many as keep the threads busy, of at least 8 blocks each (shorter
-    // ones cost more to merge than they save).
-    const int64_t threads = at::get_num_threads();
-    const int64_t blocks = (args.max_len + BS - 1) / BS;
-    const int64_t splits = B >= threads ? 1 : std::max<int64_t>(1, std::min(threads / std::max<int64_t>(B, 1),
-                                                                            blocks / 8));
-    auto pick = [&](auto d) { decode_sequences<scalar_t, decltype(d)::value>(args, splits); };
-    switch (D) {  // the head sizes of common models get fully unrolled inner loops
-      case 32: pick(std::integral_constant<int64_t, 32>{}); break;
-      case 64: pick(std::integral_constant<int64_t, 64>{}); break;
-      case 80: pick(std::integral_constant<int64_t, 80>{}); break;
-      case 96: pick(std::integral_constant<int64_t, 96>{}); break;
-      case 128: pick(std::integral_constant<int64_t, 128>{}); break;
-      case 256: pick(std::integral_constant<int64_t, 256>{}); break;
-      default: pick(std::integral_constant<int64_t, 0>{}); break;
-    }
+    dispatch_cache<scalar_t>(kv_cache, [&](auto cache_elem) {
+      using cache_t = decltype(cache_elem);
+      const cache_t* kc = kv_cache.data_ptr<cache_t>();
+      const int32_t* lp = lens.data_ptr<int32_t>();
+      const DecodeArgs<scalar_t, cache_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lp,
+                                               tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
+                                               B, H, D, BS, tables.size(1), static_cast<float>(scale),
+                                               H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
+      // Whole sequences per thread when there are enough to go round; else each sequence's blocks
+      // are cut into slices, as many as keep the threads busy, of at least 8 blocks each (shorter
+      // ones cost more to merge than they save).
+      const int64_t threads = at::get_num_threads();
+      const int64_t blocks = (args.max_len + BS - 1) / BS;
+      const int64_t splits = B >= threads ? 1 : std::max<int64_t>(1, std::min(threads / std::max<int64_t>(B, 1),
+                                                                              blocks / 8));
+      auto pick = [&](auto d) { decode_sequences<scalar_t, cache_t, decltype(d)::value>(args, splits); };
+      if constexpr (sizeof(cache_t) == 1) {  // fp8: the two commonest head sizes unrolled (build time)
+        switch (D) {
+          case 64: pick(std::integral_constant<int64_t, 64>{}); break;
+          case 128: pick(std::integral_constant<int64_t, 128>{}); break;
+          default: pick(std::integral_constant<int64_t, 0>{}); break;
+        }
+      } else {
+        switch (D) {  // the head sizes of common models get fully unrolled inner loops
+          case 32: pick(std::integral_constant<int64_t, 32>{}); break;
+          case 64: pick(std::integral_constant<int64_t, 64>{}); break;
+          case 80: pick(std::integral_constant<int64_t, 80>{}); break;
+          case 96: pick(std::integral_constant<int64_t, 96>{}); break;
+          case 128: pick(std::integral_constant<int64_t, 128>{}); break;
+          case 256: pick(std::integral_constant<int64_t, 256>{}); break;
+          default: pick(std::integral_constant<int64_t, 0>{}); break;
+        }
+      }
+    });
   });
 }
 
@@ -281,7 +369,7 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
 // (token, head) rows that share a KV head is held as Q^T [D][kRows]; S^T = K Q^T broadcasts each
 // K element against the tile's row vectors, so the softmax's max, exp and sums are elementwise
 // across lanes; O^T [D][kRows] += V^T P^T broadcasts each V element the same way. K and V are
-// read in place from the paged cache (float; half and bf16 a tile at a time converted): only
+// read in place from the paged cache (float; half, bf16 and fp8 a tile at a time converted): only
 // the query tile is transposed in, and the output out, once each. SDPA's CPU flash kernel does
 // ~150-180 GFLOP/s of causal attention at head size 64 on two AVX-512 cores, this ~1.5x that.
 namespace {
@@ -302,11 +390,11 @@ constexpr int64_t kKeys = 64;  // keys per tile
 inline vfloat vload(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
 inline void vstore(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 struct PrefillArgs {
   const scalar_t* __restrict__ q;    // [T, H, D]
-  const scalar_t* __restrict__ kc;   // K blocks [num_blocks, BS, KVH, D]
-  const scalar_t* __restrict__ vc;   // V blocks, same shape
+  const cache_t* __restrict__ kc;    // K blocks [num_blocks, BS, KVH, D]
+  const cache_t* __restrict__ vc;    // V blocks, same shape
   const int64_t* __restrict__ qsl;   // [B + 1] query rows of each sequence
   const int32_t* __restrict__ seq_lens;
   const int32_t* __restrict__ tables;  // [B, max_blocks]
@@ -320,7 +408,7 @@ struct PrefillTile {
   int64_t seq, kvh, r0, keys;
 };
 
-template <typename scalar_t, int64_t kD, int64_t kRowVecs>
+template <typename cache_t, int64_t kD, int64_t kRowVecs>
 struct PrefillScratch {
   static constexpr int64_t kRows = kRowVecs * kLanes;
   std::vector<float> qt, st, ot, kbuf, vbuf;
@@ -328,12 +416,13 @@ struct PrefillScratch {
   float m[kRows], l[kRows], alpha[kRows];
   int32_t qpos[kRows];
   explicit PrefillScratch(int64_t D)
-      : qt(D * kRows), st(kKeys * kRows), ot(D * kRows), kbuf(std::is_same_v<scalar_t, float> ? 0 : kKeys * D),
+      : qt(D * kRows), st(kKeys * kRows), ot(D * kRows), kbuf(std::is_same_v<cache_t, float> ? 0 : kKeys * D),
         vbuf(kbuf.size()), kp(kKeys), vp(kKeys) {}
 };
 
-template <typename scalar_t, int64_t kD, int64_t kRowVecs>
-void prefill_tile(const PrefillArgs<scalar_t>& a, const PrefillTile& t, PrefillScratch<scalar_t, kD, kRowVecs>& s) {
+template <typename scalar_t, typename cache_t, int64_t kD, int64_t kRowVecs>
+void prefill_tile(const PrefillArgs<scalar_t, cache_t>& a, const PrefillTile& t,
+                  PrefillScratch<cache_t, kD, kRowVecs>& s) {
   constexpr int64_t kRows = kRowVecs * kLanes;
   constexpr int64_t kStep = kAccs / kRowVecs;  // keys (S^T) or dims (O^T) per micro-step
   const int64_t D = kD > 0 ? kD : a.D;
@@ -364,16 +453,14 @@ void prefill_tile(const PrefillArgs<scalar_t>& a, const PrefillTile& t, PrefillS
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = k0 + j;
       const int64_t off = (static_cast<int64_t>(table[key / a.BS]) * a.BS + key % a.BS) * a.row + t.kvh * D;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (std::is_same_v<cache_t, float>) {
         s.kp[j] = a.kc + off;
         s.vp[j] = a.vc + off;
       } else {
         float* kb = s.kbuf.data() + j * D;
         float* vb = s.vbuf.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kb[d] = to_f(a.kc[off + d]);
-          vb[d] = to_f(a.vc[off + d]);
-        }
+        widen(a.kc + off, kb, D);
+        widen(a.vc + off, vb, D);
         s.kp[j] = kb;
         s.vp[j] = vb;
       }
@@ -476,8 +563,8 @@ void prefill_tile(const PrefillArgs<scalar_t>& a, const PrefillTile& t, PrefillS
 
 // The tiles, longest key range first, handed out one at a time (causal tiles differ in cost up
 // to the sequence's length: a static split would leave one thread with the heavy end).
-template <typename scalar_t, int64_t kD, int64_t kRowVecs>
-void prefill_sequences(const PrefillArgs<scalar_t>& a, int64_t B, int64_t KVH) {
+template <typename scalar_t, typename cache_t, int64_t kD, int64_t kRowVecs>
+void prefill_sequences(const PrefillArgs<scalar_t, cache_t>& a, int64_t B, int64_t KVH) {
   constexpr int64_t kRows = kRowVecs * kLanes;
   std::vector<PrefillTile> tiles;
   for (int64_t b = 0; b < B; ++b) {
@@ -494,9 +581,10 @@ void prefill_sequences(const PrefillArgs<scalar_t>& a, int64_t B, int64_t KVH) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    PrefillScratch<scalar_t, kD, kRowVecs> scratch(kD > 0 ? kD : a.D);
+    PrefillScratch<cache_t, kD, kRowVecs> scratch(kD > 0 ? kD : a.D);
     for (int64_t w = begin; w < end; ++w)
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) prefill_tile<scalar_t, kD, kRowVecs>(a, tiles[i], scratch);
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1))
+        prefill_tile<scalar_t, cache_t, kD, kRowVecs>(a, tiles[i], scratch);
   });
 }
 
@@ -510,8 +598,7 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T, H, D] and kv_cache [2, blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes(),
               "paged_prefill_attention needs contiguous query, cache and output of the query's shape");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, cache and output must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "the output must be the query's dtype");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && block_tables.scalar_type() == torch::kInt32,
               "seq_lens and block_tables must be int32");
   auto qsl = query_start_loc.to(torch::kLong).contiguous();
@@ -531,18 +618,21 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
   check_block_tables(lp, tables, B, BS, NB);
   const int32_t* tp = tables.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_prefill", [&] {
-    const scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    const PrefillArgs<scalar_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, qp, lp, tp,
-                                     out.data_ptr<scalar_t>(), H, D, BS, tables.size(1), H / KVH, KVH * D,
-                                     static_cast<float>(scale)};
-    // Tiles of 4 vectors of rows up to head size 64, 2 above: Q^T and O^T stay L1-sized.
-    switch (D) {
-      case 64: prefill_sequences<scalar_t, 64, 4>(args, B, KVH); break;
-      case 128: prefill_sequences<scalar_t, 128, 2>(args, B, KVH); break;
-      default:
-        if (D <= 64) prefill_sequences<scalar_t, 0, 4>(args, B, KVH);
-        else prefill_sequences<scalar_t, 0, 2>(args, B, KVH);
-    }
+    dispatch_cache<scalar_t>(kv_cache, [&](auto cache_elem) {
+      using cache_t = decltype(cache_elem);
+      const cache_t* kc = kv_cache.data_ptr<cache_t>();
+      const PrefillArgs<scalar_t, cache_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, qp, lp, tp,
+                                                out.data_ptr<scalar_t>(), H, D, BS, tables.size(1), H / KVH,
+                                                KVH * D, static_cast<float>(scale)};
+      // Tiles of 4 vectors of rows up to head size 64, 2 above: Q^T and O^T stay L1-sized.
+      switch (D) {
+        case 64: prefill_sequences<scalar_t, cache_t, 64, 4>(args, B, KVH); break;
+        case 128: prefill_sequences<scalar_t, cache_t, 128, 2>(args, B, KVH); break;
+        default:
+          if (D <= 64) prefill_sequences<scalar_t, cache_t, 0, 4>(args, B, KVH);
+          else prefill_sequences<scalar_t, cache_t, 0, 2>(args, B, KVH);
+      }
+    });
   });
 }
 
@@ -617,12 +707,31 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
   return {q_out, k_out};
 }
 
+namespace {
+
+// One K or V row into an fp8 cache as kernels.reference.to_cache_dtype stores it: saturated at the
+// format's largest finite value (NaN kept), then rounded to nearest even (c10's conversion, torch's).
+template <typename scalar_t, typename cache_t>
+void narrow_row(const scalar_t* __restrict__ src, cache_t* __restrict__ dst, int64_t n) {
+  const float top = static_cast<float>(std::numeric_limits<cache_t>::max());
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = to_f(src[i]);
+    dst[i] = static_cast<cache_t>(std::isnan(f) ? f : std::clamp(f, -top, top));
+  }
+}
+
+}  // namespace
+
 // Write new K/V rows [T, kv_heads, D] (views into the fused QKV output are fine) into the
-// paged cache [2, num_blocks, block_size, kv_heads, D] at slot_mapping (negative: skip).
+// paged cache [2, num_blocks, block_size, kv_heads, D] at slot_mapping (negative: skip): copied
+// rows, or into an fp8 cache, saturated and rounded.
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache [2, blocks, block_size, kv_heads, D] expected");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
-              "key/value dtype must be the cache's");
+  const auto cache_type = kv_cache.scalar_type(), row_type = key.scalar_type();
+  const bool to_fp8 = (cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2) &&
+                      (row_type == at::kFloat || row_type == at::kHalf || row_type == at::kBFloat16);
+  TORCH_CHECK(value.scalar_type() == row_type && (row_type == cache_type || to_fp8),
+              "key/value dtype must be the cache's (or float, half or bfloat16 into an fp8 cache)");
   const int64_t T = key.size(0), row = kv_cache.size(3) * kv_cache.size(4);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   TORCH_CHECK(key.numel() == T * row && value.numel() == T * row && slot_mapping.numel() == T,
@@ -634,6 +743,23 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, to
   auto slots = slot_mapping.to(torch::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " outside the cache's ", num_slots);
+  if (to_fp8) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, row_type, "store_kv_fp8", [&] {
+      dispatch_cache<scalar_t>(kv_cache, [&](auto cache_elem) {
+        using cache_t = decltype(cache_elem);
+        cache_t* kc = kv_cache.data_ptr<cache_t>();
+        cache_t* vc = kc + num_slots * row;
+        const scalar_t* kp = k.data_ptr<scalar_t>();
+        const scalar_t* vp = v.data_ptr<scalar_t>();
+        for (int64_t t = 0; t < T; ++t) {
+          if (s[t] < 0) continue;
+          narrow_row(kp + t * k.stride(0), kc + s[t] * row, row);
+          narrow_row(vp + t * v.stride(0), vc + s[t] * row, row);
+        }
+      });
+    });
+    return;
+  }
   const int64_t elem = kv_cache.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
