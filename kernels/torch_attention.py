@@ -5,7 +5,7 @@ gather/scatter run as C++ (kernels/csrc/cpu_attention.cpp, built on first use); 
 compiler, or for inputs the C++ does not take, each falls back to the reference. An fp8 cache
 (--kv-cache-dtype fp8) is read in place by the C++ attention and stored by its store_kv. Prefill
 rows too run as C++ (flash attention read in place from the paged cache, ~1.2-1.5x SDPA's CPU
-flash kernel at head size 64); without it they go to SDPA one row at a time (causal for fresh
+flash kernel at head size 64 with AVX-512, 0.7-1.2x on AVX2 only: docs/kernels.md); without it they go to SDPA one row at a time (causal for fresh
 prompts; a chunk after earlier context as the context unmasked plus its own causal triangle,
 merged by log-sum-exp).
 The cache must hold finite values everywhere (it is zero-initialised): padding slots are

@@ -317,8 +317,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 def test_an_fp8_cache_is_read_in_the_querys_dtype(cache_dtype, dtype, tol, head_dim, path, monkeypatch):
     """--kv-cache-dtype fp8: decode rows, fresh prompts and chunks after context over an 8-bit
     cache match the reference, which widens the same stored values: the C++ kernels read the
-    cache in place (a block or a tile at a time through a table of fp8's 256 values), the torch
-    path (no compiler) gathers and widens it."""
+    cache in place (widening a block or a key's row at a time), the torch path (no compiler)
+    gathers and widens it."""
     q_lens = [1, 7, 1, 16, 33, 1]
     ctx = [20, 7, 1, 40, 100, 257]
     q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 2, head_dim=head_dim, block_size=32, dtype=dtype)

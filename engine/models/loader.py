@@ -121,7 +121,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                     _read_kv_scale(kv_scales, hf_name, kv, f.get_tensor(hf_name))
                     continue
                 if _FP8_ATTENTION_SCALE.match(hf_name):
-                    unused_scales.add(hf_name.rsplit(".", 1)[1])
+                    unused_scales.add("prob_scale" if ".prob_" in hf_name else "q_scale")
                     continue
                 expert = _EXPERT.match(quant.main_name(hf_name).removeprefix("model.")) \
                     if kept_experts and not quant.is_companion(hf_name) else None
@@ -400,10 +400,11 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
 _KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?P<own>[kv])_scale"
                        r"|(?P<k>k)_proj\.(?:output|k)_scale|(?P<v>v)_proj\.(?:output|v)_scale|(?P<both>kv)_scale)$")
 
-# FP8 attention's other scales (llm-compressor's attention scheme, ModelOpt's): the query's and the
-# softmax probabilities'. Attention here takes queries in the model's dtype, so they are not used.
+# FP8 attention's other scales (llm-compressor's attention scheme, ModelOpt's; q_proj.output_scale
+# and prob_output_scale as vLLM's fp8 and Quark configs name them): the query's and the softmax
+# probabilities'. Attention here takes queries in the model's dtype, so they are not used.
 _FP8_ATTENTION_SCALE = re.compile(r"^(?:model\.)?layers\.\d+\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?:q|prob)_scale"
-                                  r"|q_proj\.q_scale)$")
+                                  r"|q_proj\.(?:q|output)_scale|prob_output_scale)$")
 
 
 def _read_kv_scale(found: dict[int, dict[str, float]], hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:

@@ -47,7 +47,8 @@ inline float fp8_to_float(uint8_t b) {
   } else if (mag >> kMant == 0) {
     v = static_cast<float>(mag) * (kE4M3 ? 0x1p-9f : 0x1p-16f);
   } else {
-    v = __builtin_bit_cast(float, (mag << (23 - kMant)) + ((127 - kBias) << 23));
+    const uint32_t bits = (mag << (23 - kMant)) + ((127 - kBias) << 23);
+    std::memcpy(&v, &bits, sizeof(v));
   }
   return b & 0x80u ? -v : v;
 }

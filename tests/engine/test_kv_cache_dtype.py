@@ -35,9 +35,9 @@ def test_an_fp8_cache_holds_more_tokens_in_the_same_memory(tiny_llama):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_the_torch_path_answers_as_the_reference_over_an_fp8_cache(tiny_llama, prompts, kv_cache_dtype):
-    """Greedy tokens and logprobs of the CPU path (C++ kernels where the cache is the query's
-    dtype, the torch path here) against kernels.reference, which stores and widens plainly."""
+def test_the_cpu_path_answers_as_the_reference_over_an_fp8_cache(tiny_llama, prompts, kv_cache_dtype):
+    """Greedy tokens and logprobs of the CPU path (the C++ kernels, which read the fp8 cache in
+    place) against kernels.reference, which stores and widens plainly."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = {backend: LLM(tiny_llama, kv_cache_dtype=kv_cache_dtype, kernel_backend=backend).generate(prompts, params)
             for backend in ("torch", "reference")}
@@ -188,17 +188,21 @@ def test_fp8_attentions_query_and_probability_scales_load_unused(tiny_llama, pro
     queries in the model's dtype), and it answers as the same checkpoint without them."""
     kv = {"self_attn.k_scale": 0.5, "self_attn.v_scale": 0.25}
     plain = _scaled_checkpoint(tiny_llama, str(tmp_path / "kv"), 1.0, 1.0, kv)
-    fp8_attention = _scaled_checkpoint(tiny_llama, str(tmp_path / "attn"), 1.0, 1.0,
-                                       {**kv, "self_attn.q_scale": 0.125, "self_attn.attn.prob_scale": 1 / 448})
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    with caplog.at_level("INFO", logger="engine.models.loader"):
-        llm = LLM(fp8_attention, kv_cache_dtype="fp8", num_blocks=64)
-    assert "prob_scale and q_scale (FP8 attention's) are not used" in caplog.text
-    assert all(layer.self_attn.kv_scales == (0.5, 0.25) for layer in llm.engine.runner.model.layers)
-    got = llm.generate(prompts, params)
     want = LLM(plain, kv_cache_dtype="fp8", num_blocks=64).generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    # llm-compressor's names, and the older ones vLLM's fp8 and Quark configs read.
+    for i, names in enumerate([("self_attn.q_scale", "self_attn.attn.prob_scale"),
+                               ("self_attn.q_proj.output_scale", "self_attn.prob_output_scale")]):
+        fp8_attention = _scaled_checkpoint(tiny_llama, str(tmp_path / f"attn{i}"), 1.0, 1.0,
+                                           {**kv, names[0]: 0.125, names[1]: 1 / 448})
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.models.loader"):
+            llm = LLM(fp8_attention, kv_cache_dtype="fp8", num_blocks=64)
+        assert "prob_scale and q_scale (FP8 attention's) are not used" in caplog.text
+        assert all(layer.self_attn.kv_scales == (0.5, 0.25) for layer in llm.engine.runner.model.layers)
+        got = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
 
 
 KV_ONLY = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
