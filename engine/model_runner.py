@@ -152,8 +152,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_step(self, max_model_len: int) -> None:
         """The step that needs the most memory besides the KV cache: one prefill chunk of
-        max_num_batched_tokens tokens through the model, then a full batch (max_num_seqs rows)
-        sampled with top-k, top-p and 20 logprobs each (the sampler's sort and softmax copies)."""
+        max_num_batched_tokens tokens through the model (and through a speculative draft, whose
+        catch-up forwards are as long at most), then a full batch (max_num_seqs rows) sampled with
+        top-k, top-p and 20 logprobs each (the sampler's sort and softmax copies)."""
         sc = self.config.scheduler
         tokens = min(sc.max_num_batched_tokens, max_model_len)
         vocab = self.model.arch.vocab_size
@@ -165,6 +166,10 @@ class ModelRunner:
         connector, self.connector = self.connector, None  # nothing of this step is the connector's
         try:
             self.execute(so)
+            if self.draft is not None:  # a speculative draft's catch-up: as many tokens at most, one forward
+                hidden = self.draft.forward([prompt.all_token_ids], [np.arange(tokens)], [list(range(self.num_blocks))],
+                                            decode_only=False)
+                self.draft.model.compute_logits(hidden[-1:])
             rows = [Request(f"pdserve-profile-{i}", [0], prompt.sampling_params) for i in range(sc.max_num_seqs)]
             g = torch.Generator(device=self.device).manual_seed(0)
             logits = torch.randn(len(rows), vocab, device=self.device, dtype=torch.float32, generator=g)

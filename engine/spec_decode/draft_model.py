@@ -54,6 +54,8 @@ class DraftModel:
                              f"less than max_model_len={max_model_len}")
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.device = torch.device("cpu")
 
     @classmethod
     def of(cls, config: SpeculativeConfig | None, target: LlamaArch, max_model_len: int) -> "DraftModel | None":
@@ -69,20 +71,73 @@ class DraftModel:
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> None:
         """The draft cache, indexed by the target's block ids (the same count of blocks)."""
         self.kv_caches = []  # the old one freed before the new one is made
+        self.block_size, self.device = block_size, device
         a = self.arch
         self.kv_caches = [torch.zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), dtype=kv_dtype,
                                       device=device) for _ in range(a.num_layers)]
+
+    def forward(self, tokens, positions: list[np.ndarray], blocks: list[list[int]], decode_only: bool):
+        """The draft over rows of (tokens, positions), writing their KV into the draft cache."""
+        bs = self.block_size
+        lens = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
+        pos = np.concatenate(positions)
+        seq_lens = np.fromiter((p[-1] + 1 for p in positions), dtype=np.int64, count=len(positions))
+        width = int(-(-seq_lens.max() // bs))
+        table = np.zeros((len(blocks), width), dtype=np.int32)
+        for i, ids in enumerate(blocks):
+            n = min(len(ids), width)
+            table[i, :n] = ids[:n]
+        rows = np.repeat(np.arange(len(blocks)), lens)
+        slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
+                                 query_start_loc=torch.from_numpy(qsl).to(dev),
+                                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+                                 block_tables=torch.from_numpy(table).to(dev), decode_only=decode_only)
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor([t for row in tokens for t in row], dtype=torch.int64).to(dev)
+        return self.model(tokens, torch.from_numpy(pos).to(dev), self.kv_caches, meta)
+
+    def catch_up(self, tokens: list[list[int]], starts: list[int], blocks: list[list[int]],
+                 max_tokens: int) -> torch.Tensor:
+        """The draft over each row's tokens from its start (KV into the draft cache), forwards of
+        max_tokens tokens at most (the target's step budget: the memory the profiled step measured;
+        a long row goes over several, each a chunk after the last); the hidden state of each row's
+        last token, in row order."""
+        last: list[torch.Tensor | None] = [None] * len(tokens)
+        done = [0] * len(tokens)
+        while any(d < len(t) for d, t in zip(done, tokens)):
+            rows, room = [], max_tokens
+            for i, t in enumerate(tokens):
+                n = min(len(t) - done[i], room)
+                if n > 0:
+                    rows.append((i, done[i], done[i] + n))
+                    room -= n
+                if room == 0:
+                    break
+            hidden = self.forward([tokens[i][a:b] for i, a, b in rows],
+                                  [np.arange(starts[i] + a, starts[i] + b) for i, a, b in rows],
+                                  [blocks[i] for i, _, _ in rows], decode_only=False)
+            at = 0
+            for i, a, b in rows:
+                at += b - a
+                done[i] = b
+                if b == len(tokens[i]):
+                    last[i] = hidden[at - 1]
+        return torch.stack(last)
 
 
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, max_model_len: int, runner,
                  block_ids_of: Callable[[str], list[int]]) -> None:
         super().__init__(config.num_speculative_tokens, max_model_len)
-        draft = runner.draft  # loaded and given its cache by the runner (sized with the target's)
+        self.draft = runner.draft  # loaded and given its cache by the runner (sized with the target's)
         self.device = runner.device
         self.block_size = runner.block_size
-        self.model = draft.model
-        self.kv_caches = draft.kv_caches
+        self.model = self.draft.model
+        self.max_chunk = runner.config.scheduler.max_num_batched_tokens
         self.block_ids_of = block_ids_of
         self.grammar_kernel = runner.grammar_bitmask.kernel
         # request id -> (its preemption count, tokens whose draft KV is in the draft cache).
@@ -106,20 +161,17 @@ class DraftModelProposer(Proposer):
         ends = [r.num_tokens for r in reqs]
         # Catch up over the uncomputed known tokens; the last position proposes the first token.
         tokens = [r.all_token_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
-        positions = [np.arange(s, e) for s, e in zip(starts, ends)]
-        hidden = self._forward(tokens, positions, blocks, decode_only=False)
-        last = np.cumsum([len(t) for t in tokens]) - 1
+        hidden = self.draft.catch_up(tokens, starts, blocks, self.max_chunk)
         live = list(range(len(reqs)))
         grammar = DraftGrammar(reqs, self.grammar_kernel)  # structured outputs: proposals masked too
-        proposed = self._choose(self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)]),
-                                grammar, live)
+        proposed = self._choose(self.model.compute_logits(hidden), grammar, live)
         steps = [proposed]
         for step in range(1, max(ks[i] for i in rows)):
             live = [j for j in live if ks[rows[j]] > step]
             index = torch.tensor(live, device=self.device)
             inputs = steps[-1] if len(live) == len(steps[-1]) else steps[-1][index]
             pos = [np.array([ends[j] - 1 + step]) for j in live]
-            hidden = self._forward(inputs, pos, [blocks[j] for j in live], decode_only=True)
+            hidden = self.draft.forward(inputs, pos, [blocks[j] for j in live], decode_only=True)
             nxt = self._choose(self.model.compute_logits(hidden), grammar, live)
             full = torch.zeros(len(reqs), dtype=nxt.dtype, device=self.device)
             full[index] = nxt
@@ -142,27 +194,3 @@ class DraftModelProposer(Proposer):
         tokens = grammar.mask(logits, live).argmax(dim=-1)
         grammar.advance(tokens, live)
         return tokens
-
-    def _forward(self, tokens, positions: list[np.ndarray], blocks: list[list[int]], decode_only: bool):
-        """The draft over rows of (tokens, positions), writing their KV into the draft cache."""
-        bs = self.block_size
-        lens = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
-        pos = np.concatenate(positions)
-        seq_lens = np.fromiter((p[-1] + 1 for p in positions), dtype=np.int64, count=len(positions))
-        width = int(-(-seq_lens.max() // bs))
-        table = np.zeros((len(blocks), width), dtype=np.int32)
-        for i, ids in enumerate(blocks):
-            n = min(len(ids), width)
-            table[i, :n] = ids[:n]
-        rows = np.repeat(np.arange(len(blocks)), lens)
-        slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
-        np.cumsum(lens, out=qsl[1:])
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
-                                 query_start_loc=torch.from_numpy(qsl).to(dev),
-                                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-                                 block_tables=torch.from_numpy(table).to(dev), decode_only=decode_only)
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor([t for row in tokens for t in row], dtype=torch.int64).to(dev)
-        return self.model(tokens, torch.from_numpy(pos).to(dev), self.kv_caches, meta)

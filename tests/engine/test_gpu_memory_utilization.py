@@ -77,19 +77,24 @@ def test_the_engine_sizes_its_cache_and_serves(tiny_llama, monkeypatch):
 
 
 def test_a_draft_model_is_inside_the_share(tiny_llama, tiny_model_factory, monkeypatch):
-    """A speculative draft's weights load before the second reading (counted as weights) and its
-    cache is part of the KV cache the share leaves (a block's bytes are both models')."""
+    """A speculative draft's weights load before the second reading (counted as weights), its
+    longest forward is in the profiled step, and its cache is part of the KV cache the share
+    leaves (a block's bytes are both models')."""
     from engine.spec_decode.draft_model import DraftModel
 
     probe = ScriptedMemory(total=200 * MIB, frees=[190 * MIB, 160 * MIB], peak=12 * MIB)
     monkeypatch.setattr("engine.model_runner.device_memory", lambda device: probe)
-    load = DraftModel.load
+    load, forward = DraftModel.load, DraftModel.forward
     monkeypatch.setattr(DraftModel, "load", lambda self, *a: (probe.calls.append("draft loaded"), load(self, *a)))
+    monkeypatch.setattr(DraftModel, "forward", lambda self, tokens, *a, **k: (
+        probe.calls.append(f"draft forward of {sum(map(len, tokens))}"), forward(self, tokens, *a, **k))[1])
     draft = tiny_model_factory("llama", num_layers=1, num_kv_heads=1)
     llm = LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.3, max_num_batched_tokens=64, max_num_seqs=8,
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
     runner = llm.engine.runner
-    assert probe.calls == ["free_total", "draft loaded", "reset_peak", "peak_over_current", "release", "free_total"]
+    # The profiled step runs the draft's longest catch-up forward (the step budget's 64 tokens) too.
+    assert probe.calls == ["free_total", "draft loaded", "reset_peak", "draft forward of 64", "peak_over_current",
+                           "release", "free_total"]
     held = sum(c.numel() * c.element_size() for c in [*runner.kv_caches, *runner.draft.kv_caches])
     assert held == runner.num_blocks * runner.bytes_per_block() <= runner.memory_budget.kv_bytes()
     assert runner.memory_budget.kv_bytes() - held < runner.bytes_per_block()

@@ -507,6 +507,28 @@ def test_a_draft_models_cache_is_sized_and_stored_as_the_targets(tiny_llama, tin
         assert spec_llm.engine.stats()["spec_decode_num_drafts"] > 0
 
 
+def test_a_draft_catches_up_in_forwards_of_the_step_budget(tiny_llama, monkeypatch):
+    """A draft's first proposal runs it over the whole prompt (after a long chunked prefill, or a
+    P/D pull): in forwards of max_num_batched_tokens tokens at most (the memory the profiled step
+    measured), each a chunk after the last, so the draft's KV is what one forward would write:
+    the draft being the target, every proposal is accepted, and the tokens are plain decoding's."""
+    from engine.spec_decode.draft_model import DraftModel
+
+    sizes = []
+    forward = DraftModel.forward
+    monkeypatch.setattr(DraftModel, "forward", lambda self, tokens, *a, **k: (
+        sizes.append(len(tokens) if isinstance(tokens, torch.Tensor) else sum(map(len, tokens))),
+        forward(self, tokens, *a, **k))[1])
+    prompts = [list(range(3, 3 + n)) for n in (70, 5, 41)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    got, stats = generate(tiny_llama, prompts, params, speculative_config=spec, max_num_batched_tokens=16)
+    assert max(sizes) == 16 and sum(sizes) > 116  # the prompts' 116 tokens, 16 at a time, then proposals
+    assert stats["spec_decode_acceptance_rate"] == 1.0
+    want, _ = generate(tiny_llama, prompts, params, max_num_batched_tokens=16)
+    assert got == want
+
+
 def test_acceptance_metrics_reach_prometheus(tiny_llama):
     from prometheus_client import generate_latest
 
