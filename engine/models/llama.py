@@ -106,7 +106,10 @@ class Attention(nn.Module):
     row-parallel, its partial sums all-reduced. `*_lora`: LoRA adapters (engine.lora), when served."""
     qkv_lora = o_lora = None
     # A checkpoint's calibrated (k_scale, v_scale): an fp8 cache stores k / k_scale and v / v_scale.
+    # Floats (one a layer), or [local KV heads] tensors (llm-compressor's attn_head): set_kv_scales.
     kv_scales = (1.0, 1.0)
+    has_kv_scales = False
+    _per_head = None  # per-head scales: (K's, V's divisors [KV heads, 1]; Q's, O's factors [heads, 1])
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
         super().__init__()
@@ -125,6 +128,21 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.kernels = kernels
 
+    def set_kv_scales(self, k_scale, v_scale) -> None:
+        """A checkpoint's K and V scales: floats, or tensors of this rank's KV heads' (the divisors
+        and, for the query heads each KV head serves, the factors, in the model's dtype on its device)."""
+        self.kv_scales = (k_scale, v_scale)
+        self.has_kv_scales = not (isinstance(k_scale, float) and isinstance(v_scale, float)) or \
+            (k_scale, v_scale) != (1.0, 1.0)
+        if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+            weight = self.qkv_proj.weight
+            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+            k, v = (torch.as_tensor(s, dtype=torch.float32).reshape(-1).expand(self.num_kv_heads)
+                    for s in (k_scale, v_scale))
+            group = self.num_heads // self.num_kv_heads
+            self._per_head = tuple(t.to(device=weight.device, dtype=dtype)[:, None].contiguous() for t in (
+                k, v, k.repeat_interleave(group), v.repeat_interleave(group)))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -140,8 +158,11 @@ class Attention(nn.Module):
             k = self.k_norm(k)[0]
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         scale, (k_scale, v_scale) = self.scale, self.kv_scales
-        scaled = kv_cache.element_size() == 1 and self.kv_scales != (1.0, 1.0)
-        if scaled:  # an fp8 cache with calibrated scales: softmax(q . k8 * k_scale) . v8 * v_scale
+        scaled = kv_cache.element_size() == 1 and self.has_kv_scales
+        per_head = self._per_head if scaled else None
+        if per_head is not None:  # the same, a scale per KV head: q's heads take their KV head's k_scale
+            k, v, q = k / per_head[0], v / per_head[1], q * per_head[2]
+        elif scaled:  # an fp8 cache with calibrated scales: softmax(q . k8 * k_scale) . v8 * v_scale
             k, v, scale = k / k_scale, v / v_scale, scale * k_scale
         self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.decode_only:
@@ -149,7 +170,9 @@ class Attention(nn.Module):
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                              meta.block_tables, scale)
-        if scaled and v_scale != 1.0:
+        if per_head is not None:
+            o = o * per_head[3]
+        elif scaled and v_scale != 1.0:
             o = o * v_scale
         o = o.reshape(t, self.q_size)
         out = self.o_proj(o)

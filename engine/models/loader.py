@@ -109,7 +109,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    kv_scales: dict[int, dict[str, float]] = {}
+    kv_scales: dict[int, dict[str, float | torch.Tensor]] = {}
     unused_scales: set[str] = set()
     for i, file in enumerate(files):
         if show_progress:
@@ -170,7 +170,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     for i, scales in kv_scales.items():
         if i >= len(model.layers):
             raise ValueError(f"KV cache scales for layer {i}, but the model has {len(model.layers)} layers")
-        model.layers[i].self_attn.kv_scales = (scales.get("k", 1.0), scales.get("v", 1.0))
+        model.layers[i].self_attn.set_kv_scales(*(_kv_scale_of(scales.get(part, 1.0), arch, tp, path, i)
+                                                  for part in ("k", "v")))
     pack_linears(model, linear_backend)
     return model.eval()
 
@@ -371,9 +372,9 @@ def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None 
                          f"{quant.method!r}; leave it out to read the checkpoint's")
     scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
     if scheme and (scheme.get("type", "float") != "float" or scheme.get("num_bits") != 8
-                   or scheme.get("strategy", "tensor") != "tensor" or scheme.get("dynamic")):
+                   or scheme.get("strategy", "tensor") not in ("tensor", "attn_head") or scheme.get("dynamic")):
         raise ValueError(f"the checkpoint's kv_cache_scheme {scheme} is not served: its KV cache scales are read "
-                         "as static FP8 ones, one per layer (vLLM's), used with --kv-cache-dtype fp8")
+                         "as static FP8 ones, one a layer or one a KV head (vLLM's), used with --kv-cache-dtype fp8")
     if quant is None:
         return None
     if tp_size > 1:
@@ -407,22 +408,37 @@ _FP8_ATTENTION_SCALE = re.compile(r"^(?:model\.)?layers\.\d+\.self_attn\.(?:(?:a
                                   r"|q_proj\.(?:q|output)_scale|prob_output_scale)$")
 
 
-def _read_kv_scale(found: dict[int, dict[str, float]], hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
-    """A K or V dequantization scale (the cache holds fp8(k / k_scale)): one per layer."""
-    if tensor.numel() != 1:
-        raise ValueError(f"{hf_name!r}: {tensor.numel()} KV cache scales (per head or channel); only one a layer "
-                         "(per tensor, vLLM's) is read")
-    value = float(tensor.float().reshape(()))
-    if not (value > 0 and value < float("inf")):
-        raise ValueError(f"{hf_name!r}: a KV cache scale must be a finite number > 0, got {value}")
+def _read_kv_scale(found: dict[int, dict[str, float | torch.Tensor]], hf_name: str, match: re.Match,
+                   tensor: torch.Tensor) -> None:
+    """A K or V dequantization scale (the cache holds fp8(k / k_scale)): one a layer, or one a KV
+    head (llm-compressor's attn_head strategy; their count is checked against the model's after)."""
+    values = tensor.float().reshape(-1)
+    bad = values[~((values > 0) & (values < float("inf")))]
+    if bad.numel() or not values.numel():
+        raise ValueError(f"{hf_name!r}: a KV cache scale must be a finite number > 0, got "
+                         f"{float(bad[0]) if bad.numel() else 'none'}")
+    value = float(values[0]) if values.numel() == 1 else values
     which = match.group("own") or match.group("k") or match.group("v") or "kv"
     for part in ("k", "v") if which == "kv" else (which,):
         found.setdefault(int(match.group(1)), {})[part] = value
 
 
+def _kv_scale_of(value: float | torch.Tensor, arch: LlamaArch, tp, path: str, layer: int) -> float | torch.Tensor:
+    """A layer's K or V scale for this rank: a float, or its KV heads' slice of a per-head one."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != arch.num_kv_heads:
+        raise ValueError(f"checkpoint {path!r}: layer {layer} has {value.numel()} KV cache scales; one a layer, or "
+                         f"one a KV head ({arch.num_kv_heads}), are read (per channel is not served)")
+    if tp is None:
+        return value
+    start = tp.layout.kv_head_start
+    return value[start:start + tp.layout.local_kv_heads]
+
+
 def has_kv_scales(model) -> bool:
     """Whether the checkpoint gave the model calibrated KV cache scales."""
-    return any(layer.self_attn.kv_scales != (1.0, 1.0) for layer in model.layers)
+    return any(layer.self_attn.has_kv_scales for layer in model.layers)
 
 
 def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:

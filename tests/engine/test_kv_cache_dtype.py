@@ -4,6 +4,7 @@ stored and read; the answers stay close to a full-precision cache's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 
@@ -169,9 +170,9 @@ def test_kv_scales_are_one_a_layer_and_positive(tiny_llama, tmp_path):
 
     (weights,) = [f for f in os.listdir(head) if f.endswith(".safetensors")]
     tensors = load_file(os.path.join(head, weights))
-    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(2)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(3)  # the model has 2 KV heads
     save_file(tensors, os.path.join(head, weights), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="2 KV cache scales .* only one a layer"):
+    with pytest.raises(ValueError, match=r"layer 0 has 3 KV cache scales; one a layer, or one a KV head \(2\)"):
         LLM(head, kv_cache_dtype="fp8")
     zero = _scaled_checkpoint(tiny_llama, str(tmp_path / "zero"), 1.0, 1.0, {"self_attn.v_scale": 0.0})
     with pytest.raises(ValueError, match="must be a finite number > 0, got 0.0"):
@@ -180,6 +181,74 @@ def test_kv_scales_are_one_a_layer_and_positive(tiny_llama, tmp_path):
     both = LLM(_scaled_checkpoint(tiny_llama, str(tmp_path / "both"), 1.0, 1.0, {"self_attn.kv_scale": 0.5}),
                kv_cache_dtype="fp8")
     assert all(layer.self_attn.kv_scales == (0.5, 0.5) for layer in both.engine.runner.model.layers)
+
+
+def _per_head_checkpoint(base: str, out: str, k_factors: list[float], v_factors: list[float], scales: bool) -> str:
+    """`base` with each KV head's K (and V) made its own factor larger, its query heads (and
+    o_proj's columns) shrunk as much: the same attention; with `scales`, llm-compressor's attn_head
+    scales ([KV heads, 1, 1] a layer) bringing each head's largest value to about 400."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, group = cfg["hidden_size"] // heads, heads // kv_heads
+    if scales:
+        cfg["quantization_config"] = {**KV_ONLY, "kv_cache_scheme": {**KV_ONLY["kv_cache_scheme"],
+                                                                     "strategy": "attn_head"}}
+        json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
+    (weights,) = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(out, weights))
+    layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
+    kf, vf = torch.tensor(k_factors), torch.tensor(v_factors)
+    for i in layers:
+        a = f"model.layers.{i}.self_attn"
+        tensors[f"{a}.k_proj.weight"] = tensors[f"{a}.k_proj.weight"] * kf.repeat_interleave(d)[:, None]
+        tensors[f"{a}.q_proj.weight"] = tensors[f"{a}.q_proj.weight"] / kf.repeat_interleave(group * d)[:, None]
+        tensors[f"{a}.v_proj.weight"] = tensors[f"{a}.v_proj.weight"] * vf.repeat_interleave(d)[:, None]
+        tensors[f"{a}.o_proj.weight"] = tensors[f"{a}.o_proj.weight"] / vf.repeat_interleave(group * d)[None, :]
+        if scales:  # a head's |K| stays below ~4 x its factor here (the tiny model's, measured: _kv_amax)
+            tensors[f"{a}.k_scale"] = (kf * 4 / 400).view(kv_heads, 1, 1)
+            tensors[f"{a}.v_scale"] = (vf * 4 / 400).view(kv_heads, 1, 1)
+    save_file(tensors, os.path.join(out, weights), metadata={"format": "pt"})
+    return out
+
+
+def test_per_kv_head_scales(tiny_llama, prompts, tmp_path):
+    """llm-compressor's attn_head KV scheme (vLLM serves it): a scale per KV head, its query
+    heads multiplied by it, its output too. KV heads a thousand times apart answer as a float32
+    cache does with their scales, where one scale a layer cannot hold both; under tensor
+    parallelism each rank takes its own heads' scales."""
+    k0, v0 = _kv_amax(tiny_llama, prompts)
+    assert k0 < 4 and v0 < 4  # what the scales above assume
+    factors_k, factors_v = [3000.0, 3.0], [2.0, 2000.0]
+    calibrated = _per_head_checkpoint(tiny_llama, str(tmp_path / "heads"), factors_k, factors_v, scales=True)
+    bare = _per_head_checkpoint(tiny_llama, str(tmp_path / "bare"), factors_k, factors_v, scales=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(path: str, kv: str, **kwargs) -> list[float]:
+        outs = LLM(path, kv_cache_dtype=kv, **kwargs).generate(prompts, params)
+        return [next(iter(p.values())) for o in outs for p in o.prompt_logprobs]
+
+    def mean_diff(a, b):
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+    full = logprobs(calibrated, "auto")
+    assert mean_diff(full, logprobs(tiny_llama, "auto")) < 1e-3  # the same model, rescaled
+    one = LLM(calibrated, kv_cache_dtype="fp8", num_blocks=64)
+    attn = one.engine.runner.model.layers[0].self_attn
+    assert attn.kv_scales[0].tolist() == pytest.approx([30.0, 0.03]) and attn.has_kv_scales
+    assert mean_diff(full, logprobs(calibrated, "fp8")) < 0.06
+    assert mean_diff(full, logprobs(bare, "fp8")) > 0.3  # the large head saturates, the small one rounds away
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    two = LLM(calibrated, kv_cache_dtype="fp8", num_blocks=64, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    finally:
+        two.engine.shutdown()
 
 
 def test_fp8_attentions_query_and_probability_scales_load_unused(tiny_llama, prompts, tmp_path, caplog):
@@ -226,7 +295,7 @@ def test_a_checkpoint_that_quantizes_only_its_kv_cache(tiny_llama, tmp_path):
             [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     finally:
         two.engine.shutdown()
-    for scheme in ({"strategy": "attn_head"}, {"dynamic": True}, {"num_bits": 4}):
+    for scheme in ({"strategy": "channel"}, {"dynamic": True}, {"num_bits": 4}):
         bad = dict(KV_ONLY, kv_cache_scheme={**KV_ONLY["kv_cache_scheme"], **scheme})
         other = _scaled_checkpoint(tiny_llama, str(tmp_path / f"bad-{len(os.listdir(tmp_path))}"), 1.0, 1.0, {}, bad)
         with pytest.raises(ValueError, match="kv_cache_scheme .* is not served"):

@@ -281,7 +281,7 @@ def _with_config(base: str, out: str, quantization_config: dict) -> str:
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
       "transform_config": {"config_groups": {"u": {}}}}, "transform_config .* is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
-      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"},
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel"},
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
                                                                  "strategy": "channel"}}}},
      "kv_cache_scheme .* is not served"),
