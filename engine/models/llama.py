@@ -128,19 +128,17 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.kernels = kernels
 
-    def set_kv_scales(self, k_scale, v_scale) -> None:
+    def set_kv_scales(self, k_scale, v_scale, dtype: torch.dtype, device: torch.device) -> None:
         """A checkpoint's K and V scales: floats, or tensors of this rank's KV heads' (the divisors
         and, for the query heads each KV head serves, the factors, in the model's dtype on its device)."""
         self.kv_scales = (k_scale, v_scale)
         self.has_kv_scales = not (isinstance(k_scale, float) and isinstance(v_scale, float)) or \
             (k_scale, v_scale) != (1.0, 1.0)
         if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
-            weight = self.qkv_proj.weight
-            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
             k, v = (torch.as_tensor(s, dtype=torch.float32).reshape(-1).expand(self.num_kv_heads)
                     for s in (k_scale, v_scale))
             group = self.num_heads // self.num_kv_heads
-            self._per_head = tuple(t.to(device=weight.device, dtype=dtype)[:, None].contiguous() for t in (
+            self._per_head = tuple(t.to(device=device, dtype=dtype)[:, None].contiguous() for t in (
                 k, v, k.repeat_interleave(group), v.repeat_interleave(group)))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,

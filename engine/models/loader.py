@@ -171,7 +171,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         if i >= len(model.layers):
             raise ValueError(f"KV cache scales for layer {i}, but the model has {len(model.layers)} layers")
         model.layers[i].self_attn.set_kv_scales(*(_kv_scale_of(scales.get(part, 1.0), arch, tp, path, i)
-                                                  for part in ("k", "v")))
+                                                  for part in ("k", "v")), dtype, torch.device(device))
     pack_linears(model, linear_backend)
     return model.eval()
 
@@ -395,7 +395,7 @@ def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str
     return found
 
 
-# A calibrated KV cache's per-layer scales, by the names vLLM reads: llm-compressor's
+# A calibrated KV cache's scales (per layer, or per KV head), by the names vLLM reads: llm-compressor's
 # self_attn.k_scale / v_scale (also under attn. or qkv_proj.), k_proj.k_scale / v_proj.v_scale,
 # older checkpoints' k_proj.output_scale / v_proj.output_scale, and the deprecated kv_scale (both).
 _KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(?:attn\.|qkv_proj\.)?(?P<own>[kv])_scale"

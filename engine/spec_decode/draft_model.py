@@ -125,7 +125,7 @@ class DraftModel:
                 at += b - a
                 done[i] = b
                 if b == len(tokens[i]):
-                    last[i] = hidden[at - 1]
+                    last[i] = hidden[at - 1].clone()  # (a view would keep the forward's whole output)
         return torch.stack(last)
 
 
@@ -153,7 +153,9 @@ class DraftModelProposer(Proposer):
                 continue  # no slots for the proposals' KV yet
             epoch, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
             rows.append(i)
-            starts.append(done if epoch == r.num_preemptions else 0)
+            # A row not scheduled last step (the token budget ran out) has no new token: its last
+            # one runs again (the same KV rewritten) for the hidden state the proposal starts from.
+            starts.append(min(done, r.num_tokens - 1) if epoch == r.num_preemptions else 0)
             blocks.append(ids)
         if not rows:
             return out

@@ -251,6 +251,37 @@ def test_per_kv_head_scales(tiny_llama, prompts, tmp_path):
         two.engine.shutdown()
 
 
+def test_per_head_scales_beside_kept_quantized_weights(tiny_llama, tmp_path):
+    """llm-compressor's FP8 weights with an attn_head KV scheme, the weights kept 8-bit (their
+    projections hold no float weight to read a dtype from): the scales load in the model's dtype
+    and the engine answers as with the weights dequantized."""
+    from safetensors.torch import load_file, save_file
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(tiny_llama, str(tmp_path / "ct"), "float", "channel")
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(os.path.join(path, shard))
+    for i in range(2):
+        for part, value in (("k", [0.25, 0.01]), ("v", [0.125, 0.02])):
+            tensors[f"model.layers.{i}.self_attn.{part}_scale"] = torch.tensor(value).view(2, 1, 1)
+            index["weight_map"][f"model.layers.{i}.self_attn.{part}_scale"] = shard
+    save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
+    json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"]["kv_cache_scheme"] = {**KV_ONLY["kv_cache_scheme"], "strategy": "attn_head"}
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for weights in ("keep", "dequantize"):
+        llm = LLM(path, kv_cache_dtype="fp8", quantized_weights=weights, num_blocks=32)
+        attn = llm.engine.runner.model.layers[0].self_attn
+        assert attn.kv_scales[0].tolist() == pytest.approx([0.25, 0.01])
+        assert all(t.dtype == torch.float32 for t in attn._per_head)  # the model's dtype
+        outs[weights] = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8], list(range(30, 70))], params)]
+    assert outs["keep"] == outs["dequantize"]
+
+
 def test_fp8_attentions_query_and_probability_scales_load_unused(tiny_llama, prompts, tmp_path, caplog):
     """A checkpoint calibrated for FP8 attention (llm-compressor's attention scheme) also has
     q_scale and prob_scale a layer: it loads, its KV scales used, those two not (attention takes

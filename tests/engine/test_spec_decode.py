@@ -529,6 +529,19 @@ def test_a_draft_catches_up_in_forwards_of_the_step_budget(tiny_llama, monkeypat
     assert got == want
 
 
+def test_rows_the_token_budget_left_out_propose_again(tiny_llama):
+    """More running rows x (k + 1) than the step's token budget: a row not scheduled in a step
+    has no new token when proposals are made for it again (its last token runs through the draft
+    again); the engine goes on, token-exact, every proposal right (the draft is the target)."""
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got, stats = generate(tiny_llama, prompts, params, speculative_config=spec, max_num_batched_tokens=8,
+                          max_num_seqs=8)
+    want, _ = generate(tiny_llama, prompts, params, max_num_batched_tokens=8, max_num_seqs=8)
+    assert got == want and stats["spec_decode_acceptance_rate"] == 1.0
+
+
 def test_acceptance_metrics_reach_prometheus(tiny_llama):
     from prometheus_client import generate_latest
 
