@@ -1,6 +1,6 @@
 """Sizing the KV cache to the GPU (vLLM's --gpu-memory-utilization): the engine takes that
 fraction of the device's memory, and what its weights, workspaces and the peak of a profiled
-step (the longest prefill chunk a step may run, and a full batch's sampling) do not use is KV
+step (the most prompt tokens a step may run, and a full batch's sampling) do not use is KV
 cache. The readings go through a small probe so the arithmetic and the profiled step run (and
 are tested) on any device; only CUDA has a real one."""
 from __future__ import annotations

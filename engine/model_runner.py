@@ -144,40 +144,52 @@ class ModelRunner:
             self.memory_budget = self._size_kv_cache(probe, free_at_start, total, max_model_len)
         self.decode_graphs, self.cuda_graphs_off_reason = self._decode_graphs(config)
 
+    def _profile_prompts(self, config: EngineConfig, max_model_len: int) -> list[int]:
+        """The profiled step's prompts' lengths: max_num_batched_tokens in all, the most a step
+        runs (vLLM's rule), none longer than max_model_len, no more of them than max_num_seqs."""
+        sc = config.scheduler
+        n = min(sc.max_num_seqs, -(-sc.max_num_batched_tokens // max_model_len))
+        total = min(sc.max_num_batched_tokens, n * max_model_len)
+        return [total // n + (i < total % n) for i in range(n)]
+
     def _profile_blocks(self, config: EngineConfig, max_model_len: int) -> int:
-        """Blocks for the profiled step's one prompt: the longest chunk a step may run."""
-        tokens = min(config.scheduler.max_num_batched_tokens, max_model_len)
-        return -(-tokens // self.block_size) + 1
+        """Blocks for the profiled step's prompts."""
+        return sum(-(-n // self.block_size) for n in self._profile_prompts(config, max_model_len)) + 1
 
     @torch.inference_mode()
     def _profile_step(self, max_model_len: int) -> None:
-        """The step that needs the most memory besides the KV cache: one prefill chunk of
-        max_num_batched_tokens tokens through the model (and through a speculative draft, whose
-        catch-up forwards are as long at most), then a full batch (max_num_seqs rows) sampled with
-        top-k, top-p and 20 logprobs each (the sampler's sort and softmax copies)."""
+        """The step that needs the most memory besides the KV cache: prompts of
+        max_num_batched_tokens tokens in all through the model (and through a speculative draft,
+        whose catch-up forwards are as long at most), then a full batch (max_num_seqs rows) sampled
+        with top-k, top-p and 20 logprobs each (the sampler's sort and softmax copies)."""
         sc = self.config.scheduler
-        tokens = min(sc.max_num_batched_tokens, max_model_len)
+        lengths = self._profile_prompts(self.config, max_model_len)
         vocab = self.model.arch.vocab_size
         # Fixed ids and a local generator: the global RNG (seeded by --seed) is left as it was.
-        prompt = Request("pdserve-profile", [(i * 7919 + 11) % vocab for i in range(tokens)],
-                         SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, logprobs=20))
-        so = SchedulerOutput(scheduled=[prompt], num_scheduled_tokens=[tokens],
-                             new_block_ids=[list(range(self.num_blocks))])
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, logprobs=20)
+        prompts, blocks, at = [], [], 0
+        for i, n in enumerate(lengths):
+            prompts.append(Request(f"pdserve-profile-prompt-{i}", [(j * 7919 + 11) % vocab for j in range(n)], params))
+            used = -(-n // self.block_size)
+            blocks.append(list(range(at, at + used)))
+            at += used
+        so = SchedulerOutput(scheduled=prompts, num_scheduled_tokens=lengths, new_block_ids=blocks)
         connector, self.connector = self.connector, None  # nothing of this step is the connector's
         try:
             self.execute(so)
             if self.draft is not None:  # a speculative draft's catch-up: as many tokens at most, one forward
-                hidden = self.draft.forward([prompt.all_token_ids], [np.arange(tokens)], [list(range(self.num_blocks))],
-                                            decode_only=False)
-                self.draft.model.compute_logits(hidden[-1:])
-            rows = [Request(f"pdserve-profile-{i}", [0], prompt.sampling_params) for i in range(sc.max_num_seqs)]
+                hidden = self.draft.forward([p.all_token_ids for p in prompts], [np.arange(n) for n in lengths],
+                                            blocks, decode_only=False)
+                self.draft.model.compute_logits(hidden[torch.from_numpy(np.cumsum(lengths) - 1).to(self.device)])
+            rows = [Request(f"pdserve-profile-{i}", [0], params) for i in range(sc.max_num_seqs)]
             g = torch.Generator(device=self.device).manual_seed(0)
             logits = torch.randn(len(rows), vocab, device=self.device, dtype=torch.float32, generator=g)
             self.sampler.select(logits, rows)
         finally:
             self.connector = connector
-            self.block_ids.pop(prompt.request_id, None)
-            self.sampler.forget(prompt.request_id)
+            for prompt in prompts:
+                self.block_ids.pop(prompt.request_id, None)
+                self.sampler.forget(prompt.request_id)
 
     def _size_kv_cache(self, probe, free_at_start: int, total: int, max_model_len: int) -> MemoryBudget:
         """After the weights: the profiled step, then the KV cache is what the share asked for

@@ -76,6 +76,31 @@ def test_the_engine_sizes_its_cache_and_serves(tiny_llama, monkeypatch):
     llm.engine.check_integrity(expect_all_free=True)
 
 
+def test_the_profiled_step_runs_the_whole_token_budget(tiny_llama, monkeypatch):
+    """A step may run max_num_batched_tokens tokens over several prompts when that is more than
+    max_model_len: the profiled step does too (vLLM's rule), its prompts no longer than
+    max_model_len, as many as the budget needs and max_num_seqs allows; then the engine serves."""
+    from engine.model_runner import ModelRunner
+
+    monkeypatch.setattr("engine.model_runner.device_memory",
+                        lambda device: ScriptedMemory(total=200 * MIB, frees=[190 * MIB, 160 * MIB], peak=12 * MIB))
+    steps = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, so, *a, **k: (
+        steps.append(list(so.num_scheduled_tokens)), execute(self, so, *a, **k))[1])
+    LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.3, max_num_batched_tokens=64, max_model_len=24,
+        max_num_seqs=2)
+    assert steps[-1] == [24, 24]  # two prompts at most: the most two rows can be
+    llm = LLM(tiny_llama, device="cpu", gpu_memory_utilization=0.3, max_num_batched_tokens=64, max_model_len=24,
+              max_num_seqs=8)
+    assert steps[-1] == [22, 21, 21]  # 64 tokens, prompts of 24 at most
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(40, 55))]
+    want = LLM(tiny_llama, device="cpu", num_blocks=64, max_model_len=24).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in want]
+    llm.engine.check_integrity(expect_all_free=True)
+
+
 def test_a_draft_model_is_inside_the_share(tiny_llama, tiny_model_factory, monkeypatch):
     """A speculative draft's weights load before the second reading (counted as weights), its
     longest forward is in the profiled step, and its cache is part of the KV cache the share
