@@ -117,12 +117,9 @@ class ModelRunner:
 
             connector = TPConnectorWorker(connector, self.tp)
         self.connector = connector
-        if connector is not None and probe is None:  # e.g. shared memory, registered with the transport
-            self.kv_caches = connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
-        else:  # the engine's own, or the profiled step's (released after it)
-            self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        # Through the connector (e.g. shared memory, registered with the transport), else the
+        # engine's own; the profiled step's is the engine's own, released after it.
+        self._allocate_kv_caches(through_connector=probe is None)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         sc = config.scheduler
         self._input_ids = np.zeros(sc.max_num_batched_tokens, dtype=np.int64)
@@ -210,13 +207,18 @@ class ModelRunner:
         self.num_blocks = budget.kv_bytes() // per_block
         logger.info("KV cache sized by --gpu-memory-utilization: %s: %d blocks of %d tokens",
                     budget.describe(), self.num_blocks, self.block_size)
-        if self.connector is not None:
+        self._allocate_kv_caches(through_connector=True)
+        return budget
+
+    def _allocate_kv_caches(self, through_connector: bool) -> None:
+        """num_blocks blocks of KV cache per layer (the connector's where it has one and
+        through_connector), and the draft's beside them."""
+        if through_connector and self.connector is not None:
             self.kv_caches = self.connector.allocate_kv_caches(self.kv_cache_spec, self.num_blocks)
         else:
             self.kv_caches = zeroed_kv_caches(self.kv_cache_spec, self.num_blocks)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size, self.kv_dtype, self.device)
-        return budget
 
     def _load_tensor_parallel(self, config: EngineConfig, hf_config: dict, show_progress: bool,
                               kv_connector_factory):

@@ -25,9 +25,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     kv_cache[1, blocks, offsets] = to_cache_dtype(value[valid], kv_cache.dtype)
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of an fp8 cache dtype (--kv-cache-dtype fp8); 0.0 for any other."""
-    return torch.finfo(dtype).max if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 0.0
+    return torch.finfo(dtype).max if dtype in FP8_CACHE_DTYPES else 0.0
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

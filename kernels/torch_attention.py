@@ -24,15 +24,15 @@ def _ext(t: torch.Tensor):
     return cpu_ops.load() if t.device.type == "cpu" else None
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+def _cpp_takes(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ kernels read and write a cache of cache_dtype from tensors of dtype: the
+    same dtype, or fp8 (widened and narrowed in place) beside float32, float16 or bfloat16."""
+    return dtype == cache_dtype or (cache_dtype in reference.FP8_CACHE_DTYPES and dtype != torch.float64)
 
 
 def _attention_ext(query: torch.Tensor, kv_cache: torch.Tensor):
-    """The C++ module where its attention reads this cache: of the query's dtype, or fp8 (widened
-    a block at a time, in place) under a float32, float16 or bfloat16 query."""
-    if kv_cache.dtype != query.dtype and (kv_cache.dtype not in _FP8 or query.dtype == torch.float64):
-        return None
-    return _ext(query)
+    """The C++ module where its attention reads this cache (_cpp_takes), else None."""
+    return _ext(query) if _cpp_takes(query.dtype, kv_cache.dtype) else None
 
 
 def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -195,8 +195,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """kernels.reference.store_kv as one C++ copy per token (no index tensors built); into an fp8
     cache, saturated and rounded as the reference stores."""
     ext = _ext(kv_cache)
-    if ext is None or value.dtype != key.dtype or (key.dtype != kv_cache.dtype and (
-            kv_cache.dtype not in _FP8 or key.dtype == torch.float64)):
+    if ext is None or value.dtype != key.dtype or not _cpp_takes(key.dtype, kv_cache.dtype):
         return reference.store_kv(key, value, kv_cache, slot_mapping)
     ext.store_kv(key, value, kv_cache, slot_mapping)
 
