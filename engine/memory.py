@@ -92,3 +92,15 @@ def default_size_warning(device: torch.device, cache, num_blocks: int, block_siz
         return None
     return (f"the KV cache is the 1 GiB default ({num_blocks} blocks, {num_blocks * block_size} tokens) on a GPU: "
             "give --gpu-memory-utilization (vLLM's default is 0.9) or --kv-cache-memory-gb")
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """The bytes a model's tensors hold: parameters, buffers and the plain tensors some modules
+    keep (a kept quantized weight's, kernels.quant_linear), a tied or shared one counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    for m in module.modules():
+        plain = (v for v in vars(m).values() if isinstance(v, torch.Tensor))
+        for t in (*m._parameters.values(), *m._buffers.values(), *plain):
+            if t is not None and t.device.type != "meta" and t.numel():  # oneDNN-packed weights have no data_ptr
+                seen[(id(t), 0) if t.is_mkldnn else (t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())

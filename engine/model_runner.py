@@ -63,7 +63,7 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
-        check_quantization(hf_config, tp_size, config.model.quantization)  # before any worker starts
+        check_quantization(hf_config, config.model.quantization)  # before any worker starts
         if arch.num_experts and config.lora is not None:
             raise ValueError("LoRA adapters on a mixture of experts are not served yet")
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
@@ -228,7 +228,8 @@ class ModelRunner:
         self.tp = TPDriver(config, hf_config, self.tp_layout, self.device, self.num_blocks, kv_connector_factory)
         try:
             local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
-                               show_progress, tp=self.tp.group, linear_backend=config.model.linear_backend)
+                               show_progress, tp=self.tp.group, linear_backend=config.model.linear_backend,
+                               quantized_weights=config.model.quantized_weights)
             self.tp.wait_ready()
         except BaseException:
             self.tp.shutdown()

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models.llama import LlamaArch, LlamaForCausalLM
 from engine.models.moe import SparseMoE
-from engine.models.quantization import QuantizedWeights
+from engine.models.quantization import KeptWeight, QuantizedWeights
 from engine.models.rope import cos_sin_cache
 from kernels import KernelBackend
 from kernels.cpu_linear import pack_linears
@@ -91,7 +91,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     kept as stored ("keep": 8-bit and packed 4-bit projections, kernels.quant_linear)."""
     check_architecture(hf_config)
     arch = LlamaArch.from_hf_config(hf_config)
-    quant = check_quantization(hf_config, tp_size=1 if tp is None else tp.layout.size)
+    quant = check_quantization(hf_config)
     files = safetensors_files(path)
     companions = _companions(files, quant) if quant is not None else {}
     if quantized_weights not in QUANTIZED_WEIGHTS:
@@ -127,15 +127,15 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                     if kept_experts and not quant.is_companion(hf_name) else None
                 if expert is not None and expert.group(1) in kept_experts and expert.group(2) is not None:
                     _load_kept_expert(kept_experts[expert.group(1)], quant, hf_name, expert, f.get_tensor(hf_name),
-                                      companions)
+                                      companions, tp)
                     continue
                 if kept and hf_name.endswith((".weight", ".weight_packed", ".qweight")) and \
                         _target(hf_name)[0] in kept:  # a kept projection's weight (its bias loads as any)
                     module_name = hf_name.rsplit(".", 1)[0]
                     target, shard = _target(hf_name)
                     linear = kept[target]
-                    w = quant.kept(module_name, f.get_tensor(hf_name), companions.get(module_name, {}),
-                                   linear.in_features)
+                    w = _kept_shard(quant, module_name, f.get_tensor(hf_name), companions.get(module_name, {}),
+                                    linear.in_features, tp)
                     start = 0 if shard is None else sum(_shard_sizes(model.get_submodule(target.rsplit(".", 1)[0]),
                                                                      target.rsplit(".", 1)[1])[:shard])
                     linear.load_rows(start, w.q, w.scale, w.zero)
@@ -144,7 +144,10 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                     if not quant.is_companion(hf_name):
                         tensor = quant.dequantize(hf_name, f.get_tensor(hf_name),
                                                   companions.get(hf_name.rsplit(".", 1)[0], {}), dtype)
-                        _load_one(model, params, quant.main_name(hf_name), tensor, loaded)
+                        if tp is not None:  # dequantized whole (its scales' grid is the whole weight's), then split
+                            tensor = tp.layout.read(quant.main_name(hf_name), tensor)
+                        if tensor is not None:
+                            _load_one(model, params, quant.main_name(hf_name), tensor, loaded)
                     continue
                 tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(hf_name, f.get_slice(hf_name))
                 if tensor is not None:
@@ -213,8 +216,20 @@ def _load_expert(params, hf_name: str, match: re.Match, tensor: torch.Tensor, lo
     loaded.add(f"{target}[{e}]" + ("" if shard is None else f".{shard}"))
 
 
+def _kept_shard(quant: QuantizedWeights, module: str, stored: torch.Tensor, companions: dict[str, torch.Tensor],
+                in_features: int, tp) -> KeptWeight:
+    """--quantized-weights keep: a stored weight as the kept linear reads it (quant.kept), and
+    under tensor parallelism this rank's rows or columns of it (in_features: the rank's)."""
+    split = None if tp is None else tp.layout.split_of(module + ".weight")
+    if split is None:
+        return quant.kept(module, stored, companions, in_features)
+    dim, start, end = split
+    whole = in_features * tp.layout.size if dim == 1 else in_features  # row parallel: a rank's share of the columns
+    return quant.kept(module, stored, companions, whole).part(dim, start, end, module)
+
+
 def _load_kept_expert(moe, quant: QuantizedWeights, hf_name: str, match: re.Match, stored: torch.Tensor,
-                      companions: dict) -> None:
+                      companions: dict, tp) -> None:
     """--quantized-weights keep: one expert's 8-bit projection and its scales into the layer's stacks."""
     _, index, proj, _ = match.groups()
     if proj not in _EXPERT_SHARD:
@@ -222,7 +237,7 @@ def _load_kept_expert(moe, quant: QuantizedWeights, hf_name: str, match: re.Matc
     stack, shard = _EXPERT_SHARD[proj]
     module = hf_name.rsplit(".", 1)[0]
     in_features = moe.gate.in_features if stack == "w13" else moe.intermediate_size
-    w = quant.kept(module, stored, companions.get(module, {}), in_features)
+    w = _kept_shard(quant, module, stored, companions.get(module, {}), in_features, tp)
     if w.zero is not None:
         raise ValueError(f"{module}: kept experts have no zero points (use --quantized-weights dequantize)")
     moe.load_8bit(int(index), stack, shard, w.q, w.scale, hf_name)
@@ -359,7 +374,7 @@ def _why_experts_not_kept(moe, quant: QuantizedWeights, modules: list[str], comp
     return None
 
 
-def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None = None) -> QuantizedWeights | None:
+def check_quantization(hf_config: dict, requested: str | None = None) -> QuantizedWeights | None:
     """A quantized checkpoint's scheme (None: not quantized); ValueError, at start, for what is
     not served. `requested`: vLLM's --quantization, which must name the checkpoint's method."""
     quant = QuantizedWeights.from_hf_config(hf_config)
@@ -375,11 +390,6 @@ def check_quantization(hf_config: dict, tp_size: int = 1, requested: str | None 
                    or scheme.get("strategy", "tensor") not in ("tensor", "attn_head") or scheme.get("dynamic")):
         raise ValueError(f"the checkpoint's kv_cache_scheme {scheme} is not served: its KV cache scales are read "
                          "as static FP8 ones, one a layer or one a KV head (vLLM's), used with --kv-cache-dtype fp8")
-    if quant is None:
-        return None
-    if tp_size > 1:
-        raise ValueError(f"{quant.describe()} checkpoints are not served with tensor parallelism yet "
-                         "(--tensor-parallel-size 1)")
     return quant
 
 

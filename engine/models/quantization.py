@@ -40,6 +40,34 @@ class KeptWeight:
     zero: torch.Tensor | None
     group: int
 
+    def part(self, dim: int, start: int, end: int, module: str) -> "KeptWeight":
+        """Rows (dim 0) or columns (dim 1) [start, end) of the weight, with their scales and zero
+        points: a tensor-parallel rank's shard (engine.parallel.TPLayout.split_of). Columns split
+        on the column groups' edges, or within one group, and INT4 on its eight-value words;
+        ValueError, naming the widths, where a rank's share would cut them."""
+        if dim == 0:
+            return KeptWeight(self.q[start:end], self.kind, self.scale[start:end],
+                              None if self.zero is None else self.zero[start:end], self.group)
+        width = end - start
+        if self.scale.shape[1] == 1:  # one scale a row (per channel or tensor, or one block wide)
+            groups, group = slice(None), min(width, self.group)
+        elif width % self.group == 0 or self.group % width == 0:
+            groups, group = slice(start // self.group, (end - 1) // self.group + 1), self.group
+        else:
+            raise ValueError(f"{module}: tensor parallelism gives each rank {width} of its input columns, which cuts "
+                             f"its quantization groups of {self.group}: use a --tensor-parallel-size that divides "
+                             "them evenly, or --quantized-weights dequantize")
+        if self.kind == "int4":
+            if width % 8:
+                raise ValueError(f"{module}: tensor parallelism gives each rank {width} of its input columns, which "
+                                 "cuts its INT4 words of 8: use another --tensor-parallel-size, or "
+                                 "--quantized-weights dequantize")
+            q = self.q[:, start // 8:end // 8]
+        else:
+            q = self.q[:, start:end]
+        return KeptWeight(q.contiguous(), self.kind, self.scale[:, groups].contiguous(),
+                          None if self.zero is None else self.zero[:, groups].contiguous(), group)
+
 
 @dataclass(frozen=True)
 class _Scheme:

@@ -102,12 +102,27 @@ class TPLayout:
         """A row-parallel layer's bias is added once, by rank 0, before the all-reduce."""
         return self.rank == 0
 
+    def split_of(self, name: str) -> tuple[int, int, int] | None:
+        """How this rank holds projection weight (or bias) `name` of one expert or layer: (0, start,
+        end), its rows (column parallel: q, k, v, gate, up); (1, start, end), its columns (row
+        parallel: o, down; a bias of these is whole, on rank 0); None: replicated or not a projection."""
+        hd = self.head_dim
+        if ".q_proj." in name:
+            return 0, self.rank * self.local_heads * hd, (self.rank + 1) * self.local_heads * hd
+        if ".k_proj." in name or ".v_proj." in name:
+            return 0, self.kv_head_start * hd, (self.kv_head_start + self.local_kv_heads) * hd
+        if any(f".{p}." in name for p in ("gate_proj", "up_proj", "w1", "w3")):  # w1, w3: Mixtral's experts
+            w = self._mlp_width(name)
+            return 0, self.rank * w, (self.rank + 1) * w
+        if any(f".{p}." in name for p in ("o_proj", "down_proj", "w2")):
+            width = self.local_heads * hd if ".o_proj." in name else self._mlp_width(name)
+            return 1, self.rank * width, (self.rank + 1) * width
+        return None
+
     def read(self, name: str, tensor_slice) -> torch.Tensor | None:
         """The rank's part of HF weight `name`, read through a safetensors slice (so other ranks'
-        rows never leave the file); None: this rank holds nothing of it."""
-        hd = self.head_dim
-        rows = None
-        cols = None
+        rows never leave the file) or cut from a whole tensor (a dequantized one); None: this rank
+        holds nothing of it."""
         if ".experts." in name and name.endswith((".gate_up_proj", ".down_proj")):  # stacked experts, whole
             w = self.local_moe_intermediate
             if name.endswith(".down_proj"):  # [E, H, I]
@@ -115,24 +130,14 @@ class TPLayout:
             whole = self.moe_intermediate_size  # [E, 2I, H]: this rank's gate rows and its up rows
             return torch.cat([tensor_slice[:, self.rank * w:(self.rank + 1) * w],
                               tensor_slice[:, whole + self.rank * w:whole + (self.rank + 1) * w]], dim=1)
-        if ".q_proj." in name:
-            rows = (self.rank * self.local_heads * hd, (self.rank + 1) * self.local_heads * hd)
-        elif ".k_proj." in name or ".v_proj." in name:
-            rows = (self.kv_head_start * hd, (self.kv_head_start + self.local_kv_heads) * hd)
-        elif any(f".{p}." in name for p in ("gate_proj", "up_proj", "w1", "w3")):  # w1, w3: Mixtral's experts
-            w = self._mlp_width(name)
-            rows = (self.rank * w, (self.rank + 1) * w)
-        elif any(f".{p}." in name for p in ("o_proj", "down_proj", "w2")):
-            if name.endswith(".bias"):
-                return tensor_slice[:] if self.owns_replicated_bias() else None
-            width = self.local_heads * hd if ".o_proj." in name else self._mlp_width(name)
-            cols = (self.rank * width, (self.rank + 1) * width)
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             part = tensor_slice[self.vocab_start:self.vocab_end]
             pad = self.vocab_per_rank - part.shape[0]
             return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
-        if rows is not None:
-            return tensor_slice[rows[0]:rows[1]]
-        if cols is not None:
-            return tensor_slice[:, cols[0]:cols[1]]
+        split = self.split_of(name)
+        if split is not None and split[0] == 1 and name.endswith(".bias"):
+            return tensor_slice[:] if self.owns_replicated_bias() else None
+        if split is not None:
+            dim, start, end = split
+            return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
         return tensor_slice[:]  # norms: replicated

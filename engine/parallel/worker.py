@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.log_config import configure_logging
+from engine.memory import module_bytes
 from engine.parallel.commands import Call, ComputeLogits, Forward, Shutdown, WorkerInit
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class TPWorker:
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
-                                tp=self.group, linear_backend=config.model.linear_backend)
+                                tp=self.group, linear_backend=config.model.linear_backend,
+                                quantized_weights=config.model.quantized_weights)
         self.num_blocks = init.num_blocks
         self.kv_connector = None
         if init.kv_connector_factory is not None:  # this rank's own connector (shm needs its caches)
@@ -94,7 +96,7 @@ class TPWorker:
         return {"rank": self.layout.rank, "pid": os.getpid(), "device": str(self.device),
                 "num_blocks": self.num_blocks, "kv_cache_shape": tuple(self.kv_caches[0].shape),
                 "kv_cache_dtype": str(self.kv_caches[0].dtype).removeprefix("torch."),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "weight_bytes": module_bytes(self.model)}
 
     def serve(self, conn: Connection) -> None:
         while True:

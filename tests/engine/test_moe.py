@@ -178,6 +178,26 @@ def test_stacked_experts_split_over_two_ranks(qwen3_moe, tmp_path):
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["int", "float"])
+def test_kept_experts_split_over_two_ranks(qwen3_moe, kind, tmp_path):
+    """8-bit experts (INT8 in groups of 32, FP8 per channel) kept under TP=2: each rank holds its
+    gate and up rows and its down columns of every expert as stored, with their scales, and
+    answers as one rank does."""
+    from test_quantized_checkpoints import compressed
+
+    path = compressed(qwen3_moe, str(tmp_path / "ct"), kind, "group" if kind == "int" else "channel", bits=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, quantized_weights="keep").generate(PROMPTS, params)]
+    llm = LLM(path, tensor_parallel_size=2, quantized_weights="keep")
+    try:
+        moe = llm.engine.runner.model.local.layers[0].mlp
+        assert moe.w13.dtype == (torch.int8 if kind == "int" else torch.float8_e4m3fn)
+        assert moe.w13.shape == (8, 64, 64) and moe.w2.shape == (8, 64, 32)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_prefill_and_decode_in_one_step_route_each_token_alone(qwen3_moe):
     """A prompt prefilled in chunks beside decoding rows answers as it does alone: routing is per
     token, whatever else the step holds."""

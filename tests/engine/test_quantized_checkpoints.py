@@ -327,10 +327,99 @@ def test_an_fp8_checkpoint_calibrated_for_an_fp8_kv_cache(base, tmp_path):
     assert 0 < sum(diffs) / len(diffs) < 0.06
 
 
-def test_a_quantized_checkpoint_with_tensor_parallelism_is_refused_before_workers_start(base, tmp_path):
-    path = fp8_blocks(base, str(tmp_path / "fp8"))
-    with pytest.raises(ValueError, match="not served with tensor parallelism yet"):
-        LLM(path, tensor_parallel_size=2)
+# Under tensor parallelism each rank reads its rows (q, k, v, gate, up) or columns (o, down) of
+# every weight: dequantized whole and split, or kept and split with its scales and zero points.
+# On the base model at TP=2 a rank's o_proj takes 64 of 128 input columns (one FP8 block of 64,
+# two INT4 groups of 32) and its down_proj 192 of 384. (FP8 in blocks of 128 splits under
+# dequantize; kept, a rank's 192 columns would cut a block: refused, as vLLM does.) W8A8 with the
+# checkpoint's static input scales is exact too; with dynamic ones a row-parallel rank scales its
+# own columns (vLLM's too), which moves a float32 answer here and there.
+TP_CASES = [("fp8-block-128", "dequantize"), ("int4-group-32-zero-points", "dequantize"),
+            ("fp8-block-64", "keep"), ("fp8-channel", "keep"), ("int8-channel", "keep"),
+            ("int4-group-32-zero-points", "keep"), ("awq-w4-g32", "keep"), ("qwen2-biases-w4a16", "keep"),
+            ("fp8-w8a8-static", "keep")]
+
+
+@pytest.mark.parametrize("case, quantized_weights", TP_CASES)
+def test_tensor_parallel_ranks_read_their_shards_of_quantized_weights(base, qwen2, case, quantized_weights,
+                                                                     tmp_path):
+    """TP=2 on a quantized checkpoint (vLLM serves them so): greedy token-exact against
+    transformers on the checkpoint (or on the dense weights the integers were made from); under
+    keep, each rank holds its half of every projection as stored, so each rank's weights take
+    about half a TP=1 engine's."""
+    from kernels.quant_linear import QuantizedLinear
+
+    if case in AWQ_GPTQ:
+        path, dense = awq_or_gptq(base, str(tmp_path / case), **AWQ_GPTQ[case])
+        want = transformers_greedy(dense)
+    else:
+        out = str(tmp_path / case)
+        path = SHAPES[case](base, qwen2, out) if case in SHAPES else fp8_blocks(base, out, block=64) \
+            if case == "fp8-block-64" else compressed(base, out, "float", "channel", activations="static") \
+            if case == "fp8-w8a8-static" else CASES[case](base, out)
+        want = reference_greedy(case, path, tmp_path)
+    llm = LLM(path, tensor_parallel_size=2, quantized_weights=quantized_weights)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+        local = llm.engine.runner.model.local  # rank 0's model
+        o_proj = local.layers[0].self_attn.o_proj
+        assert isinstance(o_proj, QuantizedLinear) == (quantized_weights == "keep")
+        assert (o_proj.in_features, o_proj.out_features) == (64, 128)
+        (rank1,) = llm.engine.runner.tp.call("info")
+    finally:
+        llm.engine.shutdown()
+    from engine.memory import module_bytes
+
+    whole = LLM(path, quantized_weights=quantized_weights).engine.runner.model
+    assert rank1["weight_bytes"] == module_bytes(local)
+    # The projections split by rows or columns (scales a row kept whole), the norms every rank's.
+    assert 0.5 * module_bytes(whole.layers) < module_bytes(local.layers) < 0.52 * module_bytes(whole.layers)
+
+
+def test_a_tensor_parallel_split_that_cuts_quantization_groups_is_named(base, tmp_path):
+    """INT4 in groups of 128 down the MLP: TP=2 gives a rank 192 of down_proj's 384 columns,
+    one group and a half; keep refuses it at load, by name (dequantize splits any weight)."""
+    path = compressed(base, str(tmp_path / "int4"), "int", "group", bits=4, group_size=128)
+    with pytest.raises(ValueError, match=r"down_proj: tensor parallelism gives each rank 192 of its input "
+                                           r"columns, which cuts its quantization groups of 128"):
+        LLM(path, tensor_parallel_size=2, quantized_weights="keep")
+    llm = LLM(path, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == transformers_greedy(path)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_kept_weight_shards_keep_their_scales_groups_and_words():
+    """KeptWeight.part: rows take their scale rows; columns their groups (or the one group they
+    fall in) and INT4 their words; values dequantized from a shard are the whole's."""
+    from engine.models.quantization import KeptWeight, pack_int4
+    from kernels.quant_linear import unpack_signed
+
+    torch.manual_seed(0)
+    values = torch.randint(-8, 8, (6, 64))
+    scale = torch.rand(6, 4) + 0.5  # groups of 16
+    zero = torch.randint(-2, 3, (6, 4)).to(torch.int8)
+    whole = KeptWeight(pack_int4(values), "int4", scale, zero, 16)
+
+    def dense(w: KeptWeight, cols: int) -> torch.Tensor:
+        q = unpack_signed(w.q, 4, cols).float() - w.zero.float().repeat_interleave(16, 1)[:, :cols]
+        return q * w.scale.repeat_interleave(16, 1)[:, :cols] if w.scale.shape[1] > 1 else q * w.scale
+    full = dense(whole, 64)
+    rows = whole.part(0, 2, 5, "m")
+    assert torch.equal(dense(rows, 64), full[2:5])
+    for start, end in ((0, 32), (32, 64), (16, 32), (48, 64)):
+        cols = whole.part(1, start, end, "m")
+        assert cols.q.shape == (6, (end - start) // 8) and torch.equal(dense(cols, end - start), full[:, start:end])
+    inside = KeptWeight(values.to(torch.int8), "int8", scale[:, :1], None, 64).part(1, 8, 24, "m")
+    assert torch.equal(inside.q, values[:, 8:24].to(torch.int8)) and torch.equal(inside.scale, scale[:, :1])
+    with pytest.raises(ValueError, match="m: tensor parallelism gives each rank 24 of its input columns, which "
+                                         "cuts its quantization groups of 16"):
+        whole.part(1, 24, 48, "m")
+    with pytest.raises(ValueError, match="cuts its INT4 words of 8"):
+        KeptWeight(pack_int4(values), "int4", scale[:, :1], None, 64).part(1, 4, 8, "m")
 
 
 def test_a_weight_whose_scale_is_missing_is_named(base, tmp_path):
