@@ -252,8 +252,8 @@ class ModelRunner:
         captured unless capture sizes were given."""
         sc = config.scheduler
         reason = None
-        per_tensor = isinstance(self.model, torch.nn.Module) and any(  # (a tensor-parallel model is not quantized)
-            getattr(m, "activations", None) == "tensor" for m in self.model.modules())
+        per_tensor = any(getattr(m, "activations", None) == "tensor"  # (tensor parallelism: rank 0's shard)
+                         for m in getattr(self.model, "local", self.model).modules())
         if config.model.enforce_eager:
             reason = "enforce_eager"
         elif config.parallel.tensor_parallel_size > 1:

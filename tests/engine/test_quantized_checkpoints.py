@@ -691,6 +691,11 @@ def test_per_tensor_activation_scales_turn_decode_padding_off(base, tmp_path):
     assert llm.engine.runner.cuda_graphs_off_reason == "no CUDA device"
     assert LLM(tensor, quantized_weights="keep").engine.runner.cuda_graphs_off_reason == \
         "per-tensor dynamic FP8 activation scales"
+    sharded = LLM(tensor, quantized_weights="keep", cuda_graph_sizes=[4], tensor_parallel_size=2)
+    try:  # rank 0's shard is read for the scheme
+        assert not sharded.engine.runner.decode_graphs.sizes
+    finally:
+        sharded.engine.shutdown()
 
 
 @pytest.mark.parametrize("quantized_weights", ["dequantize", "keep"])
