@@ -236,9 +236,6 @@ class EngineConfig:
             # Step n+1 is queued with one input token per row before n's accepted run is known.
             raise ValueError("speculative decoding does not combine with async scheduling: "
                              "turn one of them off")
-        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not served with tensor parallelism yet: "
-                             "--enable-lora needs --tensor-parallel-size 1")
 
     @classmethod
     def create(cls, model: str, **kwargs) -> "EngineConfig":

@@ -79,7 +79,11 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, name: str, path: str, arch, max_rank: int, dtype: torch.dtype,
-             device: torch.device) -> "LoRAAdapter":
+             device: torch.device, layout=None) -> "LoRAAdapter":
+        """layout (an engine.parallel.TPLayout): this rank's shard of each pair, as its projection
+        is split: B's rows of a column-parallel one (q, k, v, gate, up; A whole), A's columns of a
+        row-parallel one (o, down; B whole: each rank's delta is a partial sum, all-reduced with
+        the projection's)."""
         where = f"LoRA adapter {name!r} ({path})"
         try:
             with open(os.path.join(path, "adapter_config.json")) as f:
@@ -121,6 +125,10 @@ class LoRAAdapter:
                 raise ValueError(f"{where}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
                                  f"{tuple(b.shape)} do not fit the model's ({out_features}, {in_features}) "
                                  f"at rank {rank}")
+            split = None if layout is None else layout.split_of(f"layers.{layer}.{module}.weight")
+            if split is not None:
+                dim, start, end = split
+                a, b = (a, b[start:end]) if dim == 0 else (a[:, start:end], b)
             adapter.weights[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
                                                 (b.float() * scaling).to(device=device, dtype=dtype).contiguous())
         if not adapter.weights:
@@ -217,8 +225,11 @@ class LoRAManager:
     memory: the one run least recently beyond them is evicted and read back from its files
     (`stage`, before the step that runs it)."""
 
-    def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device, layout=None) -> None:
+        """model: the engine's, or under tensor parallelism this rank's shard (and `layout` its
+        TPLayout: each adapter is read whole and this rank keeps its shard of every pair)."""
         self.batch = LoRABatch(device)
+        self.layout = layout
         self.slots: dict[str, int] = {}  # the adapters on the device
         self.max_rank, self.dtype, self.device, self.arch = config.max_lora_rank, dtype, device, model.arch
         self.num_slots = config.max_loras  # None: no cap, every adapter on the device
@@ -295,7 +306,7 @@ class LoRAManager:
         """An adapter's checkpoint, its pairs stacked per fused projection (in host memory, pinned on
         CUDA, under --max-loras; else on the device)."""
         adapter = LoRAAdapter.load(name, path, self.arch, self.max_rank, self.dtype,
-                                   torch.device("cpu") if on_host else self.device)
+                                   torch.device("cpu") if on_host else self.device, self.layout)
         parts: dict[tuple[int, str], list] = {}
         for (layer, module), pair in adapter.weights.items():
             fused, part = TARGETS[module]
@@ -402,9 +413,9 @@ class LoRAManager:
                 self.swaps += 1
             self._last_run[name] = self._steps
 
-    def set_batch(self, requests, tokens_per_request, total_rows: int) -> None:
-        """The step's rows: each request's tokens in order, then padding (no adapter)."""
-        names = [r.sampling_params.lora_name for r in requests]
+    def set_batch(self, names: list[str | None], tokens_per_request, total_rows: int) -> None:
+        """The step's rows: each request's tokens in order (`names`: each one's adapter or None),
+        then padding (no adapter)."""
         if self.num_slots is not None:
             self._to_device({n for n in names if n is not None})
         slots = np.zeros(total_rows, dtype=np.int64)

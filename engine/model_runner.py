@@ -105,7 +105,13 @@ class ModelRunner:
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager
 
-            self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device)
+            if self.tp is None:
+                self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device)
+            else:  # rank 0's shard of each adapter here; every worker holds its own, and does as this one
+                from engine.parallel.lora import TPLoRAManager
+
+                self.lora = TPLoRAManager(LoRAManager(config.lora, self.model.local, self.dtype, self.device,
+                                                      self.tp_layout), self.model)
             if self.device.type == "cuda" and config.lora.max_loras is None:
                 logger.warning("LoRA without --max-loras: each adapter loaded at run time takes device memory the "
                                "KV cache was not sized around; --max-loras N reserves N adapter slots at start "
@@ -406,7 +412,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta, logits_indices, sample_rows = self.prepare(so)
             if self.lora is not None:
-                self.lora.set_batch(reqs, so.num_scheduled_tokens, len(input_ids))
+                self.lora.set_batch([r.sampling_params.lora_name for r in reqs], so.num_scheduled_tokens,
+                                    len(input_ids))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if any(r.prompt_logprobs is not None for r in reqs):
                 step.prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
@@ -481,7 +488,7 @@ class ModelRunner:
             prev_rows = np.fromiter((row_of[r.request_id] for r in reqs), dtype=np.int64, count=b)
         graphs = self.decode_graphs
         if self.lora is not None:  # a row each, then the padding
-            self.lora.set_batch(reqs, [1] * b, padded)
+            self.lora.set_batch([r.sampling_params.lora_name for r in reqs], [1] * b, padded)
         width = graphs.stage(b, padded, positions, input_ids, [self.block_ids[r.request_id] for r in reqs], prev_rows)
         hidden = graphs.run(b, padded, width, prev.sampled if prev is not None else None)
         # A row samples when it reaches its known tokens (a one-token prefill chunk may not).

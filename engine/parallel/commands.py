@@ -32,15 +32,18 @@ class Forward:
     table_width: int
     decode_only: bool
     packed: np.ndarray | None
+    # LoRA: the step's rows by adapter, as rank 0 set them (LoRAManager.set_batch's arguments:
+    # each request's adapter name or None, its tokens, the rows); None: as the last step's.
+    lora: tuple | None = None
 
     @classmethod
-    def pack(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta, on_host: bool):
+    def pack(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta, on_host: bool, lora: tuple | None = None):
         """-> (the command, the packed vector on the inputs' device)."""
         parts = (input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                  meta.block_tables.reshape(-1))
         packed = torch.cat([p.to(torch.int64) for p in parts])
         b, w = meta.block_tables.shape
-        return cls(input_ids.shape[0], b, w, meta.decode_only, packed.numpy() if on_host else None), packed
+        return cls(input_ids.shape[0], b, w, meta.decode_only, packed.numpy() if on_host else None, lora), packed
 
     @property
     def size(self) -> int:

@@ -167,11 +167,13 @@ class TensorParallelModel:
 
     def __init__(self, local: torch.nn.Module, driver: TPDriver) -> None:
         self.local, self.driver, self.arch = local, driver, local.arch
+        self.lora_batch: tuple | None = None  # set by TPLoRAManager.set_batch, sent with the next forward
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         self.driver.check_alive()
         on_host = input_ids.device.type == "cpu"
-        cmd, packed = Forward.pack(input_ids, positions, meta, on_host)
+        cmd, packed = Forward.pack(input_ids, positions, meta, on_host, self.lora_batch)
+        self.lora_batch = None
         self.driver.send(cmd)
         if not on_host:
             self.driver.run(self.driver.group.broadcast, packed)

@@ -61,6 +61,11 @@ class TPWorker:
             self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                               for _ in range(arch.num_layers)]
         self.hidden_size = arch.hidden_size
+        self.lora = None
+        if config.lora is not None:  # this rank's shard of every adapter (--lora-modules' now)
+            from engine.lora import LoRAManager
+
+            self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device, self.layout)
 
     @torch.inference_mode()
     def forward(self, cmd: Forward) -> None:
@@ -69,12 +74,26 @@ class TPWorker:
         else:
             packed = self.group.broadcast(torch.empty(cmd.size, dtype=torch.int64, device=self.device))
         input_ids, positions, meta = cmd.unpack(packed)
+        if cmd.lora is not None:
+            self.lora.set_batch(*cmd.lora)
         self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def compute_logits(self, cmd: ComputeLogits) -> None:
         hidden = torch.empty((cmd.rows, self.hidden_size), dtype=self.dtype, device=self.device)
         self.model.compute_logits(self.group.broadcast(hidden))
+
+    def lora_call(self, method: str, args: tuple):
+        """This rank's LoRAManager.<method>(*args) (add, remove, stage; `discard`: remove if loaded),
+        as rank 0 ran it. A failure is returned, not raised: (its exception's name, its message)."""
+        try:
+            if method == "discard":
+                if args[0] in self.lora.loaded:
+                    self.lora.remove(args[0])
+                return "ok", None
+            return "ok", getattr(self.lora, method)(*args)
+        except Exception as e:  # noqa: BLE001 (rank 0 raises it as its own kind)
+            return type(e).__name__, str(e)
 
     def kv_connector_call(self, method: str, args: tuple):
         """This rank's KV connector worker side: method(*args) (see TPConnectorWorker)."""
@@ -96,7 +115,9 @@ class TPWorker:
         return {"rank": self.layout.rank, "pid": os.getpid(), "device": str(self.device),
                 "num_blocks": self.num_blocks, "kv_cache_shape": tuple(self.kv_caches[0].shape),
                 "kv_cache_dtype": str(self.kv_caches[0].dtype).removeprefix("torch."),
-                "threads": torch.get_num_threads(), "weight_bytes": module_bytes(self.model)}
+                "threads": torch.get_num_threads(), "weight_bytes": module_bytes(self.model),
+                **({} if self.lora is None else {"lora_slots": dict(self.lora.slots),
+                                                 "lora_host": sorted(self.lora.host)})}
 
     def serve(self, conn: Connection) -> None:
         while True:

@@ -132,11 +132,77 @@ def test_what_cannot_be_served_is_refused_at_start(tiny_llama, adapters, tiny_lo
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora adapters are not served"):
         LLM(tiny_llama, enable_lora=True, lora_modules=[f"d={dora}"])
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], tensor_parallel_size=2)
     with pytest.raises(ValueError, match="give name=path"):
         LLM(tiny_llama, enable_lora=True, lora_modules=["no-path"])
     assert os.path.isdir(adapters["all"])  # nothing above touched the good ones
+
+
+@pytest.mark.parametrize("max_loras", [None, 1])
+def test_tensor_parallel_ranks_hold_their_shard_of_every_adapter(tiny_llama, adapters, reference, max_loras):
+    """TP=2: each rank holds B's rows of q, k, v, gate and up and A's columns of o and down (its
+    delta a partial sum, all-reduced with the projection's); adapters loaded, run and unloaded at
+    run time on every rank alike, and under --max-loras 1 the same adapter in the same slot on
+    every rank through each swap. Token-exact against PEFT, mixed in one batch."""
+    llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], tensor_parallel_size=2,
+              max_loras=max_loras)
+    try:
+        lora = llm.engine.runner.lora
+        qkv = llm.engine.runner.model.local.layers[0].self_attn.qkv_lora
+        a, bt = qkv.weights[1]
+        assert a.shape[1] == 64 and bt.shape[1] == qkv.out_features < 128  # A whole; B^T rank 0's rows
+        llm.engine.add_lora("qv", adapters["qv"])
+        cases = [(name, i) for name in (None, "all", "qv") for i in range(len(PROMPTS))]
+        outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
+        assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
+        (rank1,) = llm.engine.runner.tp.call("info")
+        assert rank1["lora_slots"] == lora.slots and rank1["lora_host"] == sorted(lora.host)
+        if max_loras == 1:
+            assert lora.swaps >= 1 and len(lora.slots) == 1  # qv brought into all's slot
+        llm.remove_lora("all")
+        (rank1,) = llm.engine.runner.tp.call("info")
+        assert "all" not in rank1["lora_slots"] and "all" not in rank1["lora_host"]
+        with pytest.raises(InvalidRequestError, match="'all' is not an adapter this engine serves"):
+            llm.generate([PROMPTS[0]], greedy("all"))
+        assert llm.generate(PROMPTS[2], greedy("qv"))[0].outputs[0].token_ids == reference[("qv", 2)]
+        with pytest.raises(ValueError, match="cannot read adapter_config.json"):
+            llm.engine.add_lora("bad", os.path.dirname(adapters["qv"]))
+        (rank1,) = llm.engine.runner.tp.call("info")
+        assert "bad" not in rank1["lora_slots"] and "bad" not in rank1["lora_host"] and "bad" not in lora.loaded
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_adapter_a_worker_cannot_load_is_loaded_on_no_rank(tiny_llama, adapters):
+    """A worker that fails where rank 0 did not (out of memory, the files changed in between):
+    rank 0 unloads it again, the workers that did load it drop it, and the worker's error is
+    raised as its own kind (a LoRAOutOfMemoryError keeps its HTTP status)."""
+    from engine.config import LoRAConfig
+    from engine.lora import LoRAManager
+    from engine.lora_errors import LoRAOutOfMemoryError
+    from engine.parallel.layout import TPLayout
+    from engine.parallel.lora import TPLoRAManager
+
+    class Workers:  # ranks 1 and 2: rank 2 is out of memory
+        def __init__(self):
+            self.calls = []
+
+        def call(self, method, *args):
+            self.calls.append(args)
+            if args[:2] == ("add", ("qv", adapters["qv"])):
+                return [("ok", None), ("LoRAOutOfMemoryError", "LoRA adapter 'qv': no device memory left")]
+            return [("ok", None), ("ok", None)]
+
+    model = LLM(tiny_llama).engine.runner.model
+    local = LoRAManager(LoRAConfig(), model, torch.float32, torch.device("cpu"),
+                        TPLayout.of(model.arch, 1, 0))
+    workers = Workers()
+    tp = TPLoRAManager(local, type("Model", (), {"driver": workers})())
+    with pytest.raises(LoRAOutOfMemoryError, match=r"no device memory left \(tensor-parallel rank 2\)"):
+        tp.add("qv", adapters["qv"])
+    assert workers.calls == [("add", ("qv", adapters["qv"])), ("discard", ("qv",))]
+    assert not local.loaded and not local.slots
+    tp.add("all", adapters["all"])  # the manager goes on
+    assert local.slots == {"all": 1} and workers.calls[-1] == ("add", ("all", adapters["all"]))
 
 
 def test_vllms_json_form_of_lora_modules(tiny_llama, adapters, reference):

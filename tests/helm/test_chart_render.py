@@ -230,8 +230,10 @@ def test_lora_adapters_reach_both_engines_and_the_router():
     assert not any("resolver" in a for a in container(runtime["pd-pdserve-router"])["args"])
     result = template("3", None, {"engine.lora.resolverDir": "/models/adapters"}, check=False)
     assert result.returncode != 0 and "set engine.lora.runtimeUpdating too" in result.stderr
-    result = template("3", "model-pvc", {"decode.tensorParallelSize": 2}, check=False)
-    assert result.returncode != 0 and "not served with tensor parallelism" in result.stderr
+    # Under tensor parallelism every rank holds its shard of each adapter: the same flags.
+    sharded = container(by_kind(render("3", "model-pvc", {"decode.tensorParallelSize": 2}),
+                                "Deployment")["pd-pdserve-decode"])["args"]
+    assert "--tensor-parallel-size=2" in sharded and "--enable-lora" in sharded
 
 
 def test_model_from_a_pvc_is_mounted_read_only_and_nothing_is_downloaded():

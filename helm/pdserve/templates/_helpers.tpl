@@ -174,13 +174,6 @@ and each engine advertises what it bound through GetLoad, where the router learn
 {{- if and .Values.engine.lora.resolverDir (not .Values.engine.lora.runtimeUpdating) }}
 {{- fail "engine.lora.resolverDir loads adapters at run time: set engine.lora.runtimeUpdating too" }}
 {{- end }}
-{{- if or .Values.engine.lora.modules .Values.engine.lora.runtimeUpdating }}
-{{- range $role := list "prefill" "decode" }}
-{{- if gt (int (include "pdserve.tensorParallelSize" (dict "v" (index $.Values $role)))) 1 }}
-{{- fail (printf "engine.lora: LoRA adapters are not served with tensor parallelism yet (%s.tensorParallelSize)" $role) }}
-{{- end }}
-{{- end }}
-{{- end }}
 {{- if and .Values.engine.kvCacheMemoryGb .Values.engine.gpuMemoryUtilization }}
 {{- fail "engine.gpuMemoryUtilization: engine.kvCacheMemoryGb sizes the KV cache too: give one" }}
 {{- end }}
