@@ -137,14 +137,16 @@ def test_what_cannot_be_served_is_refused_at_start(tiny_llama, adapters, tiny_lo
     assert os.path.isdir(adapters["all"])  # nothing above touched the good ones
 
 
-@pytest.mark.parametrize("max_loras", [None, 1])
-def test_tensor_parallel_ranks_hold_their_shard_of_every_adapter(tiny_llama, adapters, reference, max_loras):
+@pytest.mark.parametrize("max_loras, max_cpu_loras", [(None, None), (1, None), (1, 1)])
+def test_tensor_parallel_ranks_hold_their_shard_of_every_adapter(tiny_llama, adapters, reference, max_loras,
+                                                                  max_cpu_loras):
     """TP=2: each rank holds B's rows of q, k, v, gate and up and A's columns of o and down (its
     delta a partial sum, all-reduced with the projection's); adapters loaded, run and unloaded at
     run time on every rank alike, and under --max-loras 1 the same adapter in the same slot on
-    every rank through each swap. Token-exact against PEFT, mixed in one batch."""
+    every rank through each swap (and with --max-cpu-loras 1 the same host copies, evicted and read
+    back alike). Token-exact against PEFT, mixed in one batch."""
     llm = LLM(tiny_llama, enable_lora=True, lora_modules=[f"all={adapters['all']}"], tensor_parallel_size=2,
-              max_loras=max_loras)
+              max_loras=max_loras, max_cpu_loras=max_cpu_loras)
     try:
         lora = llm.engine.runner.lora
         qkv = llm.engine.runner.model.local.layers[0].self_attn.qkv_lora
@@ -154,10 +156,13 @@ def test_tensor_parallel_ranks_hold_their_shard_of_every_adapter(tiny_llama, ada
         cases = [(name, i) for name in (None, "all", "qv") for i in range(len(PROMPTS))]
         outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
         assert [o.outputs[0].token_ids for o in outs] == [reference[c] for c in cases]
+        assert llm.generate(PROMPTS[1], greedy("all"))[0].outputs[0].token_ids == reference[("all", 1)]
         (rank1,) = llm.engine.runner.tp.call("info")
         assert rank1["lora_slots"] == lora.slots and rank1["lora_host"] == sorted(lora.host)
-        if max_loras == 1:
-            assert lora.swaps >= 1 and len(lora.slots) == 1  # qv brought into all's slot
+        if max_loras == 1:  # qv brought into all's slot, then all into qv's
+            assert lora.swaps >= 2 and len(lora.slots) == 1
+        if max_cpu_loras == 1:  # all's host copy evicted for qv's, read back for its slot
+            assert lora.reloads >= 1 and len(lora.host) <= 1
         llm.remove_lora("all")
         (rank1,) = llm.engine.runner.tp.call("info")
         assert "all" not in rank1["lora_slots"] and "all" not in rank1["lora_host"]
