@@ -10,7 +10,8 @@ each group, `(x @ A^T) @ B^T` added to its rows: two matmuls a group and project
 without an adapter cost nothing; a step with none runs the base model as it is.
 
 What a PEFT checkpoint may hold and this does not serve is refused at start, by name: adapters of
-embeddings or the LM head, DoRA, biases, `modules_to_save`, ranks above --max-lora-rank.
+embeddings or the LM head, DoRA, biases, `modules_to_save`, ranks above --max-lora-rank, and on a
+mixture of experts adapters of its experts (its attention and any dense layer's MLP take them).
 
 Adapters come and go at run time too (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 through the router to every engine): `LoRAManager.add` loads one between steps; an unloaded one
@@ -114,6 +115,9 @@ class LoRAAdapter:
             layer = int(m.group(1))
             if layer >= arch.num_layers:
                 raise ValueError(f"{where}: {key} names layer {layer}; the model has {arch.num_layers}")
+            if layer in arch.sparse_layers and TARGETS[m.group(2)][0] in ("gate_up", "down"):
+                raise ValueError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts; LoRA is served on "
+                                 "the attention projections and dense MLPs, not on experts")
             pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
         adapter = cls(name, path, rank)
         for (layer, module), ab in sorted(pairs.items()):
@@ -246,13 +250,15 @@ class LoRAManager:
         h = self.arch.hidden_size
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+            q, kv = attn.q_size, attn.kv_size
             attn.qkv_lora = LoRALayer(self.batch, h, [(0, q), (q, kv), (q + kv, kv)])
             attn.o_lora = LoRALayer(self.batch, q, [(0, h)])
-            mlp.gate_up_lora = LoRALayer(self.batch, h, [(0, inter), (inter, inter)])
-            mlp.down_lora = LoRALayer(self.batch, inter, [(0, h)])
-            self.layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora, "gate_up": mlp.gate_up_lora,
-                              "down": mlp.down_lora}
+            self.layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora}
+            if i not in self.arch.sparse_layers:  # (a mixture's experts take no adapter: LoRAAdapter.load)
+                inter = mlp.intermediate_size
+                mlp.gate_up_lora = LoRALayer(self.batch, h, [(0, inter), (inter, inter)])
+                mlp.down_lora = LoRALayer(self.batch, inter, [(0, h)])
+                self.layers[i].update(gate_up=mlp.gate_up_lora, down=mlp.down_lora)
             if self.num_slots is not None:
                 for fused in self.layers[i].values():
                     fused.reserve(self.num_slots, self.max_rank, dtype, device)

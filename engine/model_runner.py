@@ -64,8 +64,6 @@ class ModelRunner:
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
         check_quantization(hf_config, config.model.quantization)  # before any worker starts
-        if arch.num_experts and config.lora is not None:
-            raise ValueError("LoRA adapters on a mixture of experts are not served yet")
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
         self.num_kv_heads = self.tp_layout.local_kv_heads
