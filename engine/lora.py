@@ -101,6 +101,10 @@ class LoRAAdapter:
                 raise ValueError(f"{where}: {key} adapters are not served")
         if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
             raise ValueError(f"{where}: adapters with trained biases or modules_to_save are not served")
+        if cfg.get("target_parameters"):  # PEFT's LoRA on parameters: a mixture's stacked experts
+            raise ValueError(f"{where}: target_parameters {cfg['target_parameters']} (LoRA on parameters, such as a "
+                             "mixture's experts) is not served; LoRA is served on the attention projections and "
+                             "dense MLPs")
         if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
             raise ValueError(f"{where}: per-module rank_pattern / alpha_pattern is not served")
         alpha = float(cfg.get("lora_alpha", rank))
@@ -111,7 +115,8 @@ class LoRAAdapter:
             m = _KEY.search(key)
             if m is None or m.group(2) not in TARGETS:
                 raise ValueError(f"{where}: {key} adapts a module LoRA is not served on here (the attention "
-                                 f"and MLP projections: {', '.join(TARGETS)})")
+                                 f"and dense MLP projections: {', '.join(TARGETS)}; not embeddings, the LM head "
+                                 "or a mixture's experts)")
             layer = int(m.group(1))
             if layer >= arch.num_layers:
                 raise ValueError(f"{where}: {key} names layer {layer}; the model has {arch.num_layers}")
@@ -363,6 +368,12 @@ class LoRAManager:
             return
         over = len(self.host) - max(0, self.host_cap - room)
         for name in [n for n in self.host if n not in keep][:max(0, over)]:
+            del self.host[name]
+
+    def keep_host_copies(self, names: list[str]) -> None:
+        """Drops the host copies of adapters not in `names` (they are read back when run): a
+        tensor-parallel worker keeping the copies rank 0 kept."""
+        for name in [n for n in self.host if n not in names]:
             del self.host[name]
 
     def remove(self, name: str) -> None:

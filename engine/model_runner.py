@@ -89,6 +89,7 @@ class ModelRunner:
             if warning:
                 logger.warning(warning)
         self.tp = None
+        self.lora = None
         if tp_size > 1:
             self.model = self._load_tensor_parallel(config, hf_config, show_progress,
                                                     kv_connector_factory if connector is not None else None)
@@ -99,17 +100,11 @@ class ModelRunner:
         self._say_kv_scales(hf_config)
         if self.draft is not None:
             self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend)
-        self.lora = None
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager
 
             if self.tp is None:
                 self.lora = LoRAManager(config.lora, self.model, self.dtype, self.device)
-            else:  # rank 0's shard of each adapter here; every worker holds its own, and does as this one
-                from engine.parallel.lora import TPLoRAManager
-
-                self.lora = TPLoRAManager(LoRAManager(config.lora, self.model.local, self.dtype, self.device,
-                                                      self.tp_layout), self.model)
             if self.device.type == "cuda" and config.lora.max_loras is None:
                 logger.warning("LoRA without --max-loras: each adapter loaded at run time takes device memory the "
                                "KV cache was not sized around; --max-loras N reserves N adapter slots at start "
@@ -234,11 +229,19 @@ class ModelRunner:
             local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
                                show_progress, tp=self.tp.group, linear_backend=config.model.linear_backend,
                                quantized_weights=config.model.quantized_weights)
+            model = TensorParallelModel(local, self.tp)
+            if config.lora is not None:  # rank 0's shard of each adapter, before the workers' say they are
+                # ready: an adapter that cannot be served is refused here as at TP=1 (a ValueError)
+                from engine.lora import LoRAManager
+                from engine.parallel.lora import TPLoRAManager
+
+                self.lora = TPLoRAManager(LoRAManager(config.lora, local, self.dtype, self.device, self.tp_layout),
+                                          model)
             self.tp.wait_ready()
         except BaseException:
             self.tp.shutdown()
             raise
-        return TensorParallelModel(local, self.tp)
+        return model
 
     def check_alive(self) -> None:
         """Raises if a tensor-parallel worker has exited (a step would fail on it)."""

@@ -33,13 +33,16 @@ class TPLoRAManager:
 
     def add(self, name: str, path: str) -> None:
         """Loads the adapter on rank 0 (which checks it), then on every worker; a worker that
-        cannot (no memory, its files changed meanwhile) leaves it loaded on none."""
+        cannot (no memory, its files changed meanwhile) leaves it loaded on none. (Under
+        --max-cpu-loras rank 0's load may have evicted another's host copy: the workers drop
+        theirs too, so every rank reads it back alike when it runs.)"""
         self.local.add(name, path)
         try:
             self._on_workers("add", name, path)
         except BaseException:
             self.local.remove(name)
             self.driver.call("lora_call", "discard", (name,))
+            self.driver.call("lora_call", "keep_host_copies", (sorted(self.local.host),))
             raise
 
     def remove(self, name: str) -> None:

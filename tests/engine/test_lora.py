@@ -130,8 +130,9 @@ def test_what_cannot_be_served_is_refused_at_start(tiny_llama, adapters, tiny_lo
     shutil.copytree(adapters["qv"], dora)
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(ValueError, match="use_dora adapters are not served"):
-        LLM(tiny_llama, enable_lora=True, lora_modules=[f"d={dora}"])
+    for tp in (1, 2):  # the same error under tensor parallelism (rank 0 reads it before the workers are ready)
+        with pytest.raises(ValueError, match="use_dora adapters are not served"):
+            LLM(tiny_llama, enable_lora=True, lora_modules=[f"d={dora}"], tensor_parallel_size=tp)
     with pytest.raises(ValueError, match="give name=path"):
         LLM(tiny_llama, enable_lora=True, lora_modules=["no-path"])
     assert os.path.isdir(adapters["all"])  # nothing above touched the good ones
@@ -179,35 +180,45 @@ def test_tensor_parallel_ranks_hold_their_shard_of_every_adapter(tiny_llama, ada
 
 def test_an_adapter_a_worker_cannot_load_is_loaded_on_no_rank(tiny_llama, adapters):
     """A worker that fails where rank 0 did not (out of memory, the files changed in between):
-    rank 0 unloads it again, the workers that did load it drop it, and the worker's error is
-    raised as its own kind (a LoRAOutOfMemoryError keeps its HTTP status)."""
+    rank 0 unloads it again, the worker drops what it held of it, and the worker's error is
+    raised as its own kind (a LoRAOutOfMemoryError keeps its HTTP status). Under --max-cpu-loras
+    rank 0's load evicted another adapter's host copy: the worker drops its copy too, so the
+    ranks read it back alike. (Rank 1 here is a worker's LoRA calls on a manager in this process.)"""
     from engine.config import LoRAConfig
     from engine.lora import LoRAManager
     from engine.lora_errors import LoRAOutOfMemoryError
     from engine.parallel.layout import TPLayout
     from engine.parallel.lora import TPLoRAManager
-
-    class Workers:  # ranks 1 and 2: rank 2 is out of memory
-        def __init__(self):
-            self.calls = []
-
-        def call(self, method, *args):
-            self.calls.append(args)
-            if args[:2] == ("add", ("qv", adapters["qv"])):
-                return [("ok", None), ("LoRAOutOfMemoryError", "LoRA adapter 'qv': no device memory left")]
-            return [("ok", None), ("ok", None)]
+    from engine.parallel.worker import TPWorker
 
     model = LLM(tiny_llama).engine.runner.model
-    local = LoRAManager(LoRAConfig(), model, torch.float32, torch.device("cpu"),
-                        TPLayout.of(model.arch, 1, 0))
-    workers = Workers()
-    tp = TPLoRAManager(local, type("Model", (), {"driver": workers})())
-    with pytest.raises(LoRAOutOfMemoryError, match=r"no device memory left \(tensor-parallel rank 2\)"):
+    config = LoRAConfig(max_loras=1, max_cpu_loras=1)
+
+    def manager():
+        return LoRAManager(config, model, torch.float32, torch.device("cpu"), TPLayout.of(model.arch, 1, 0))
+
+    class Driver:  # one worker, whose manager runs out of memory reading qv
+        def __init__(self):
+            self.rank1 = type("Worker", (), {"lora": manager()})()
+            read = self.rank1.lora._read
+            self.rank1.lora._read = lambda name, *a: (_ for _ in ()).throw(
+                LoRAOutOfMemoryError("no host memory left")) if name == "qv" else read(name, *a)
+
+        def call(self, method, *args):
+            assert method == "lora_call"
+            return [TPWorker.lora_call(self.rank1, *args)]
+
+    driver = Driver()
+    tp = TPLoRAManager(manager(), type("Model", (), {"driver": driver})())
+    tp.add("all", adapters["all"])
+    assert tp.slots == driver.rank1.lora.slots == {"all": 1} and list(driver.rank1.lora.host) == ["all"]
+    with pytest.raises(LoRAOutOfMemoryError, match=r"no host memory left \(tensor-parallel rank 1\)"):
         tp.add("qv", adapters["qv"])
-    assert workers.calls == [("add", ("qv", adapters["qv"])), ("discard", ("qv",))]
-    assert not local.loaded and not local.slots
-    tp.add("all", adapters["all"])  # the manager goes on
-    assert local.slots == {"all": 1} and workers.calls[-1] == ("add", ("all", adapters["all"]))
+    for rank in (tp.local, driver.rank1.lora):
+        assert rank.loaded == {"all"} and rank.slots == {"all": 1} and list(rank.host) == []
+    tp.add("all2", adapters["all"])  # the ranks go on alike
+    assert tp.loaded == driver.rank1.lora.loaded == {"all", "all2"}
+    assert list(tp.host) == list(driver.rank1.lora.host) == ["all2"]
 
 
 def test_vllms_json_form_of_lora_modules(tiny_llama, adapters, reference):

@@ -185,6 +185,13 @@ def test_lora_adapters_on_a_mixtures_attention(qwen3_moe, tiny_lora_factory, tp,
     save_file(tensors, os.path.join(experts, "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="layer 1's MLP is a mixture of experts; LoRA is served on the attention"):
         LLM(qwen3_moe, enable_lora=True, lora_modules=[f"x={experts}"])
+    # PEFT's own form for stacked experts: LoRA on parameters (target_parameters), named as such.
+    stacked = shutil.copytree(adapter, tmp_path / "stacked")
+    config = json.loads((stacked / "adapter_config.json").read_text())
+    (stacked / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["gate_up_proj"]}))
+    with pytest.raises(ValueError, match=r"target_parameters \['gate_up_proj'\] \(LoRA on parameters, such as a "
+                                         "mixture's experts\) is not served"):
+        LLM(qwen3_moe, enable_lora=True, lora_modules=[f"x={stacked}"])
 
 
 def test_what_a_mixture_is_not_served_with_is_refused_at_start(qwen3_moe):
