@@ -70,7 +70,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # A speculative draft model's layers are KV cache layers too: checked now, loaded after the
         # target, its cache sized with the target's (bytes_per_block) and allocated beside it.
-        self.draft = DraftModel.of(config.speculative, arch, max_model_len)
+        self.draft = DraftModel.of(config.speculative, arch, max_model_len, tp_size)
+        if self.draft is not None and self.draft.unsplit is not None:
+            logger.warning("the draft model cannot be split over %d ranks (%s): it runs whole on rank 0, and its "
+                           "cache's share of every other rank's KV memory goes unused", tp_size, self.draft.unsplit)
         probe = None
         if config.cache.sized_by_profile:  # vLLM's --gpu-memory-utilization
             if tp_size > 1:
@@ -99,7 +102,7 @@ class ModelRunner:
                                     quantized_weights=config.model.quantized_weights)
         self._say_kv_scales(hf_config)
         if self.draft is not None:
-            self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend)
+            self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend, driver=self.tp)
         if config.lora is not None:  # loaded before the KV cache is sized: their memory counts
             from engine.lora import LoRAManager
 
@@ -295,7 +298,8 @@ class ModelRunner:
                            "weights: the fp8 cache stores K and V at scale 1")
 
     def bytes_per_block(self, arch=None) -> int:
-        """Of this rank's KV shard, and of a draft model's cache (rank 0 holds the draft whole)."""
+        """Of this rank's KV shard, and of a draft model's cache (its shard on each rank; whole on
+        rank 0 where the tensor-parallel size cannot split it)."""
         arch = arch or self.model.arch
         elem = self.kv_dtype.itemsize
         draft = self.draft.bytes_per_block(self.block_size, self.kv_dtype) if self.draft is not None else 0

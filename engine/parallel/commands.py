@@ -35,15 +35,18 @@ class Forward:
     # LoRA: the step's rows by adapter, as rank 0 set them (LoRAManager.set_batch's arguments:
     # each request's adapter name or None, its tokens, the rows); None: as the last step's.
     lora: tuple | None = None
+    draft: bool = False  # the speculative draft's shard over its cache, not the target's
 
     @classmethod
-    def pack(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta, on_host: bool, lora: tuple | None = None):
+    def pack(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta, on_host: bool, lora: tuple | None = None,
+             draft: bool = False):
         """-> (the command, the packed vector on the inputs' device)."""
         parts = (input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                  meta.block_tables.reshape(-1))
         packed = torch.cat([p.to(torch.int64) for p in parts])
         b, w = meta.block_tables.shape
-        return cls(input_ids.shape[0], b, w, meta.decode_only, packed.numpy() if on_host else None, lora), packed
+        return cls(input_ids.shape[0], b, w, meta.decode_only, packed.numpy() if on_host else None, lora,
+                   draft), packed
 
     @property
     def size(self) -> int:
@@ -65,6 +68,7 @@ class Forward:
 class ComputeLogits:
     """The driver broadcasts [rows, hidden] next; each rank computes its vocabulary shard."""
     rows: int
+    draft: bool = False  # the speculative draft's LM head
 
 
 @dataclass(frozen=True)

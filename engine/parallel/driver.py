@@ -165,14 +165,15 @@ class TensorParallelModel:
     """Rank 0's shard behind the model's interface (forward, compute_logits, arch): each call
     first sends the workers their command, then runs rank 0's part of the collective work."""
 
-    def __init__(self, local: torch.nn.Module, driver: TPDriver) -> None:
-        self.local, self.driver, self.arch = local, driver, local.arch
+    def __init__(self, local: torch.nn.Module, driver: TPDriver, draft: bool = False) -> None:
+        """draft: the speculative draft's shards (each worker runs its own over its draft cache)."""
+        self.local, self.driver, self.arch, self.draft = local, driver, local.arch, draft
         self.lora_batch: tuple | None = None  # set by TPLoRAManager.set_batch, sent with the next forward
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         self.driver.check_alive()
         on_host = input_ids.device.type == "cpu"
-        cmd, packed = Forward.pack(input_ids, positions, meta, on_host, self.lora_batch)
+        cmd, packed = Forward.pack(input_ids, positions, meta, on_host, self.lora_batch, self.draft)
         self.lora_batch = None
         self.driver.send(cmd)
         if not on_host:
@@ -180,6 +181,6 @@ class TensorParallelModel:
         return self.driver.run(self.local, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.driver.send(ComputeLogits(hidden.shape[0]))
+        self.driver.send(ComputeLogits(hidden.shape[0], self.draft))
         hidden = hidden.contiguous()
         return self.driver.run(lambda: self.local.compute_logits(self.driver.group.broadcast(hidden)))

@@ -59,6 +59,12 @@ class TPGroup:
     def rank(self) -> int:
         return self.layout.rank
 
+    def with_layout(self, layout: TPLayout) -> "TPGroup":
+        """The same ranks and process group, splitting another model (a speculative draft)."""
+        view = object.__new__(TPGroup)
+        view.layout, view.device, view.store, view.pg = layout, self.device, self.store, self.pg
+        return view
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's x, in place (a row-parallel layer's partial products)."""
         self.pg.allreduce([x]).wait()

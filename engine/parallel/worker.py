@@ -60,7 +60,14 @@ class TPWorker:
             shape = (2, init.num_blocks, config.cache.block_size, self.layout.local_kv_heads, arch.head_dim)
             self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                               for _ in range(arch.num_layers)]
-        self.hidden_size = arch.hidden_size
+        # A speculative draft split as the target is: this rank's shard and its share of the draft
+        # cache, run when rank 0 runs its own (Forward / ComputeLogits with draft set).
+        from engine.spec_decode.draft_model import DraftModel
+
+        self.draft = DraftModel.of(config.speculative, arch, 0, self.layout.size, init.rank)  # (checked on rank 0)
+        if self.draft is not None and self.draft.layout is not None:
+            self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend, group=self.group)
+            self.draft.allocate(init.num_blocks, config.cache.block_size, kv_dtype, self.device)
         self.lora = None
         if config.lora is not None:  # this rank's shard of every adapter (--lora-modules' now)
             from engine.lora import LoRAManager
@@ -74,14 +81,18 @@ class TPWorker:
         else:
             packed = self.group.broadcast(torch.empty(cmd.size, dtype=torch.int64, device=self.device))
         input_ids, positions, meta = cmd.unpack(packed)
+        if cmd.draft:
+            self.draft.model(input_ids, positions, self.draft.kv_caches, meta)
+            return
         if cmd.lora is not None:
             self.lora.set_batch(*cmd.lora)
         self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def compute_logits(self, cmd: ComputeLogits) -> None:
-        hidden = torch.empty((cmd.rows, self.hidden_size), dtype=self.dtype, device=self.device)
-        self.model.compute_logits(self.group.broadcast(hidden))
+        model = self.draft.model if cmd.draft else self.model
+        hidden = torch.empty((cmd.rows, model.arch.hidden_size), dtype=self.dtype, device=self.device)
+        model.compute_logits(self.group.broadcast(hidden))
 
     def lora_call(self, method: str, args: tuple):
         """This rank's LoRAManager.<method>(*args) (add, remove, stage; `discard`: remove if loaded),
@@ -116,6 +127,8 @@ class TPWorker:
                 "num_blocks": self.num_blocks, "kv_cache_shape": tuple(self.kv_caches[0].shape),
                 "kv_cache_dtype": str(self.kv_caches[0].dtype).removeprefix("torch."),
                 "threads": torch.get_num_threads(), "weight_bytes": module_bytes(self.model),
+                **({} if self.draft is None or not self.draft.kv_caches else
+                   {"draft_kv_cache_shape": tuple(self.draft.kv_caches[0].shape)}),
                 **({} if self.lora is None else {"lora_slots": dict(self.lora.slots),
                                                  "lora_host": sorted(self.lora.host)})}
 

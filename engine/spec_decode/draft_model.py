@@ -40,7 +40,12 @@ class DraftModel:
     """The draft checkpoint beside the target: its shape (checked against the target's at once),
     then its weights and its KV cache, which the runner loads and sizes with the target's."""
 
-    def __init__(self, config: SpeculativeConfig, target: LlamaArch, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, target: LlamaArch, max_model_len: int, tp_size: int = 1,
+                 rank: int = 0) -> None:
+        """Under tensor parallelism (tp_size > 1) the draft is split over the ranks as the target is
+        (`layout`: this rank's TPLayout of it), each rank its shard and its share of the draft cache;
+        a draft the size cannot split (its heads, say) runs whole on rank 0 (`layout` None,
+        `unsplit`: why)."""
         with open(os.path.join(config.model, "config.json")) as f:
             self.hf_config = json.load(f)
         check_architecture(self.hf_config)
@@ -52,28 +57,57 @@ class DraftModel:
         if arch.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config: the draft model covers {arch.max_position_embeddings} positions, "
                              f"less than max_model_len={max_model_len}")
+        self.layout, self.unsplit = None, None
+        if tp_size > 1:
+            from engine.parallel.layout import TPLayout
+
+            try:
+                self.layout = TPLayout.of(arch, tp_size, rank)
+            except ValueError as e:
+                self.unsplit = str(e)
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.device = torch.device("cpu")
 
     @classmethod
-    def of(cls, config: SpeculativeConfig | None, target: LlamaArch, max_model_len: int) -> "DraftModel | None":
-        return cls(config, target, max_model_len) if config is not None and config.method == "draft_model" else None
+    def of(cls, config: SpeculativeConfig | None, target: LlamaArch, max_model_len: int, tp_size: int = 1,
+           rank: int = 0) -> "DraftModel | None":
+        if config is None or config.method != "draft_model":
+            return None
+        return cls(config, target, max_model_len, tp_size, rank)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank's draft cache holds."""
+        return self.arch.num_kv_heads if self.layout is None else self.layout.local_kv_heads
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         a = self.arch
-        return 2 * block_size * a.num_kv_heads * a.head_dim * kv_dtype.itemsize * a.num_layers
+        return 2 * block_size * self.num_kv_heads * a.head_dim * kv_dtype.itemsize * a.num_layers
 
-    def load(self, kernels, dtype: torch.dtype, device: torch.device, linear_backend: str) -> None:
-        self.model = load_model(self.path, self.hf_config, kernels, dtype, device, linear_backend=linear_backend)
+    def load(self, kernels, dtype: torch.dtype, device: torch.device, linear_backend: str, group=None,
+             driver=None) -> None:
+        """The draft's weights: whole, or this rank's shard (`group`: a worker's TPGroup; `driver`:
+        rank 0's TPDriver, whose workers then run their shards beside this one)."""
+        if self.layout is None:
+            group = driver = None
+        if driver is not None:
+            group = driver.group
+        local = load_model(self.path, self.hf_config, kernels, dtype, device, linear_backend=linear_backend,
+                           tp=None if group is None else group.with_layout(self.layout))
+        if driver is not None:
+            from engine.parallel.driver import TensorParallelModel
+
+            local = TensorParallelModel(local, driver, draft=True)
+        self.model = local
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> None:
         """The draft cache, indexed by the target's block ids (the same count of blocks)."""
         self.kv_caches = []  # the old one freed before the new one is made
         self.block_size, self.device = block_size, device
         a = self.arch
-        self.kv_caches = [torch.zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), dtype=kv_dtype,
+        self.kv_caches = [torch.zeros((2, num_blocks, block_size, self.num_kv_heads, a.head_dim), dtype=kv_dtype,
                                       device=device) for _ in range(a.num_layers)]
 
     def forward(self, tokens, positions: list[np.ndarray], blocks: list[list[int]], decode_only: bool):

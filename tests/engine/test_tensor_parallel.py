@@ -213,6 +213,41 @@ def test_an_fp8_cache_is_every_ranks(tiny_model_factory):
         shutdown(llm)
 
 
+def test_a_draft_model_is_split_as_the_target(tiny_model_factory, caplog):
+    """Speculation with a draft model at TP=2: every rank holds its shard of the draft and its
+    share of the draft cache (a block's bytes count the rank's draft KV heads, not all of them),
+    and greedy answers are plain decoding's. A draft the size cannot split (3 heads) runs whole on
+    rank 0, said at start, with the same answers."""
+    path = tiny_model_factory("llama", max_position_embeddings=1024)
+    draft = tiny_model_factory("llama", num_layers=1, max_position_embeddings=1024)  # 4 heads, 2 KV heads
+    odd = tiny_model_factory("llama", num_layers=1, hidden_size=48, num_heads=3, num_kv_heads=3,
+                             max_position_embeddings=1024)
+    prompts = mixed_prompts(300)
+    want = run(LLM(path, device="cpu", **BLOCKS), prompts)
+    for model, split in ((draft, True), (odd, False)):
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+        caplog.clear()
+        llm = LLM(path, device="cpu", tensor_parallel_size=2, speculative_config=spec, **BLOCKS)
+        try:
+            runner = llm.engine.runner
+            (worker,) = runner.tp.call("info")
+            heads = runner.draft.kv_caches[0].shape[3]
+            assert heads == (1 if split else 3) and (runner.draft.layout is not None) == split
+            # K and V, 16 slots of 16 values in float32, a layer: 1 KV head of 2 here, or all 3 whole.
+            assert runner.draft.bytes_per_block(16, torch.float32) == 2 * 16 * 16 * 4 * heads
+            assert ("draft_kv_cache_shape" in worker) == split
+            if split:
+                assert worker["draft_kv_cache_shape"] == tuple(runner.draft.kv_caches[0].shape)
+                assert runner.draft.model.local.layers[0].self_attn.q_size == 2 * 16  # 2 of its 4 heads
+            else:
+                assert "the draft model cannot be split over 2 ranks (tensor_parallel_size=2 does not divide " \
+                       "the model's 3 attention heads)" in caplog.text
+            assert run(llm, prompts) == want
+            assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+        finally:
+            shutdown(llm)
+
+
 def test_a_killed_worker_fails_the_engine(engines):
     llm, ref = engines.get("llama-1-kv-head", "ngram-spec")  # the last variant: this engine is done for
     engines.tp2.pop("ngram-spec")
