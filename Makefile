@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 TESTS := tests
 export PYTHONUNBUFFERED := 1
 
-.PHONY: system-deps venv proto run test bench-engine bench-tp bench-kvtransfer bench-kernels-cpu bench-kernels-gpu bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
+.PHONY: system-deps venv proto run test bench-engine bench-tp bench-kvtransfer bench-kernels-cpu bench-kernels-gpu bench-quant bench-pd bench-router bench-routing bench-decoding bench-pd-sweep bench-sim-cluster sim-validate soak gpu-check chart chart-golden image clean
 IMAGE ?= ghcr.io/pdserve/pdserve:0.1.0
 
 system-deps:
@@ -62,6 +62,10 @@ bench-kernels-cpu: $(STAMP)
 
 bench-kernels-gpu: $(STAMP)
 	$(VPY) bench/kernels_gpu.py
+
+# INT8 W8A8 on the CPU (torch._int_mm) against the dense float32 model and W8A16 (~3 min).
+bench-quant: $(STAMP)
+	$(VPY) -m bench.quant_bench
 
 # The GPU half, on a machine with one CUDA GPU: with $(PYTHON) as it is (its CUDA torch and the
 # project's dependencies; a fresh venv here would get the CPU torch). One report file, < 8 minutes.

@@ -30,8 +30,9 @@ else:
     from kernels.triton_paged import dot_options
 
 KINDS = ("fp8", "int8", "int4")
-FP8_ACTIVATIONS = ("token", "tensor", "static")
+ACTIVATIONS = ("token", "tensor", "static")  # W8A8: the input's scales, per token or tensor, or the checkpoint's
 FP8_MAX = 448.0
+INT8_HALF_RANGE = 127.5  # compressed-tensors' symmetric INT8 scale: amax / (255 / 2)
 
 
 def unpack_signed(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
@@ -59,12 +60,14 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kept weights are one of {', '.join(KINDS)}, not {kind!r}")
-        if activations is not None and (kind != "fp8" or group != in_features or activations not in FP8_ACTIVATIONS
+        if activations is not None and (kind not in ("fp8", "int8") or group != in_features
+                                        or activations not in ACTIVATIONS
                                         or (activations == "static") != (input_scale is not None) or has_zero):
-            raise ValueError(f"FP8 activations ({activations}, input scale {input_scale}) need FP8 weights scaled per "
-                             "channel or tensor")
-        # W8A8: the input quantized to FP8 per token, per tensor or by the checkpoint's static
-        # scale, and both FP8 operands multiplied by torch._scaled_mm (FP8 tensor cores on a GPU).
+            raise ValueError(f"8-bit activations ({activations}, input scale {input_scale}) need FP8 or INT8 weights "
+                             "scaled per channel or tensor, without zero points")
+        # W8A8: the input quantized to the weights' 8 bits (FP8 or INT8) per token, per tensor or by
+        # the checkpoint's static scale, and both 8-bit operands multiplied by torch._scaled_mm (FP8
+        # tensor cores on a GPU) or torch._int_mm (INT8 ones; oneDNN's INT8 GEMM on the CPU).
         self.activations, self.input_scale, self.activation_ub = activations, input_scale, activation_ub
         # torch._scaled_mm wants dimensions in multiples of 16 (on a GPU); elsewhere, or if it
         # refuses the dtypes, the same quantized operands are multiplied dequantized.
@@ -135,20 +138,28 @@ class QuantizedLinear(nn.Module):
             out += self.bias
         return out
 
-    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
-        """FP8 activations times FP8 weights, scaled per row of each: the input's scales are
-        amax / 448 (in float32, as vLLM; an all-zero row's the smallest float32 step; fbgemm's
-        upper bound on a row's amax), compressed-tensors' and vLLM's rule."""
+    def _input_scales(self, flat: torch.Tensor, top: float) -> torch.Tensor:
+        """The input's float32 scales [rows, 1]: the checkpoint's static one, or amax / top per
+        token or over the tensor (an all-zero row's the smallest float32 step; fbgemm's upper
+        bound on a row's amax)."""
         m = flat.shape[0]
         if self.activations == "static":
-            scale_x = torch.full((m, 1), self.input_scale, dtype=torch.float32, device=flat.device)
-        else:
-            amax = flat.abs().amax(dim=-1, keepdim=True) if self.activations == "token" else flat.abs().amax().expand(m, 1)
-            amax = amax.to(torch.float32)
-            if self.activation_ub is not None:
-                amax = amax.clamp(max=self.activation_ub)
-            scale_x = amax / FP8_MAX
-            scale_x = torch.where(scale_x == 0, torch.finfo(torch.float32).eps, scale_x).contiguous()
+            return torch.full((m, 1), self.input_scale, dtype=torch.float32, device=flat.device)
+        amax = flat.abs().amax(dim=-1, keepdim=True) if self.activations == "token" else flat.abs().amax().expand(m, 1)
+        amax = amax.to(torch.float32)
+        if self.activation_ub is not None:
+            amax = amax.clamp(max=self.activation_ub)
+        scale_x = amax / top
+        return torch.where(scale_x == 0, torch.finfo(torch.float32).eps, scale_x).contiguous()
+
+    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        """8-bit activations times the 8-bit weights, scaled per row of each. FP8: the input's
+        scales amax / 448 (in float32, as vLLM; compressed-tensors' and vLLM's rule). INT8: amax /
+        127.5, rounded to nearest even and clamped to [-128, 127] (compressed-tensors' rule, by
+        which the checkpoint was calibrated; vLLM's kernel divides by 127)."""
+        if self.kind == "int8":
+            return self._w8a8_int8(flat)
+        scale_x = self._input_scales(flat, FP8_MAX)
         xq = (flat.to(torch.float32) / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         w = self.qweight.view(torch.float8_e4m3fn)
         out = None
@@ -163,6 +174,33 @@ class QuantizedLinear(nn.Module):
                 log.warning("torch._scaled_mm refused %s x %s FP8 operands to %s (%s): the FP8 activations are "
                             "dequantized and go through the 8-bit weight path instead (the same products, no FP8 "
                             "matmul)", tuple(xq.shape), tuple(w.shape), flat.dtype, str(e).splitlines()[0])
+        if out is None:
+            return self.w8a16((xq.to(torch.float32) * scale_x).to(flat.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def _w8a8_int8(self, flat: torch.Tensor) -> torch.Tensor:
+        """INT8 activations times INT8 weights: the products summed exactly in int32
+        (torch._int_mm), then scaled by the input's row scale and the weight's row scale."""
+        scale_x = self._input_scales(flat, INT8_HALF_RANGE)
+        xq = torch.round(flat.to(torch.float32) / scale_x).clamp(-128, 127).to(torch.int8)
+        out = None
+        if not self._emulate:
+            m = xq.shape[0]
+            # cuBLASLt's INT8 GEMM takes more than 16 rows: a decode step's few are padded with zeros.
+            rows = 17 if xq.is_cuda and m <= 16 else m
+            a = xq if rows == m else torch.cat([xq, xq.new_zeros(rows - m, xq.shape[1])])
+            try:
+                acc = torch._int_mm(a, self.qweight.t())[:m]
+                out = (acc.to(torch.float32) * scale_x * self.scale.t()).to(flat.dtype)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # a device or shape without an INT8 GEMM
+                self._emulate = True
+                log.warning("torch._int_mm refused %s x %s INT8 operands (%s): the INT8 activations are dequantized "
+                            "and go through the 8-bit weight path instead (the same products, no INT8 matmul)",
+                            tuple(xq.shape), tuple(self.qweight.shape), str(e).splitlines()[0])
         if out is None:
             return self.w8a16((xq.to(torch.float32) * scale_x).to(flat.dtype))
         if self.bias is not None:

@@ -299,19 +299,20 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
                              "--quantized-weights dequantize")
         has_zero = any(quant.has_zero_points(companions[m]) for m in parts)
         group = groups.pop()
-        # W8A8: FP8 activations as the checkpoint quantizes them, where the weight's scales are
-        # per channel or tensor (torch._scaled_mm's row-wise scaling); block-scaled FP8 runs W8A16.
+        # W8A8: FP8 or INT8 activations as the checkpoint quantizes them, where the weight's scales
+        # are per channel or tensor (torch._scaled_mm's / _int_mm's row-wise scaling); block-scaled
+        # FP8 and grouped INT8 run W8A16.
         acts = {quant.activations_of(m) for m in parts}
         if len(acts) > 1:
             logger.warning("%s: its shards quantize activations differently (%s): served W8A16", target,
                            sorted(map(str, acts)))
-        activations = acts.pop() if kind == "fp8" and group == linear.in_features and len(acts) == 1 and \
+        activations = acts.pop() if kind in ("fp8", "int8") and group == linear.in_features and len(acts) == 1 and \
             not has_zero else None
         input_scale = None
         if activations == "static":  # one input for the fused shards: the largest of their scales, as vLLM
             scales = [companions[m].get("input_scale") for m in parts]
             if any(s is None for s in scales):
-                raise ValueError(f"{target}: static FP8 activations without an input_scale in the checkpoint")
+                raise ValueError(f"{target}: static {kind.upper()} activations without an input_scale in the checkpoint")
             input_scale = max(float(s.float().max()) for s in scales)
         parent, _, child = target.rpartition(".")
         kept[target] = QuantizedLinear(linear.in_features, linear.out_features, kind, group,
@@ -339,7 +340,8 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
         moe.keep_8bit(kind, -(-hidden // g13), -(-inter // g2))
         kept_experts[layer] = moe
     w8a8 = sum(1 for m in kept.values() if m.activations is not None)
-    logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm; the rest %s)%s",
+    logger.info("%s checkpoint: %d projections kept as stored (%d W8A8 through torch._scaled_mm / _int_mm; the rest "
+                "%s)%s",
                 quant.describe(), len(kept), w8a8,
                 "through the fused Triton kernel" if kernels.name == "triton" else "dequantized per call",
                 f"; the experts of {len(kept_experts)} layers kept as stored (W8A16)" if kept_experts else "")

@@ -77,8 +77,9 @@ class _Scheme:
     block: tuple[int, int] | None = None
     symmetric: bool = True
     kind: str = "float"  # the stored values: float (FP8) or int
-    # FP8 activations as the checkpoint quantizes them: "token" / "tensor" (dynamic scales), "static"
-    # (its input_scale), None (not quantized). --quantized-weights keep runs them (W8A8).
+    # 8-bit activations (the weights' type) as the checkpoint quantizes them: "token" / "tensor"
+    # (dynamic scales), "static" (its input_scale), None (not quantized). --quantized-weights keep
+    # runs them (W8A8).
     activations: str | None = None
     activation_ub: float | None = None  # fbgemm_fp8: a row's amax at most this
     targets: tuple[str, ...] = ("Linear",)
@@ -148,7 +149,9 @@ class QuantizedWeights:
                 raise ValueError(f"{where}: weight strategy {strategy!r} is not served")
             acts = None
             ia = group.get("input_activations") or {}
-            if ia.get("type") == "float" and int(ia.get("num_bits", 8)) == 8 and ia.get("symmetric", True):
+            # W8A8: 8-bit activations of the weights' type (FP8 with FP8, INT8 with INT8), symmetric.
+            if ia and ia.get("type", "int") == w.get("type", "int") and int(ia.get("num_bits", 8)) == 8 \
+                    and bits == 8 and ia.get("symmetric", True):
                 acts = "static" if not ia.get("dynamic", False) else (ia.get("strategy") or "tensor")
                 if acts not in ("token", "tensor", "static"):
                     acts = None  # another granularity: served as W8A16

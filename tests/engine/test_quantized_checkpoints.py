@@ -652,6 +652,61 @@ def test_kept_fp8_quantizes_activations_as_the_checkpoint_says(base, activations
     assert got == transformers_greedy(path)
 
 
+@pytest.mark.parametrize("activations", ["token", "tensor", "static"])
+def test_int8_w8a8_projection_is_compressed_tensors_fake_quantization(activations):
+    """One kept INT8 projection with INT8 activations (per token, per tensor, static): the input
+    quantized as compressed-tensors does (amax / 127.5, rounded half to even, clamped to [-128,
+    127]), the products summed in int32 by torch._int_mm: within float32 rounding of
+    compressed-tensors' own fake quantization times the dequantized weight."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from kernels.quant_linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    k, n = 128, 384
+    w = torch.randn(n, k) * 0.1
+    w_scale = w.abs().amax(dim=1, keepdim=True) / 127.5
+    wq = torch.round(w / w_scale).clamp(-128, 127).to(torch.int8)
+    x = torch.randn(7, k) * 3
+    x[2] = 0  # an all-zero row
+    static = 2.5 / 127.5
+    linear = QuantizedLinear(k, n, "int8", k, False, use_triton=False, activations=activations,
+                             input_scale=static if activations == "static" else None)
+    linear.allocate(torch.device("cpu"))
+    linear.load_rows(0, wq, w_scale, None)
+    got = linear(x)
+    assert not linear._emulate  # torch._int_mm ran
+    args = QuantizationArgs(num_bits=8, type="int", strategy="token" if activations == "token" else "tensor",
+                            symmetric=True, dynamic=activations != "static")
+    if activations == "static":
+        scale, zero = torch.tensor([static]), torch.zeros(1)
+    else:
+        lo, hi = (x.amin(1, keepdim=True), x.amax(1, keepdim=True)) if activations == "token" else \
+            (x.min().reshape(1), x.max().reshape(1))
+        scale, zero = calculate_qparams(lo, hi, args)
+    want = fake_quantize(x, scale, zero, args) @ (wq.float() * w_scale).t()
+    assert torch.allclose(got, want, rtol=0, atol=2e-5) and got.abs().max() > 1
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_kept_int8_w8a8_answers_as_transformers(base, activations, tmp_path):
+    """llm-compressor's INT8 W8A8 (int-quantized: weights per channel, activations per token or
+    static) under keep runs INT8 activations through torch._int_mm (oneDNN's INT8 GEMM on the
+    CPU), token-exact against transformers, which fake-quantizes activations the same way. (Per
+    tensor, one scale over the prompt's coarse steps, a last-bit difference upstream moves a
+    rounding and, late in this random model's answers, a token: the projection is checked above.)"""
+    path = compressed(base, str(tmp_path / activations), "int", "channel", activations=activations)
+    llm = LLM(path, quantized_weights="keep")
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.kind == "int8" and layer.self_attn.qkv_proj.activations == activations
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
+    assert got == transformers_greedy(path)
+    assert not layer.mlp.down_proj._emulate  # torch._int_mm ran
+
+
 def test_fbgemm_and_autofp8_run_w8a8_under_keep(base, tmp_path):
     """fbgemm_fp8 (per-channel weights, per-token activations, amax bounded by its
     activation_scale_ub) answers as llm-compressor's FP8-dynamic; AutoFP8's per-tensor fp8 with
