@@ -13,7 +13,9 @@
     step's memory-bound floor (the weights and the batch's KV read once at the copy bandwidth);
 (e) the fused 8-bit linear (--quantized-weights keep: FP8 weights, 128 x 128 blocks) against bf16
     F.linear on the same shapes (a Llama-8B projection, 1 to 2,048 rows): seconds and the ratio,
-    and its largest difference from dequantize-then-F.linear;
+    and its largest difference from dequantize-then-F.linear; and INT8 W8A8 (INT8 per channel,
+    INT8 activations per token, torch._int_mm): seconds, the ratio, whether cuBLASLt took it, and
+    its relative difference from the fake-quantized input times the weight;
 (f) the fused mixture-of-experts kernel (kernels.triton_moe) against the torch backend's per-expert
     loop on Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes (bf16, 1 to 2,048 tokens): seconds,
     the ratio, the fraction of the copy bandwidth reading the experts the step touches, the
@@ -348,7 +350,7 @@ def quantized_linear(small: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels.quant_linear import w8a16_linear
+    from kernels.quant_linear import QuantizedLinear, w8a16_linear
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -364,13 +366,25 @@ def quantized_linear(small: bool) -> dict:
         q = (w / full).to(torch.float8_e4m3fn)
         scale = block_scale.repeat_interleave(128, 0)[:n].contiguous()
         dense = (q.float() * full).to(dtype)
+        # INT8 W8A8 (an int-quantized checkpoint's): INT8 per channel, INT8 activations per token
+        # through torch._int_mm (cuBLASLt), against the fake-quantized input times the weight.
+        row_scale = w.abs().amax(dim=1, keepdim=True) / 127.5
+        q8 = torch.round(w / row_scale).clamp(-128, 127).to(torch.int8)
+        int8 = QuantizedLinear(k, n, "int8", k, False, use_triton=False, activations="token")
+        int8.allocate(torch.device(device))
+        int8.load_rows(0, q8, row_scale, None)
         for m in ([1, 8] if small else [1, 16, 64, 256, 2048]):
             x = torch.randn(m, k, device=device, dtype=dtype)
             fused = timed(lambda: w8a16_linear(x, q, scale, 128))
             plain = timed(lambda: F.linear(x, dense))
             err = (w8a16_linear(x, q, scale, 128).float() - F.linear(x, dense).float()).abs().max().item()
+            w8a8 = timed(lambda: int8(x))
+            xs = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127.5
+            ref = (torch.round(x.float() / xs).clamp(-128, 127) * xs) @ (q8.float() * row_scale).t()
+            err8 = (int8(x).float() - ref).abs().max().item() / ref.abs().max().item()
             out[f"{n}x{k} m={m}"] = {"fp8_s": fused, "bf16_s": plain, "bf16_over_fp8": plain / fused,
-                                     "max_abs_diff": err}
+                                     "max_abs_diff": err, "int8_w8a8_s": w8a8, "bf16_over_int8_w8a8": plain / w8a8,
+                                     "int8_w8a8_rel_err": err8, "int8_through_int_mm": not int8._emulate}
     return out
 
 
