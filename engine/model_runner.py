@@ -271,7 +271,7 @@ class ModelRunner:
         elif config.lora is not None:
             reason = "LoRA adapters"  # each step groups its rows by adapter: no fixed launches to capture
         elif per_tensor:
-            reason = "per-tensor dynamic FP8 activation scales"  # a padded row would move the step's scale
+            reason = "per-tensor dynamic 8-bit activation scales"  # a padded row would move the step's scale
         elif self.device.type != "cuda":
             reason = "no CUDA device"
         elif self.kernels.name != "triton":

@@ -149,7 +149,8 @@ def compressed(base: str, out: str, kind: str, strategy: str, bits: int = 8, gro
                     "down_proj": 6.0}
             for name in projections:
                 module = name[:-len(".weight")]
-                tensors[module + ".input_scale"] = torch.tensor([amax[module.rsplit(".", 1)[1]] / FP8_MAX])
+                top = FP8_MAX if kind == "float" else 127.5  # the format's scale rule (compressed-tensors')
+                tensors[module + ".input_scale"] = torch.tensor([amax[module.rsplit(".", 1)[1]] / top])
     fmt = "pack-quantized" if packed else f"{kind}-quantized"
     return _write(base, out, tensors, {"quant_method": "compressed-tensors", "format": fmt,
                                        "quantization_status": "compressed", "config_groups": groups,
@@ -745,7 +746,7 @@ def test_per_tensor_activation_scales_turn_decode_padding_off(base, tmp_path):
         assert llm.engine.stats()["decode_buffer_steps"] > 0  # the buffers, at the batch's own size or padded
     assert llm.engine.runner.cuda_graphs_off_reason == "no CUDA device"
     assert LLM(tensor, quantized_weights="keep").engine.runner.cuda_graphs_off_reason == \
-        "per-tensor dynamic FP8 activation scales"
+        "per-tensor dynamic 8-bit activation scales"
     sharded = LLM(tensor, quantized_weights="keep", cuda_graph_sizes=[4], tensor_parallel_size=2)
     try:  # rank 0's shard is read for the scheme
         assert not sharded.engine.runner.decode_graphs.sizes

@@ -36,7 +36,7 @@ CONFIGS = {
     "preempted": dict(num_blocks=23),
     "chunked-preempted": dict(num_blocks=23, max_num_batched_tokens=48),
     "ngram-spec": dict(BLOCKS, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
-    # The draft (here the target's own checkpoint) runs unsharded on rank 0.
+    # The draft (here the target's own checkpoint) is split over the ranks as the target is.
     "draft-model": dict(BLOCKS, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
 }
 CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-gqa", "preempted"),
