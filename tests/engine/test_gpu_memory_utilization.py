@@ -110,7 +110,8 @@ def test_a_draft_model_is_inside_the_share(tiny_llama, tiny_model_factory, monke
     probe = ScriptedMemory(total=200 * MIB, frees=[190 * MIB, 160 * MIB], peak=12 * MIB)
     monkeypatch.setattr("engine.model_runner.device_memory", lambda device: probe)
     load, forward = DraftModel.load, DraftModel.forward
-    monkeypatch.setattr(DraftModel, "load", lambda self, *a: (probe.calls.append("draft loaded"), load(self, *a)))
+    monkeypatch.setattr(DraftModel, "load",
+                        lambda self, *a, **k: (probe.calls.append("draft loaded"), load(self, *a, **k)))
     monkeypatch.setattr(DraftModel, "forward", lambda self, tokens, *a, **k: (
         probe.calls.append(f"draft forward of {sum(map(len, tokens))}"), forward(self, tokens, *a, **k))[1])
     draft = tiny_model_factory("llama", num_layers=1, num_kv_heads=1)
