@@ -376,6 +376,11 @@ class LoRAManager:
         for name in [n for n in self.host if n not in names]:
             del self.host[name]
 
+    def discard(self, name: str) -> None:
+        """remove, if the adapter is loaded (a tensor-parallel worker undoing a load rank 0 undid)."""
+        if name in self.loaded:
+            self.remove(name)
+
     def remove(self, name: str) -> None:
         """Frees an adapter's weights and slot: no request of the batch may still use it."""
         if name not in self.loaded:

@@ -95,13 +95,9 @@ class TPWorker:
         model.compute_logits(self.group.broadcast(hidden))
 
     def lora_call(self, method: str, args: tuple):
-        """This rank's LoRAManager.<method>(*args) (add, remove, stage; `discard`: remove if loaded),
+        """This rank's LoRAManager.<method>(*args) (add, remove, discard, stage, keep_host_copies),
         as rank 0 ran it. A failure is returned, not raised: (its exception's name, its message)."""
         try:
-            if method == "discard":
-                if args[0] in self.lora.loaded:
-                    self.lora.remove(args[0])
-                return "ok", None
             return "ok", getattr(self.lora, method)(*args)
         except Exception as e:  # noqa: BLE001 (rank 0 raises it as its own kind)
             return type(e).__name__, str(e)
