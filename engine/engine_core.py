@@ -12,7 +12,7 @@ from engine.kv_connector import KVConnectorFactory
 from engine.kv_events import AllBlocksCleared, make_publisher
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.llama import LlamaArch
-from engine.models.loader import check_architecture
+from engine.models.loader import check_architecture, resolve_max_model_len
 from engine.lora_errors import LoRAAdapterBusyError, LoRAAdapterNotFoundError, LoRANotEnabledError
 from engine.request import DuplicateRequestError, InvalidRequestError, Request, RequestStatus, generation_budget
 from engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
@@ -21,20 +21,6 @@ from engine.structured_output.manager import StructuredOutputManager
 from engine.thinking_budget import for_request
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
-    arch = LlamaArch.from_hf_config(hf_config)
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        # Attention here is full, not windowed: stay within the window, where both agree.
-        limit = arch.sliding_window
-    wanted = config.model.max_model_len
-    if wanted is None:
-        return limit
-    if wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} tokens")
-    return wanted
 
 
 def _thinking_may_force(r) -> bool:
@@ -81,7 +67,7 @@ class EngineCore:
         self.config = config
         hf_config = config.model.hf_config
         check_architecture(hf_config)
-        self.max_model_len = resolve_max_model_len(config, hf_config)
+        self.max_model_len = resolve_max_model_len(hf_config, config.model.max_model_len)
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
         # The loaded LoRA adapters' paths (their prefix-cache keys); a name unloaded at run time

@@ -39,6 +39,9 @@ from engine.lora_errors import LoRAAdapterExistsError, LoRAOutOfMemoryError
 # PEFT's module names -> (the fused projection here, which of its output slices).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# A checkpoint that fuses them (Phi-3): an adapter of the fused module is one of each part, the same
+# A with the part's rows of B (B A x, cut by rows, is each part's delta).
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -60,6 +63,25 @@ def _fingerprint(path: str) -> tuple:
         return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
     except OSError:
         return ()
+
+
+def _unfused(pairs: dict, shapes: dict[str, tuple[int, int]], where: str) -> dict:
+    """An adapter's pairs with each fused module's (FUSED_TARGETS) as its parts' pairs."""
+    out = {}
+    for (layer, module), ab in pairs.items():
+        parts = FUSED_TARGETS.get(module)
+        if parts is None or set(ab) != {"A", "B"}:
+            out[(layer, module)] = ab
+            continue
+        sizes = [shapes[p][0] for p in parts]
+        if ab["B"].shape[0] != sum(sizes):
+            raise ValueError(f"{where}: layer {layer} {module}: lora_B has {ab['B'].shape[0]} rows; the model's "
+                             f"{' + '.join(parts)} make {sum(sizes)}")
+        for part, rows in zip(parts, ab["B"].split(sizes)):
+            if (layer, part) in pairs:
+                raise ValueError(f"{where}: layer {layer} adapts both {module} and {part}")
+            out[(layer, part)] = {"A": ab["A"], "B": rows}
+    return out
 
 
 def _expected_shapes(arch) -> dict[str, tuple[int, int]]:
@@ -113,17 +135,19 @@ class LoRAAdapter:
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in _read_tensors(path).items():
             m = _KEY.search(key)
-            if m is None or m.group(2) not in TARGETS:
+            if m is None or m.group(2) not in TARGETS and m.group(2) not in FUSED_TARGETS:
                 raise ValueError(f"{where}: {key} adapts a module LoRA is not served on here (the attention "
-                                 f"and dense MLP projections: {', '.join(TARGETS)}; not embeddings, the LM head "
-                                 "or a mixture's experts)")
+                                 f"and dense MLP projections: {', '.join(TARGETS)}, or fused "
+                                 f"{', '.join(FUSED_TARGETS)}; not embeddings, the LM head or a mixture's experts)")
             layer = int(m.group(1))
             if layer >= arch.num_layers:
                 raise ValueError(f"{where}: {key} names layer {layer}; the model has {arch.num_layers}")
-            if layer in arch.sparse_layers and TARGETS[m.group(2)][0] in ("gate_up", "down"):
+            first = FUSED_TARGETS[m.group(2)][0] if m.group(2) in FUSED_TARGETS else m.group(2)
+            if layer in arch.sparse_layers and TARGETS[first][0] in ("gate_up", "down"):
                 raise ValueError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts; LoRA is served on "
                                  "the attention projections and dense MLPs, not on experts")
             pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
+        pairs = _unfused(pairs, shapes, where)
         adapter = cls(name, path, rank)
         for (layer, module), ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:

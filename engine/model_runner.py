@@ -15,7 +15,8 @@ from engine.kv_connector import KVCacheSpec, KVConnectorWorker, zeroed_kv_caches
 from engine.memory import MemoryBudget, check_start, default_size_warning, device_memory
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
-from engine.models.loader import check_quantization, has_kv_scales, resolve_dtype, resolve_kv_cache_dtype
+from engine.models.loader import (check_keep_under_tp, check_quantization, has_kv_scales, resolve_dtype,
+                                  resolve_kv_cache_dtype)
 from engine.parallel import TPLayout
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -52,6 +53,7 @@ class ModelRunner:
         """connector: this engine's KV connector worker side; under tensor parallelism each worker
         rank builds its own with `kv_connector_factory` (the one `connector` came from)."""
         self.config = config
+        self.max_model_len = max_model_len
         self.device = resolve_device(config.parallel.device)
         self.kernels = get_backend(config.kernel_backend, self.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config)
@@ -64,6 +66,7 @@ class ModelRunner:
         arch = LlamaArch.from_hf_config(hf_config)
         tp_size = config.parallel.tensor_parallel_size
         check_quantization(hf_config, config.model.quantization)  # before any worker starts
+        check_keep_under_tp(config.model.path, hf_config, config.model.quantized_weights, tp_size)
         self.tp_layout = TPLayout.of(arch, tp_size, rank=0)  # checks the size against the heads
         # This rank's KV heads: the cache here is rank 0's shard (each rank allocates its own).
         self.num_kv_heads = self.tp_layout.local_kv_heads
@@ -99,7 +102,7 @@ class ModelRunner:
         else:
             self.model = load_model(config.model.path, hf_config, self.kernels, self.dtype,
                                     self.device, show_progress, linear_backend=config.model.linear_backend,
-                                    quantized_weights=config.model.quantized_weights)
+                                    quantized_weights=config.model.quantized_weights, max_model_len=max_model_len)
         self._say_kv_scales(hf_config)
         if self.draft is not None:
             self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend, driver=self.tp)
@@ -231,7 +234,7 @@ class ModelRunner:
         try:
             local = load_model(config.model.path, hf_config, self.kernels, self.dtype, self.device,
                                show_progress, tp=self.tp.group, linear_backend=config.model.linear_backend,
-                               quantized_weights=config.model.quantized_weights)
+                               quantized_weights=config.model.quantized_weights, max_model_len=self.max_model_len)
             model = TensorParallelModel(local, self.tp)
             if config.lora is not None:  # rank 0's shard of each adapter, before the workers' say they are
                 # ready: an adapter that cannot be served is refused here as at TP=1 (a ValueError)

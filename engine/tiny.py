@@ -6,7 +6,11 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
+# Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
+# exercises each of them.
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                           logits_scaling=8.0)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -66,21 +70,23 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
                     initializer_range: float = 0.1, rope_scaling: dict | None = None,
                     num_experts: int = 8, num_experts_per_tok: int = 2, moe_intermediate_size: int = 64,
-                    moe_config: dict | None = None, seed: int = 0) -> str:
+                    moe_config: dict | None = None, config: dict | None = None, seed: int = 0) -> str:
     """Write a random-weight checkpoint that transformers itself produced (save_pretrained).
 
     The mixtures of experts (mixtral, qwen2_moe, qwen3_moe) take num_experts of
     moe_intermediate_size each (Mixtral's are intermediate_size), num_experts_per_tok per token;
     Qwen2-MoE's shared expert is intermediate_size; moe_config: more of the config's keys
-    (norm_topk_prob, decoder_sparse_step, mlp_only_layers, ...)."""
+    (norm_topk_prob, decoder_sparse_step, mlp_only_layers, ...). phi3 stores its attention and MLP
+    projections fused (qkv_proj, gate_up_proj); granite takes Granite 3's multipliers. config: more
+    of any architecture's config keys (partial_rotary_factor, original_max_position_embeddings, ...)."""
     import torch
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = train_tokenizer(vocab_size, seed)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[arch]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+             "granite": "Granite", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -102,7 +108,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                       moe_intermediate_size=moe_intermediate_size)
         if arch == "qwen2_moe":
             kwargs["shared_expert_intermediate_size"] = intermediate_size
+    if arch == "granite":
+        kwargs.update(GRANITE_MULTIPLIERS)
     kwargs.update(moe_config or {})
+    kwargs.update(config or {})
     if rope_scaling is not None:
         kwargs["rope_parameters"] = rope_scaling
     config = config_cls(**kwargs)

@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE) over a paged KV cache."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.models.moe import SparseMoE, moe_fields
-from engine.models.rope import cos_sin_cache, rope_parameters
+from engine.models.rope import rope_parameters, rope_table
 from kernels import KernelBackend
 
 if TYPE_CHECKING:
@@ -44,6 +44,12 @@ class LlamaArch:
     route_in_model_dtype: bool = False  # the weights rounded to the model's dtype (Qwen), else float32
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one dense expert beside, sigmoid-gated
     sparse_layers: tuple[int, ...] = ()
+    # Granite's multipliers: the embeddings scaled, attention's softmax scale (None: head_dim ** -0.5),
+    # each layer's attention and MLP output scaled before the residual add, the logits divided.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -55,6 +61,7 @@ class LlamaArch:
         window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
+        granite = model_type == "granite"
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
@@ -77,6 +84,11 @@ class LlamaArch:
             rope=rope_parameters(cfg),
             sliding_window=window,
             **moe_fields(cfg, model_type),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            attention_multiplier=float(cfg["attention_multiplier"]) if granite and "attention_multiplier" in cfg
+            else None,
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         )
 
 
@@ -125,7 +137,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if arch.attention_multiplier is None else arch.attention_multiplier
         self.kernels = kernels
 
     def set_kv_scales(self, k_scale, v_scale, dtype: torch.dtype, device: torch.device) -> None:
@@ -215,12 +227,16 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, kv_cache, meta, cos_sin)
+        if self.residual_multiplier != 1.0:  # Granite: each branch scaled before it joins the residual
+            h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -238,12 +254,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "cos_sin", cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope), persistent=False)
+        self.register_buffer("cos_sin", rope_table(arch), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
+        if self.arch.embedding_multiplier != 1.0:
+            x = x * self.arch.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin)
@@ -261,4 +278,6 @@ class LlamaForCausalLM(nn.Module):
         """[rows, vocab]; with tp the full logits on rank 0 (each rank computes its vocabulary
         shard) and None on the other ranks."""
         logits = self.lm_head(hidden)
+        if self.arch.logits_scaling != 1.0:  # Granite
+            logits = logits / self.arch.logits_scaling
         return logits if self.tp is None else self.tp.gather_logits(logits)

@@ -14,7 +14,7 @@ from torch import nn
 from engine.models.llama import LlamaArch, LlamaForCausalLM
 from engine.models.moe import SparseMoE
 from engine.models.quantization import KeptWeight, QuantizedWeights
-from engine.models.rope import cos_sin_cache
+from engine.models.rope import rope_table
 from kernels import KernelBackend
 from kernels.cpu_linear import pack_linears
 
@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -41,6 +43,28 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# A checkpoint that stores them fused already (Phi-3): read as its parts, so that tensor parallelism
+# and LoRA see the q / k / v and gate / up projections every other member of the family has.
+_PREFUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+
+
+def unfuse(hf_name: str, tensor: torch.Tensor, arch: LlamaArch) -> list[tuple[str, torch.Tensor]]:
+    """A pre-fused qkv_proj or dense gate_up_proj weight (or bias) as its parts' names and rows;
+    any other weight as itself."""
+    m = _PREFUSED.match(hf_name)
+    if m is None:
+        return [(hf_name, tensor)]
+    prefix, module, suffix = m.groups()
+    if module.endswith("qkv_proj"):
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        parts, sizes = ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
+    else:
+        parts, sizes = ("gate_proj", "up_proj"), (arch.intermediate_size,) * 2
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"weight {hf_name!r} has {tensor.shape[0]} rows; the config's "
+                         f"{' + '.join(parts)} make {sum(sizes)}")
+    scope = prefix + module.split(".")[0] + "."
+    return [(f"{scope}{part}.{suffix}", rows) for part, rows in zip(parts, tensor.split(sizes))]
 
 
 def check_architecture(hf_config: dict) -> str:
@@ -51,6 +75,20 @@ def check_architecture(hf_config: dict) -> str:
     shown = ", ".join(archs) or f"model_type={hf_config.get('model_type')!r}"
     raise ValueError(f"unsupported model architecture {shown}; pdserve supports "
                      f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+
+
+def resolve_max_model_len(hf_config: dict, wanted: int | None) -> int:
+    """The served context: `wanted` (--max-model-len; None: the checkpoint's), within the model's limit."""
+    arch = LlamaArch.from_hf_config(hf_config)
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        # Attention here is full, not windowed: stay within the window, where both agree.
+        limit = arch.sliding_window
+    if wanted is None:
+        return limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} tokens")
+    return wanted
 
 
 def resolve_dtype(name: str, hf_config: dict) -> torch.dtype:
@@ -84,8 +122,10 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.dtype,
                device: torch.device | str = "cpu", show_progress: bool = False, tp=None,
-               linear_backend: str = "auto", quantized_weights: str = "dequantize") -> LlamaForCausalLM:
+               linear_backend: str = "auto", quantized_weights: str = "dequantize",
+               max_model_len: int | None = None) -> LlamaForCausalLM:
     """tp (an engine.parallel TPGroup): load only this rank's shard, sliced in the file.
+    max_model_len: the served context, which picks LongRoPE's table (None: the checkpoint's).
     linear_backend (kernels.cpu_linear): on the CPU, "auto" packs the linear weights for oneDNN.
     quantized_weights: a quantized checkpoint's weights "dequantize"d to `dtype` as they load, or
     kept as stored ("keep": 8-bit and packed 4-bit projections, kernels.quant_linear)."""
@@ -106,7 +146,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     for module in [*kept.values(), *kept_experts.values()]:
         module.allocate(torch.device(device))
     # Buffers made on the meta device hold no data: compute the rotary table for real.
-    model.cos_sin = cos_sin_cache(arch.head_dim, arch.max_position_embeddings, arch.rope).to(device)
+    model.cos_sin = rope_table(arch, max_model_len).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float | torch.Tensor]] = {}
@@ -144,10 +184,17 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                     if not quant.is_companion(hf_name):
                         tensor = quant.dequantize(hf_name, f.get_tensor(hf_name),
                                                   companions.get(hf_name.rsplit(".", 1)[0], {}), dtype)
-                        if tp is not None:  # dequantized whole (its scales' grid is the whole weight's), then split
-                            tensor = tp.layout.read(quant.main_name(hf_name), tensor)
-                        if tensor is not None:
-                            _load_one(model, params, quant.main_name(hf_name), tensor, loaded)
+                        # dequantized whole (its scales' grid is the whole weight's), then split
+                        for name, part in unfuse(quant.main_name(hf_name), tensor, arch):
+                            part = part if tp is None else tp.layout.read(name, part)
+                            if part is not None:
+                                _load_one(model, params, name, part, loaded)
+                    continue
+                if _PREFUSED.match(hf_name):  # read whole, then as its parts (a rank's rows of each)
+                    for name, part in unfuse(hf_name, f.get_tensor(hf_name), arch):
+                        part = part if tp is None else tp.layout.read(name, part)
+                        if part is not None:
+                            _load_one(model, params, name, part, loaded)
                     continue
                 tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(hf_name, f.get_slice(hf_name))
                 if tensor is not None:
@@ -282,6 +329,10 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
         linear = model.get_submodule(target)
         fused = target.rsplit(".", 1)[1]
         need = {None} if fused not in ("qkv_proj", "gate_up_proj") else set(range(3 if fused == "qkv_proj" else 2))
+        if have == {None} and fused in ("qkv_proj", "gate_up_proj") and model.tp is not None:
+            raise _fused_kept_under_tp(target)
+        if have == {None}:  # stored fused (Phi-3): kept as stored, its rows whole
+            need = {None}
         if have != need:
             raise ValueError(f"--quantized-weights keep: {target} is quantized in part (shards {sorted(map(str, have))}); "
                              "use --quantized-weights dequantize")
@@ -346,6 +397,25 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
                 "through the fused Triton kernel" if kernels.name == "triton" else "dequantized per call",
                 f"; the experts of {len(kept_experts)} layers kept as stored (W8A16)" if kept_experts else "")
     return kept, kept_experts
+
+
+def _fused_kept_under_tp(module: str) -> ValueError:
+    return ValueError(f"--quantized-weights keep: the checkpoint stores {module} fused (Phi-3's form); under tensor "
+                      "parallelism it is read through --quantized-weights dequantize")
+
+
+def check_keep_under_tp(path: str, hf_config: dict, quantized_weights: str, tp_size: int) -> None:
+    """Before any worker starts: a kept quantized projection stored fused cannot be split by rank
+    (its parts' rows interleave in each rank's share), so keep under TP is refused for it by name."""
+    quant = QuantizedWeights.from_hf_config(hf_config)
+    if quant is None or quantized_weights != "keep" or tp_size == 1:
+        return
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                module = name.rsplit(".", 1)[0]
+                if quant.is_companion(name) and _PREFUSED.match(module + ".weight"):
+                    raise _fused_kept_under_tp(module.removeprefix("model."))
 
 
 def _is_down(module: str) -> bool:

@@ -1,30 +1,59 @@
-"""Rotary embedding tables (default, linear and Llama-3 scaling), as transformers computes them."""
+"""Rotary embedding tables (default, linear, Llama-3, YaRN and Phi-3's LongRoPE scaling), as
+transformers computes them."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
 
 def rope_parameters(hf_config: dict) -> dict:
-    """Normalise transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs."""
+    """Normalise transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs.
+    The dict also carries partial_rotary_factor (the share of head_dim rotated) and, for YaRN and
+    LongRoPE, original_max_position_embeddings (the pretraining context) and max_position_embeddings."""
     params = dict(hf_config.get("rope_parameters") or {})
     if not params:
         params = dict(hf_config.get("rope_scaling") or {})
         params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su":  # Phi-3's first name for LongRoPE
+        rope_type = "longrope"
     params["rope_type"] = rope_type
+    params.setdefault("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if rope_type in ("yarn", "longrope"):
+        params.setdefault("max_position_embeddings", hf_config.get("max_position_embeddings", 2048))
+        # Phi-3 saves the pretraining context at the top level, and it takes priority (transformers' rule).
+        original = hf_config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or params["max_position_embeddings"]
     return params
 
 
-def inv_frequencies(rot_dim: int, params: dict) -> torch.Tensor:
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many of a head's dimensions are rotated (Phi-4-mini's partial_rotary_factor 0.75: 3/4)."""
+    return int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+
+
+def uses_long_factors(params: dict, max_model_len: int) -> bool:
+    """LongRoPE: the long factors when the served context passes the pretraining one, for every
+    position (vLLM's rule: a sequence never changes tables mid-way, so its cached keys stay valid;
+    transformers switches a whole sequence to them once it passes that length)."""
+    return params["rope_type"] == "longrope" and max_model_len > params["original_max_position_embeddings"]
+
+
+def inv_frequencies(rot_dim: int, params: dict, long: bool = False) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies and the factor cos and sin are scaled by (YaRN's, LongRoPE's)."""
     base = float(params.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    inv_freq = 1.0 / (base ** exponents)
     rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(params["factor"])
+        return inv_freq / float(params["factor"]), 1.0
     if rope_type == "llama3":
         factor = float(params["factor"])
         low_freq_factor = float(params["low_freq_factor"])
@@ -37,13 +66,67 @@ def inv_frequencies(rot_dim: int, params: dict) -> torch.Tensor:
         smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = params["max_position_embeddings"] / original
+    factor = float(factor)
+    if rope_type == "yarn":
+        return _yarn(rot_dim, base, factor, original, params)
+    attention = params.get("attention_factor")  # LongRoPE's
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = params["long_factor" if long else "short_factor"]
+    if len(factors) != rot_dim // 2:
+        raise ValueError(f"rope_scaling's {'long' if long else 'short'}_factor has {len(factors)} values; "
+                         f"the rotated dimensions need {rot_dim // 2}")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents), float(attention)
 
 
-def cos_sin_cache(rot_dim: int, max_positions: int, params: dict) -> torch.Tensor:
-    """[max_positions, rot_dim]: cos of each frequency, then sin (kernels.reference layout)."""
-    inv_freq = inv_frequencies(rot_dim, params)
+def _yarn(rot_dim: int, base: float, factor: float, original: int, params: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: high frequencies kept, low ones interpolated by `factor`, a linear ramp between
+    (beta_fast / beta_slow rotations over the pretraining context); cos and sin scaled by
+    0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio, DeepSeek's form)."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, float(attention)
+
+
+def cos_sin_cache(rot_dim: int, max_positions: int, params: dict, long: bool = False) -> torch.Tensor:
+    """[max_positions, rot_dim]: cos of each frequency, then sin (kernels.reference layout), times
+    the rope type's attention factor where it has one. long: LongRoPE's long factors."""
+    inv_freq, scale = inv_frequencies(rot_dim, params, long)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if scale == 1.0:
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+
+
+def rope_table(arch, max_model_len: int | None = None) -> torch.Tensor:
+    """The model's rotary table (arch: engine.models.llama.LlamaArch) for a served context of
+    max_model_len tokens (None: the checkpoint's max_position_embeddings)."""
+    served = arch.max_position_embeddings if max_model_len is None else max_model_len
+    return cos_sin_cache(rotary_dim(arch.head_dim, arch.rope), max(arch.max_position_embeddings, served), arch.rope,
+                         long=uses_long_factors(arch.rope, served))

@@ -30,7 +30,7 @@ class TPWorker:
         from engine.kv_connector import KVCacheSpec
         from engine.models import load_model
         from engine.models.llama import LlamaArch
-        from engine.models.loader import resolve_dtype, resolve_kv_cache_dtype
+        from engine.models.loader import resolve_dtype, resolve_kv_cache_dtype, resolve_max_model_len
         from engine.parallel.group import TPGroup, make_store, rank_device
         from engine.parallel.layout import TPLayout
         from kernels import get_backend
@@ -46,9 +46,11 @@ class TPWorker:
         self.dtype = resolve_dtype(config.model.dtype, init.hf_config)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kernels = get_backend(config.kernel_backend, self.device)
+        max_model_len = resolve_max_model_len(init.hf_config, config.model.max_model_len)
         self.model = load_model(config.model.path, init.hf_config, self.kernels, self.dtype, self.device,
                                 tp=self.group, linear_backend=config.model.linear_backend,
-                                quantized_weights=config.model.quantized_weights)
+                                quantized_weights=config.model.quantized_weights,
+                                max_model_len=max_model_len)
         self.num_blocks = init.num_blocks
         self.kv_connector = None
         if init.kv_connector_factory is not None:  # this rank's own connector (shm needs its caches)
@@ -64,7 +66,7 @@ class TPWorker:
         # cache, run when rank 0 runs its own (Forward / ComputeLogits with draft set).
         from engine.spec_decode.draft_model import DraftModel
 
-        self.draft = DraftModel.of(config.speculative, arch, 0, self.layout.size, init.rank)  # (checked on rank 0)
+        self.draft = DraftModel.of(config.speculative, arch, max_model_len, self.layout.size, init.rank)
         if self.draft is not None and self.draft.layout is not None:
             self.draft.load(self.kernels, self.dtype, self.device, config.model.linear_backend, group=self.group)
             self.draft.allocate(init.num_blocks, config.cache.block_size, kv_dtype, self.device)

@@ -57,6 +57,7 @@ class DraftModel:
         if arch.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config: the draft model covers {arch.max_position_embeddings} positions, "
                              f"less than max_model_len={max_model_len}")
+        self.max_model_len = max_model_len
         self.layout, self.unsplit = None, None
         if tp_size > 1:
             from engine.parallel.layout import TPLayout
@@ -95,7 +96,8 @@ class DraftModel:
         if driver is not None:
             group = driver.group
         local = load_model(self.path, self.hf_config, kernels, dtype, device, linear_backend=linear_backend,
-                           tp=None if group is None else group.with_layout(self.layout))
+                           tp=None if group is None else group.with_layout(self.layout),
+                           max_model_len=self.max_model_len)
         if driver is not None:
             from engine.parallel.driver import TensorParallelModel
 

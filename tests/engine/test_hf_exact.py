@@ -17,6 +17,9 @@ VARIANTS = {
     "mistral": dict(arch="mistral"),
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3"),
+    # Phi-3's fused projections, with Phi-4-mini's partial rotary embedding; Granite's multipliers.
+    "phi3-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
+    "granite": dict(arch="granite"),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
@@ -42,12 +45,15 @@ def shared_prefix_prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:
 
 
 class Reference:
-    """transformers' own greedy generate on the same checkpoint, one prompt at a time."""
+    """transformers' own greedy generate on the same checkpoint, one prompt at a time; as
+    ignore_eos, it runs on past an end-of-sequence token rather than suppressing one."""
 
     def __init__(self, path: str) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos_token_id = self.model.generation_config.eos_token_id
+        self.model.generation_config.eos_token_id = None
         self.cache: dict[tuple, list[int]] = {}  # the reference's greedy tokens, computed on the CPU
 
     def generate(self, prompt: list[int]) -> list[int]:
@@ -55,8 +61,7 @@ class Reference:
         if key not in self.cache:
             ids = torch.tensor([prompt])
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                      pad_token_id=self.model.config.eos_token_id)
+                                      max_new_tokens=MAX_NEW, pad_token_id=self.eos_token_id)
             self.cache[key] = out[0, len(prompt):].tolist()
         return self.cache[key]
 

@@ -776,3 +776,28 @@ def test_lora_adapters_on_a_quantized_base(base, tiny_lora_factory, quantized_we
     llm = LLM(path, quantized_weights=quantized_weights, enable_lora=True, lora_modules=[f"a={adapter}"])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_name="a")
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+@pytest.fixture(scope="module")
+def phi3(tiny_model_factory) -> str:
+    """Phi-3's fused qkv_proj (rows 128 + 64 + 64) and gate_up_proj (384 + 384), quantized as stored."""
+    return tiny_model_factory("phi3", hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("case", ["fp8-block-128", "int8-channel"])
+def test_a_phi3_checkpoints_fused_quantized_projections(phi3, case, tmp_path):
+    """Dequantized whole and read as their parts (TP=1 and, each rank its rows of every part,
+    TP=2), or kept as stored, rows whole, at TP=1; under TP keep names the fused projection."""
+    path = CASES[case](phi3, str(tmp_path / case))
+    want = reference_greedy(case, path, tmp_path)
+    assert pdserve_greedy(path) == want
+    assert pdserve_greedy(path, quantized_weights="keep") == want
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.engine.shutdown()
+    fused = r"stores layers\.0\.(self_attn\.qkv|mlp\.gate_up)_proj fused.*--quantized-weights dequantize"
+    with pytest.raises(ValueError, match=fused):  # said before a worker starts
+        LLM(path, tensor_parallel_size=2, quantized_weights="keep")

@@ -26,6 +26,9 @@ VARIANTS = {
     # shared expert split too and reduced with the routed experts.
     "mixtral": dict(arch="mixtral"),
     "qwen2-moe-shared": dict(arch="qwen2_moe"),
+    # Phi-3's fused qkv_proj / gate_up_proj: each rank reads its rows of every part; Granite's multipliers.
+    "phi3-fused-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
+    "granite": dict(arch="granite"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -43,7 +46,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("llama-gqa", "draft-model"),
          ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
          ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("mixtral", "chunked-preempted"),
-         ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec")]
+         ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec"),
+         ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async")]
 
 
 def alive(pid: int) -> bool:

@@ -1,0 +1,68 @@
+"""Rotary scalings beyond Llama 3's: YaRN (Qwen's long-context form), Phi-3's LongRoPE (short and
+long factors, the table picked by the served context as vLLM picks it) and a partial rotary
+dimension; greedy outputs token-exact against transformers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM
+from engine.models.rope import rope_parameters, uses_long_factors
+from test_hf_exact import Reference, run
+
+# A head of 16 (64 wide, 4 heads): LongRoPE's factors are one per rotated pair of dimensions.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]}
+
+
+def prompts(vocab_size: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def test_yarn_is_token_exact(tiny_model_factory):
+    path = tiny_model_factory("qwen3", max_position_embeddings=1024, config={"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}})
+    ref = Reference(path)
+    batch = prompts(ref.model.config.vocab_size, (1, 17, 129, 300))
+    assert run(LLM(path, max_num_batched_tokens=64), batch) == [ref.generate(p) for p in batch]
+
+
+def test_longrope_within_the_pretraining_context_uses_the_short_factors(tiny_model_factory):
+    """--max-model-len within original_max_position_embeddings: no sequence passes it, and the
+    short factors (with the attention factor of the extended context) are transformers' choice too."""
+    path = tiny_model_factory("phi3", max_position_embeddings=1024,
+                              config={"original_max_position_embeddings": 256, "rope_parameters": LONGROPE})
+    ref = Reference(path)
+    batch = prompts(ref.model.config.vocab_size, (1, 40, 129, 200))
+    llm = LLM(path, max_model_len=256)
+    assert not uses_long_factors(llm.engine.runner.model.arch.rope, 256)
+    assert run(llm, batch) == [ref.generate(p) for p in batch]
+
+
+def test_longrope_past_the_pretraining_context_uses_the_long_factors(tiny_model_factory):
+    """A served context past original_max_position_embeddings: the long factors for every position
+    (vLLM's rule); transformers agrees for every sequence longer than the pretraining context."""
+    path = tiny_model_factory("phi3", max_position_embeddings=1024,
+                              config={"original_max_position_embeddings": 64, "rope_parameters": LONGROPE})
+    ref = Reference(path)
+    batch = prompts(ref.model.config.vocab_size, (65, 100, 257))
+    llm = LLM(path, max_num_batched_tokens=96)
+    assert uses_long_factors(llm.engine.runner.model.arch.rope, llm.engine.max_model_len)
+    assert run(llm, batch) == [ref.generate(p) for p in batch]
+
+
+def test_phi3s_first_longrope_name_and_its_top_level_pretraining_context_are_read():
+    params = rope_parameters({"rope_theta": 10000.0, "max_position_embeddings": 131072,
+                              "original_max_position_embeddings": 4096,
+                              "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}})
+    assert params["rope_type"] == "longrope" and params["original_max_position_embeddings"] == 4096
+    assert uses_long_factors(params, 131072) and not uses_long_factors(params, 4096)
+
+
+def test_an_unsupported_rope_type_is_named_at_load(tiny_model_factory):
+    path = tiny_model_factory("llama", config={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                    "factor": 2.0}})
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'.*yarn, longrope"):
+        LLM(path)
