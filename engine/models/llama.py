@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the mixtures of experts
-Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +42,7 @@ class LlamaArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the k routing weights renormalised to sum to one
     route_in_model_dtype: bool = False  # the weights rounded to the model's dtype (Qwen), else float32
+    softmax_of_top_k: bool = False  # Granite-MoE: the softmax of the k largest logits (the same weights)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one dense expert beside, sigmoid-gated
     sparse_layers: tuple[int, ...] = ()
     # Granite's multipliers: the embeddings scaled, attention's softmax scale (None: head_dim ** -0.5),
@@ -50,6 +51,7 @@ class LlamaArch:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention takes no rotary embedding
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -59,9 +61,10 @@ class LlamaArch:
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (the Llama family uses silu)")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and \
+                not cfg.get("use_sliding_window", False):
             window = None
-        granite = model_type == "granite"
+        granite = model_type in ("granite", "granitemoe")
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
@@ -77,7 +80,8 @@ class LlamaArch:
             # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config may say otherwise.
             qkv_bias=(bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True) if qwen2
             else attention_bias,
-            o_bias=attention_bias if not qwen2 else False,
+            o_bias=False if qwen2 else bool(cfg.get("attention_out_bias", False)) if model_type == "seed_oss"
+            else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -89,7 +93,20 @@ class LlamaArch:
             else None,
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
         )
+
+
+def _nope_layers(cfg: dict) -> tuple[int, ...]:
+    """SmolLM3's layers without a rotary embedding: no_rope_layers[i] == 0, or, where the config
+    leaves the list out, every no_rope_layer_interval-th layer (transformers' rule)."""
+    layers = cfg.get("no_rope_layers")
+    if layers is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        layers = [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
+    if len(layers) != cfg["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers has {len(layers)} entries for {cfg['num_hidden_layers']} layers")
+    return tuple(i for i, rope in enumerate(layers) if not rope)
 
 
 @dataclass
@@ -123,9 +140,11 @@ class Attention(nn.Module):
     has_kv_scales = False
     _per_head = None  # per-head scales: (K's, V's divisors [KV heads, 1]; Q's, O's factors [heads, 1])
 
-    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None) -> None:
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 rotary: bool = True) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.rotary = rotary
         o_bias = arch.o_bias
         if tp is not None:
             self.num_heads, self.num_kv_heads = tp.layout.local_heads, tp.layout.local_kv_heads
@@ -166,7 +185,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
-        q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+        if self.rotary:
+            q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+        else:  # (SmolLM3's NoPE layers) the kernels take q and k as the rotary kernel leaves them
+            q, k = q.contiguous(), k.contiguous()
         scale, (k_scale, v_scale) = self.scale, self.kv_scales
         scaled = kv_cache.element_size() == 1 and self.has_kv_scales
         per_head = self._per_head if scaled else None
@@ -223,7 +245,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
                  index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, kernels, tp)
+        self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers)
         self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)

@@ -27,9 +27,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+    "SeedOssForCausalLM": "seed_oss",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # An expert's projection (per-expert checkpoints, as published and as transformers saves them):
@@ -43,6 +46,19 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# Granite-MoE's names for a layer's stacked experts ([E, 2I, H] gate and up, [E, H, I] down) and
+# router: read as transformers 5 holds Mixtral's (mlp.experts.gate_up_proj, down_proj; mlp.gate).
+_GRANITE_MOE = re.compile(r"^(.*\.)block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight)$")
+_GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output_linear.weight": "mlp.experts.down_proj",
+                      "router.layer.weight": "mlp.gate.weight"}
+
+
+def canonical_name(hf_name: str) -> str:
+    """A checkpoint tensor's name as the loader reads it (Granite-MoE's experts and router renamed)."""
+    m = _GRANITE_MOE.match(hf_name)
+    return hf_name if m is None else m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
+
+
 # A checkpoint that stores them fused already (Phi-3): read as its parts, so that tensor parallelism
 # and LoRA see the q / k / v and gate / up projections every other member of the family has.
 _PREFUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
@@ -189,6 +205,11 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                             part = part if tp is None else tp.layout.read(name, part)
                             if part is not None:
                                 _load_one(model, params, name, part, loaded)
+                    continue
+                if _GRANITE_MOE.match(hf_name):
+                    name = canonical_name(hf_name)
+                    tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(name, f.get_slice(hf_name))
+                    _load_one(model, params, name, tensor, loaded)
                     continue
                 if _PREFUSED.match(hf_name):  # read whole, then as its parts (a rank's rows of each)
                     for name, part in unfuse(hf_name, f.get_tensor(hf_name), arch):

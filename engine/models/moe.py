@@ -1,7 +1,7 @@
-"""Mixture-of-experts MLPs of the Llama family: Mixtral, Qwen2-MoE (with a shared expert) and
-Qwen3-MoE. A router (`gate`) scores every expert per token; the token runs through its top k,
-their outputs weighted by the softmax probabilities (renormalised over the k where the model
-says so). The experts' weights are stacked, [E, 2I, H] gate and up and [E, H, I] down, for the
+"""Mixture-of-experts MLPs of the Llama family: Mixtral, Qwen2-MoE (with a shared expert),
+Qwen3-MoE and Granite-MoE. A router (`gate`) scores every expert per token; the token runs through
+its top k, their outputs weighted by the softmax probabilities (renormalised over the k where the
+model says so; Granite-MoE takes the softmax of the k logits, the same weights rounded otherwise). The experts' weights are stacked, [E, 2I, H] gate and up and [E, H, I] down, for the
 backend's fused_moe (kernels.reference.fused_moe is the definition)."""
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from torch import nn
 
 from kernels import KernelBackend
 
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 
 
 # transformers' defaults for what a config.json may leave out (its config classes' fields).
 _DEFAULTS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -32,7 +33,7 @@ def moe_fields(cfg: dict, model_type: str) -> dict:
     k = cfg["num_experts_per_tok"]
     if experts < 1 or not 0 < k <= experts:
         raise ValueError(f"{model_type}: num_experts_per_tok ({k}) must be between 1 and the experts ({experts})")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):
         # (router_jitter_noise is training-time noise: inference routes without it, as transformers)
         inter, norm, sparse = cfg["intermediate_size"], True, tuple(range(cfg["num_hidden_layers"]))
     else:
@@ -41,7 +42,7 @@ def moe_fields(cfg: dict, model_type: str) -> dict:
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and step > 0 and (i + 1) % step == 0)
     return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=norm,
-                route_in_model_dtype=model_type != "mixtral",
+                route_in_model_dtype=model_type != "mixtral", softmax_of_top_k=model_type == "granitemoe",
                 shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"] if model_type == "qwen2_moe" else 0,
                 sparse_layers=sparse)
 
@@ -57,6 +58,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.route_in_model_dtype = arch.route_in_model_dtype
+        self.softmax_of_top_k = arch.softmax_of_top_k
         inter = arch.moe_intermediate_size if tp is None else tp.layout.local_moe_intermediate
         self.num_experts, self.intermediate_size = arch.num_experts, inter
         hidden = arch.hidden_size
@@ -110,6 +112,9 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as transformers' routers compute them."""
         logits = self.gate(x)
+        if self.softmax_of_top_k:  # Granite-MoE: the k largest float32 logits, then their softmax
+            top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(logits.dtype), ids
         weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

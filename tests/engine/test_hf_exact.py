@@ -20,11 +20,16 @@ VARIANTS = {
     # Phi-3's fused projections, with Phi-4-mini's partial rotary embedding; Granite's multipliers.
     "phi3-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
     "granite": dict(arch="granite"),
+    # SmolLM3's layer without a rotary embedding; Seed-OSS's q/k/v biases (random), o_proj without one.
+    "smollm3-nope": dict(arch="smollm3", config={"no_rope_layers": [1, 0]}),
+    "seed-oss": dict(arch="seed_oss"),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
     "qwen2-moe": dict(arch="qwen2_moe"),
     "qwen3-moe": dict(arch="qwen3_moe", moe_config={"norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Granite-MoE: stacked experts under its own names, the softmax of the top k logits, Granite's multipliers.
+    "granite-moe": dict(arch="granitemoe"),
 }
 CONFIGS = {
     "plain": dict(),

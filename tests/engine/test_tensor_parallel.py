@@ -29,6 +29,8 @@ VARIANTS = {
     # Phi-3's fused qkv_proj / gate_up_proj: each rank reads its rows of every part; Granite's multipliers.
     "phi3-fused-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
     "granite": dict(arch="granite"),
+    "granite-moe": dict(arch="granitemoe"),
+    "seed-oss-biases": dict(arch="seed_oss"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -47,7 +49,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("mistral", "chunked-preempted"), ("qwen2-tied-qkv-bias", "chunked-preempted"),
          ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("mixtral", "chunked-preempted"),
          ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec"),
-         ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async")]
+         ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async"),
+         ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain")]
 
 
 def alive(pid: int) -> bool:
