@@ -6,8 +6,8 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "mixtral", "qwen2_moe",
-         "qwen3_moe", "granitemoe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
+         "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
@@ -74,13 +74,13 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                     moe_config: dict | None = None, config: dict | None = None, seed: int = 0) -> str:
     """Write a random-weight checkpoint that transformers itself produced (save_pretrained).
 
-    The mixtures of experts (mixtral, qwen2_moe, qwen3_moe, granitemoe) take num_experts of
-    moe_intermediate_size each (Mixtral's and Granite-MoE's are intermediate_size),
+    The mixtures of experts (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe) take num_experts of
+    moe_intermediate_size each (Mixtral's, Granite-MoE's and OLMoE's are intermediate_size),
     num_experts_per_tok per token; Qwen2-MoE's shared expert is intermediate_size; moe_config: more
     of the config's keys (norm_topk_prob, decoder_sparse_step, mlp_only_layers, ...). phi3 stores
     its attention and MLP projections fused (qkv_proj, gate_up_proj); granite and granitemoe take
     Granite 3's multipliers; smollm3 leaves every fourth layer without a rotary embedding (its
-    default); seed_oss has random q/k/v biases. config: more of any architecture's config keys
+    default); seed_oss has random q/k/v biases; olmo2 normalises after each sublayer. config: more of any architecture's config keys
     (partial_rotary_factor, original_max_position_embeddings, no_rope_layers, ...)."""
     import torch
     import transformers
@@ -89,8 +89,9 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = train_tokenizer(vocab_size, seed)
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-             "granite": "Granite", "smollm3": "SmolLM3", "seed_oss": "SeedOss", "mixtral": "Mixtral",
-             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe"}[arch]
+             "granite": "Granite", "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2",
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe",
+             "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -110,6 +111,8 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     elif arch in ("qwen2_moe", "qwen3_moe"):
         kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
                       moe_intermediate_size=moe_intermediate_size)
+    elif arch == "olmoe":
+        kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
         if arch == "qwen2_moe":
             kwargs["shared_expert_intermediate_size"] = intermediate_size
     if arch in ("granite", "granitemoe"):

@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE) over a paged KV cache."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV
+cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,6 +53,11 @@ class LlamaArch:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention takes no rotary embedding
+    # OLMo 2 / OLMoE: q and k normalised over all their heads at once (q_norm [heads * head_dim]),
+    # before the rotary embedding; then clamped to +-clip_qkv (and v) where the config says.
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    post_norm: bool = False  # OLMo 2: each sublayer's output normalised before the residual add, no input norms
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -94,6 +100,9 @@ class LlamaArch:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
+            qk_norm_full=model_type in ("olmo2", "olmoe"),
+            clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
+            post_norm=model_type == "olmo2",
         )
 
 
@@ -156,8 +165,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
+        self.qk_norm_full, self.clip_qkv = arch.qk_norm_full, arch.clip_qkv
+        if arch.qk_norm_full:  # this rank's slice of the full-width weights; the variance is over all heads
+            self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, kernels)
+            # Each KV head is on size // KV heads ranks when it is replicated: its squares counted once.
+            self._k_replicas = 1 if tp is None else max(1, tp.layout.size // arch.num_kv_heads)
         self.scale = self.head_dim ** -0.5 if arch.attention_multiplier is None else arch.attention_multiplier
         self.kernels = kernels
+
+    def _full_norm(self, x: torch.Tensor, norm: "RMSNorm", replicas: int) -> torch.Tensor:
+        """RMS norm over every head's [T, heads * head_dim] at once; under TP the squares are summed
+        over the ranks (each replicated KV head once) and each rank scales its heads by its slice."""
+        if self.tp is None:
+            return norm(x)[0]
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        width = x.shape[-1] * self.tp.layout.size // replicas
+        normed = xf * torch.rsqrt(squares / (replicas * width) + norm.eps)
+        return (norm.weight * normed.to(x.dtype)).contiguous()
 
     def set_kv_scales(self, k_scale, v_scale, dtype: torch.dtype, device: torch.device) -> None:
         """A checkpoint's K and V scales: floats, or tensors of this rank's KV heads' (the divisors
@@ -179,10 +205,14 @@ class Attention(nn.Module):
         if self.qkv_lora is not None:
             self.qkv_lora(x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_full:
+            q, k = self._full_norm(q, self.q_norm, 1), self._full_norm(k, self.k_norm, self._k_replicas)
+            if self.clip_qkv is not None:
+                q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         if self.rotary:
@@ -261,6 +291,24 @@ class DecoderLayer(nn.Module):
         return (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier), residual
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2: the residual stream goes into attention and the MLP as it is, and each one's output is
+    normalised (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 index: int = 0) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers)
+        self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        x = x + self.post_attention_layernorm(h)[0]
+        return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
+
+
 class LlamaForCausalLM(nn.Module):
     """With tp (tensor parallelism): this rank's shard; the embedding and the LM head are
     vocabulary-parallel (rows vocab_start.. of the vocabulary), norms replicated."""
@@ -271,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         vocab_rows = arch.vocab_size if tp is None else tp.layout.vocab_per_rank
         self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, kernels, tp, i) for i in range(arch.num_layers))
+        layer_cls = PostNormDecoderLayer if arch.post_norm else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(arch, kernels, tp, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:

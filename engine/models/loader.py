@@ -29,10 +29,12 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "SeedOssForCausalLM": "seed_oss",
+    "Olmo2ForCausalLM": "olmo2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteMoeForCausalLM": "granitemoe",
+    "OlmoeForCausalLM": "olmoe",
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # An expert's projection (per-expert checkpoints, as published and as transformers saves them):

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLPs of the Llama family: Mixtral, Qwen2-MoE (with a shared expert),
-Qwen3-MoE and Granite-MoE. A router (`gate`) scores every expert per token; the token runs through
+Qwen3-MoE, Granite-MoE and OLMoE. A router (`gate`) scores every expert per token; the token runs through
 its top k, their outputs weighted by the softmax probabilities (renormalised over the k where the
 model says so; Granite-MoE takes the softmax of the k logits, the same weights rounded otherwise). The experts' weights are stacked, [E, 2I, H] gate and up and [E, H, I] down, for the
 backend's fused_moe (kernels.reference.fused_moe is the definition)."""
@@ -10,13 +10,14 @@ from torch import nn
 
 from kernels import KernelBackend
 
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 
 
 # transformers' defaults for what a config.json may leave out (its config classes' fields).
 _DEFAULTS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
     "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -33,9 +34,11 @@ def moe_fields(cfg: dict, model_type: str) -> dict:
     k = cfg["num_experts_per_tok"]
     if experts < 1 or not 0 < k <= experts:
         raise ValueError(f"{model_type}: num_experts_per_tok ({k}) must be between 1 and the experts ({experts})")
-    if model_type in ("mixtral", "granitemoe"):
+    if model_type in ("mixtral", "granitemoe", "olmoe"):
         # (router_jitter_noise is training-time noise: inference routes without it, as transformers)
         inter, norm, sparse = cfg["intermediate_size"], True, tuple(range(cfg["num_hidden_layers"]))
+        if model_type == "olmoe":
+            norm = bool(cfg["norm_topk_prob"])
     else:
         inter, norm = cfg["moe_intermediate_size"], bool(cfg["norm_topk_prob"])
         step = cfg["decoder_sparse_step"]

@@ -134,6 +134,11 @@ class TPLayout:
             part = tensor_slice[self.vocab_start:self.vocab_end]
             pad = self.vocab_per_rank - part.shape[0]
             return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            rows = tensor_slice.get_shape()[0] if hasattr(tensor_slice, "get_shape") else tensor_slice.shape[0]
+            if rows != self.head_dim:  # over all heads at once (OLMo 2): this rank's heads' slice
+                _, start, end = self.split_of(name.replace("_norm.", "_proj."))
+                return tensor_slice[start:end]
         split = self.split_of(name)
         if split is not None and split[0] == 1 and name.endswith(".bias"):
             return tensor_slice[:] if self.owns_replicated_bias() else None

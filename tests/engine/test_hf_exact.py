@@ -23,6 +23,8 @@ VARIANTS = {
     # SmolLM3's layer without a rotary embedding; Seed-OSS's q/k/v biases (random), o_proj without one.
     "smollm3-nope": dict(arch="smollm3", config={"no_rope_layers": [1, 0]}),
     "seed-oss": dict(arch="seed_oss"),
+    # OLMo 2: q and k normalised over all heads at once, each sublayer's output normalised.
+    "olmo2": dict(arch="olmo2"),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
@@ -30,6 +32,8 @@ VARIANTS = {
     "qwen3-moe": dict(arch="qwen3_moe", moe_config={"norm_topk_prob": True, "mlp_only_layers": [1]}),
     # Granite-MoE: stacked experts under its own names, the softmax of the top k logits, Granite's multipliers.
     "granite-moe": dict(arch="granitemoe"),
+    # OLMoE: full-width q / k norms, then q, k and v clamped; the top 8 of 8 experts renormalised.
+    "olmoe-clip": dict(arch="olmoe", moe_config={"clip_qkv": 0.5, "norm_topk_prob": True}),
 }
 CONFIGS = {
     "plain": dict(),

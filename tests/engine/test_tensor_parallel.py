@@ -31,6 +31,10 @@ VARIANTS = {
     "granite": dict(arch="granite"),
     "granite-moe": dict(arch="granitemoe"),
     "seed-oss-biases": dict(arch="seed_oss"),
+    # q and k normalised over all heads: the squares summed over the ranks (a replicated KV head once).
+    "olmo2": dict(arch="olmo2"),
+    "olmo2-1-kv-head": dict(arch="olmo2", num_kv_heads=1),
+    "olmoe": dict(arch="olmoe"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -50,7 +54,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("qwen3-qk-norm", "chunked-preempted"), ("llama-o-mlp-bias", "plain"), ("mixtral", "chunked-preempted"),
          ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec"),
          ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async"),
-         ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain")]
+         ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain"), ("olmo2", "chunked-padded-async"),
+         ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
