@@ -291,16 +291,14 @@ class DecoderLayer(nn.Module):
         return (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier), residual
 
 
-class PostNormDecoderLayer(nn.Module):
+class PostNormDecoderLayer(DecoderLayer):
     """OLMo 2: the residual stream goes into attention and the MLP as it is, and each one's output is
     normalised (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream."""
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
                  index: int = 0) -> None:
-        super().__init__()
-        self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers)
-        self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        super().__init__(arch, kernels, tp, index)
+        del self.input_layernorm
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
