@@ -6,7 +6,7 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
          "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
@@ -80,7 +80,8 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     of the config's keys (norm_topk_prob, decoder_sparse_step, mlp_only_layers, ...). phi3 stores
     its attention and MLP projections fused (qkv_proj, gate_up_proj); granite and granitemoe take
     Granite 3's multipliers; smollm3 leaves every fourth layer without a rotary embedding (its
-    default); seed_oss has random q/k/v biases; olmo2 normalises after each sublayer. config: more of any architecture's config keys
+    default); seed_oss has random q/k/v biases; olmo2 normalises after each sublayer; gemma's norm
+    weights are random (transformers starts them at zero: 1 + 0 would hide an offset not added). config: more of any architecture's config keys
     (partial_rotary_factor, original_max_position_embeddings, no_rope_layers, ...)."""
     import torch
     import transformers
@@ -88,8 +89,8 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = train_tokenizer(vocab_size, seed)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-             "granite": "Granite", "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2",
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+             "phi3": "Phi3", "granite": "Granite", "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2",
              "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe",
              "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
@@ -102,7 +103,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                   pad_token_id=tokenizer.pad_token_id)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    elif arch in ("qwen3", "qwen3_moe", "seed_oss"):
+    elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma"):
         kwargs["head_dim"] = hidden_size // num_heads
     if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = max_position_embeddings
@@ -124,10 +125,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    if arch == "seed_oss":  # transformers starts biases at zero, which would hide one read wrong
+    if arch in ("seed_oss", "gemma"):  # transformers starts these at zero, which would hide one read wrong
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith(".bias"):
+                if name.endswith(".bias") or arch == "gemma" and name.endswith("norm.weight"):
                     param.normal_(0.0, 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

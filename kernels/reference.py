@@ -118,6 +118,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]).mul_(x[..., d:])
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] (gate, up) -> gelu(gate, tanh approximation) * up, as HF's GemmaMLP computes it
+    (torch ops: the same on every device and backend)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) normalised, as HF's LlamaRMSNorm; returns (normed, new_residual)."""

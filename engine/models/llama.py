@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
 and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV
 cache."""
 from __future__ import annotations
@@ -11,7 +11,10 @@ from torch import nn
 
 from engine.models.moe import SparseMoE, moe_fields
 from engine.models.rope import rope_parameters, rope_table
-from kernels import KernelBackend
+from kernels import KernelBackend, reference
+
+# A gated MLP's activation -> (gate, up) -> act(gate) * up (silu: the backend's fused kernel).
+ACTIVATIONS = {"silu": reference.silu_and_mul, "gelu_pytorch_tanh": reference.gelu_tanh_and_mul}
 
 if TYPE_CHECKING:
     from engine.parallel.group import TPGroup
@@ -58,19 +61,27 @@ class LlamaArch:
     qk_norm_full: bool = False
     clip_qkv: float | None = None
     post_norm: bool = False  # OLMo 2: each sublayer's output normalised before the residual add, no input norms
+    hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
+    # Gemma: RMS norms scale by 1 + weight (the loader stores 1 + the checkpoint's weight), and the
+    # embeddings by sqrt(hidden_size) rounded to the model's dtype.
+    norm_offset: float = 0.0
+    embedding_multiplier_in_dtype: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
         model_type = cfg.get("model_type", "llama")
         heads = cfg["num_attention_heads"]
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (the Llama family uses silu)")
+        act = cfg.get("hidden_act", "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+        if model_type == "gemma" and act == "gelu":  # Gemma's first configs; transformers reads the tanh form
+            act = "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r} (served: {', '.join(ACTIVATIONS)})")
         window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and \
                 not cfg.get("use_sliding_window", False):
             window = None
         granite = model_type in ("granite", "granitemoe")
+        gemma = model_type == "gemma"
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
@@ -90,11 +101,12 @@ class LlamaArch:
             else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             rope=rope_parameters(cfg),
             sliding_window=window,
             **moe_fields(cfg, model_type),
-            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite
+            else cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             attention_multiplier=float(cfg["attention_multiplier"]) if granite and "attention_multiplier" in cfg
             else None,
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
@@ -103,6 +115,9 @@ class LlamaArch:
             qk_norm_full=model_type in ("olmo2", "olmoe"),
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             post_norm=model_type == "olmo2",
+            hidden_act=act,
+            norm_offset=1.0 if model_type == "gemma" else 0.0,
+            embedding_multiplier_in_dtype=model_type == "gemma",
         )
 
 
@@ -258,14 +273,15 @@ class MLP(nn.Module):
         down_bias = arch.mlp_bias and (tp is None or tp.layout.owns_replicated_bias())
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
+        self.act_and_mul = kernels.silu_and_mul if arch.hidden_act == "silu" else ACTIVATIONS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.gate_up_lora is None:
-            out = self.down_proj(self.kernels.silu_and_mul(gate_up))
+            out = self.down_proj(self.act_and_mul(gate_up))
         else:
             self.gate_up_lora(x, gate_up)
-            h = self.kernels.silu_and_mul(gate_up)
+            h = self.act_and_mul(gate_up)
             out = self.down_proj(h)
             self.down_lora(h, out)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -328,7 +344,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
-        if self.arch.embedding_multiplier != 1.0:
+        if self.arch.embedding_multiplier_in_dtype:  # Gemma's normalizer, a tensor of the embeddings' dtype
+            x = x * torch.tensor(self.arch.embedding_multiplier, dtype=x.dtype, device=x.device)
+        elif self.arch.embedding_multiplier != 1.0:
             x = x * self.arch.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.llama import LlamaArch, LlamaForCausalLM
+from engine.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm
 from engine.models.moe import SparseMoE
 from engine.models.quantization import KeptWeight, QuantizedWeights
 from engine.models.rope import rope_table
@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
@@ -240,6 +241,11 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
     del params
+    if arch.norm_offset:  # Gemma's norms scale by 1 + weight: stored so, for every backend's RMS norm
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(arch.norm_offset)
     for i, scales in kv_scales.items():
         if i >= len(model.layers):
             raise ValueError(f"KV cache scales for layer {i}, but the model has {len(model.layers)} layers")

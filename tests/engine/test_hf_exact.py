@@ -17,6 +17,8 @@ VARIANTS = {
     "mistral": dict(arch="mistral"),
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3"),
+    # Gemma: 1 + weight norms (random weights), the sqrt(hidden) normalizer, GELU (tanh), tied embeddings.
+    "gemma": dict(arch="gemma"),
     # Phi-3's fused projections, with Phi-4-mini's partial rotary embedding; Granite's multipliers.
     "phi3-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
     "granite": dict(arch="granite"),

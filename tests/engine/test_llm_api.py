@@ -59,6 +59,17 @@ def test_unsupported_architecture(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_an_unsupported_activation_is_named(tiny_model_factory, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_factory("llama"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "relu2"}))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'relu2' \\(served: silu, gelu_pytorch_tanh\\)"):
+        LLM(str(tmp_path))
+
+
 def test_generation_stops_at_context_length(llm):
     out = llm.generate([[5] * 250], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"

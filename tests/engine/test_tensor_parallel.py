@@ -35,6 +35,7 @@ VARIANTS = {
     "olmo2": dict(arch="olmo2"),
     "olmo2-1-kv-head": dict(arch="olmo2", num_kv_heads=1),
     "olmoe": dict(arch="olmoe"),
+    "gemma": dict(arch="gemma"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -55,7 +56,7 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec"),
          ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async"),
          ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain"), ("olmo2", "chunked-padded-async"),
-         ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted")]
+         ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async")]
 
 
 def alive(pid: int) -> bool:
