@@ -54,8 +54,10 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a varlen batch of queries [T, heads, head_dim] over paged context."""
+                    out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of a varlen batch of queries [T, heads, head_dim] over paged context.
+    window > 0: a query at position p sees the keys at p - window + 1 .. p (sliding-window
+    attention, transformers' rule); softcap > 0: scores softcap * tanh(scores / softcap)."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -72,9 +74,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         v = v.float().repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, H, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
     return out
@@ -82,10 +89,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, out: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence: query [num_seqs, heads, head_dim]."""
     qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(query, kv_cache, qsl, seq_lens, block_tables, scale, out)
+    return paged_attention(query, kv_cache, qsl, seq_lens, block_tables, scale, out, window, softcap)
 
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor,

@@ -48,17 +48,20 @@ def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, out: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     ext = _attention_ext(query, kv_cache)
     if ext is not None:
         if out is None or not out.is_contiguous():
             result = torch.empty_like(query)
             ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
-                                       block_tables.to(torch.int32), scale, result)
+                                       block_tables.to(torch.int32), scale, result, window, softcap)
             return result if out is None else out.copy_(result)
         ext.paged_decode_attention(query.contiguous(), kv_cache, seq_lens.to(torch.int32),
-                                   block_tables.to(torch.int32), scale, out)
+                                   block_tables.to(torch.int32), scale, out, window, softcap)
         return out
+    if window or softcap:  # SDPA takes neither a window's band nor soft-capped scores
+        return reference.paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, out, window, softcap)
     return _torch_decode(query, kv_cache, seq_lens, block_tables, scale, out)
 
 
@@ -82,13 +85,14 @@ def _torch_decode(query, kv_cache, seq_lens, block_tables, scale, out):
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     t = query.shape[0]
     b = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
     if t == b:  # every sequence has exactly one query token
-        return paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, out)
+        return paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, out, window, softcap)
+    band = dict(window=window, softcap=softcap) if window or softcap else {}
     qsl = query_start_loc.to(torch.long)
     q_lens = qsl[1:] - qsl[:-1]
     decode = q_lens == 1
@@ -96,16 +100,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         rows = torch.nonzero(decode).flatten()
         tokens = qsl[:-1][rows]
         out[tokens] = paged_decode_attention(query[tokens], kv_cache, seq_lens[rows],
-                                             block_tables[rows], scale)
+                                             block_tables[rows], scale, None, window, softcap)
         rows = torch.nonzero(~decode & (q_lens > 0)).flatten()
         if len(rows) == 0:
             return out
         sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.long, device=query.device)
         torch.cumsum(q_lens[rows], 0, out=sub_qsl[1:])
         token_idx = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
-        out[token_idx] = _prefill(query[token_idx], kv_cache, sub_qsl, seq_lens[rows], block_tables[rows], scale)
+        out[token_idx] = _prefill(query[token_idx], kv_cache, sub_qsl, seq_lens[rows], block_tables[rows], scale,
+                                  **band)
         return out
-    return _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out)
+    return _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out, **band)
 
 
 # SDPA's CPU flash kernel with the log-sum-exp of each query row (torch's own op; absent in
@@ -113,7 +118,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out=None) -> torch.Tensor:
+def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out=None, window=0, softcap=0.0) -> torch.Tensor:
     """Varlen causal attention over the paged cache (each row's query tokens at the end of its
     keys): the C++ kernel, else _sdpa_prefill; into `out` when given (the kernel writes it in
     place where it is contiguous and of the query's dtype)."""
@@ -122,7 +127,9 @@ def _prefill(query, kv_cache, qsl, seq_lens, block_tables, scale, out=None) -> t
         direct = out is not None and out.is_contiguous() and out.dtype == query.dtype
         result = out if direct else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         ext.paged_prefill_attention(query.contiguous(), kv_cache, qsl, seq_lens.to(torch.int32),
-                                    block_tables.to(torch.int32), scale, result)
+                                    block_tables.to(torch.int32), scale, result, window, softcap)
+    elif window or softcap:  # SDPA takes neither a window's band nor soft-capped scores
+        result = reference.paged_attention(query, kv_cache, qsl, seq_lens, block_tables, scale, None, window, softcap)
     else:
         result = _sdpa_prefill(query, kv_cache, qsl, seq_lens, block_tables, scale)
     if out is None or result is out:

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import LOG2E, attend_kv_tile, check_attention_args, dot_options, head_block
+from kernels.triton_paged import LOG2E, attend_kv_tile, check_attention_args, dot_options, head_block, softcap_log2
 
 DECODE_BLOCK_N = 64  # keys per tile; splits are whole tiles
 MIN_SPLIT_TOKENS = 512  # below this a split's fixed cost (query load, partial write) dominates
@@ -20,7 +20,7 @@ def _paged_decode_kernel(
         NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program: one sequence x the GROUP query heads of one KV head x one context split.
     # The heads are padded to BLOCK_H rows (>= 16, tl.dot's minimum); K/V is read once per group.
     seq = tl.program_id(0).to(tl.int64)
@@ -29,6 +29,8 @@ def _paged_decode_kernel(
     seq_len = tl.load(seq_lens + seq)
     k_begin = split * tokens_per_split
     k_end = tl.minimum(seq_len, k_begin + tokens_per_split)
+    if WINDOW > 0:  # the query (the last token) sees the last WINDOW keys: a split before them sees none
+        k_begin = tl.maximum(k_begin, seq_len - WINDOW)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -46,7 +48,7 @@ def _paged_decode_kernel(
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, h, qk_scale,  # h: no causal q_pos
             stride_kv, stride_blk, stride_slot, stride_kvh,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, 0, SOFTCAP)
     # A split past the end of a short sequence saw no keys: l = 0, weight 0 in the reduction.
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
@@ -70,7 +72,7 @@ def _reduce_splits_kernel(out, mid_out, mid_lse, num_splits, stride_ot, stride_o
     d = tl.arange(0, BLOCK_D)
     part = (seq * NUM_HEADS + head) * num_splits + s
     lse = tl.load(mid_lse + part, mask=s < num_splits, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always holds a key, so the max is finite
+    weight = tl.math.exp2(lse - tl.max(lse, 0))  # some split holds a key (the last), so the max is finite
     o = tl.load(mid_out + part[:, None] * HEAD_DIM + d[None, :],
                 mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     o = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
@@ -93,7 +95,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
-                     block_n: int = DECODE_BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     block_n: int = DECODE_BLOCK_N, num_warps: int = 4, num_stages: int = 3, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """paged_decode_attention with an explicit split count and tile (tests and benchmarks pick them)."""
     group = check_attention_args(query, kv_cache, out)
     num_seqs, num_heads, head_dim = query.shape
@@ -117,6 +120,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
         block_tables.stride(0),
         NUM_HEADS=num_heads, SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        WINDOW=window, SOFTCAP=softcap_log2(softcap),
         **dot_options(query.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -128,10 +132,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence: query [num_seqs, heads, head_dim]."""
+                           scale: float, out: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
+    """One query token per sequence: query [num_seqs, heads, head_dim]. window > 0: the last
+    `window` keys only (sliding window); softcap > 0: scores softcap * tanh(score / softcap)."""
     if out is None:
         out = torch.empty_like(query)
-    splits = decode_num_splits(query.shape[0], kv_cache.shape[3],
-                               block_tables.shape[1] * kv_cache.shape[2], num_sms(query.device))
-    return decode_attention(query, kv_cache, seq_lens, block_tables, scale, out, splits)
+    context = block_tables.shape[1] * kv_cache.shape[2]
+    splits = decode_num_splits(query.shape[0], kv_cache.shape[3], min(context, window) if window else context,
+                               num_sms(query.device))
+    return decode_attention(query, kv_cache, seq_lens, block_tables, scale, out, splits, window=window,
+                            softcap=softcap)

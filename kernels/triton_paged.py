@@ -45,15 +45,28 @@ def head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def softcap_log2(softcap: float) -> float:
+    """A soft cap in the kernels' log2 score units (0: none)."""
+    return softcap * LOG2E if softcap > 0 else 0.0
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): saturates to +-1 at either end (e^2x overflowing to inf, or 0).
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
 @triton.jit
 def attend_kv_tile(q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, q_pos,
                    qk_scale, stride_kv, stride_blk, stride_slot, stride_kvh,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     """Fold keys k_start .. k_start + BLOCK_N - 1 (those below k_end) into the running softmax.
 
     q [M, BLOCK_D]; m_i, l_i [M] running max and sum (log2 units); acc [M, BLOCK_D] float32.
-    With CAUSAL, row r sees only keys at positions <= q_pos[r].
+    With CAUSAL, row r sees only keys at positions <= q_pos[r], and with a WINDOW only those
+    above q_pos[r] - WINDOW. SOFTCAP (log2 units, softcap_log2): scores SOFTCAP * tanh(s / SOFTCAP).
     """
     k_pos = k_start + tl.arange(0, BLOCK_N)
     k_valid = k_pos < k_end
@@ -68,9 +81,13 @@ def attend_kv_tile(q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_
     k = tl.load(kv_cache + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(kv_cache + stride_kv + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP > 0:
+        s = SOFTCAP * _tanh(s / SOFTCAP)
     visible = k_valid[None, :]
     if CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; subtract 0 there instead of -inf - -inf.

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import LOG2E, attend_kv_tile, check_attention_args, dot_options, head_block
+from kernels.triton_paged import LOG2E, attend_kv_tile, check_attention_args, dot_options, head_block, softcap_log2
 
 
 @triton.jit
@@ -29,7 +29,8 @@ def _paged_prefill_kernel(
         stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     # One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one KV head,
     # flattened into BLOCK_M rows (row = token * GROUP + head), so K/V tiles are read once per group.
     q_block = tl.program_id(0)
@@ -62,11 +63,14 @@ def _paged_prefill_kernel(
     block_table = block_tables + seq.to(tl.int64) * stride_bt
     # Causality: no row of this block sees past its last query token.
     k_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    for k_start in range(0, k_end, BLOCK_N):
+    k_begin = 0
+    if WINDOW > 0:  # no row sees a key before the earliest row's window
+        k_begin = tl.maximum(0, context_len + q_block_local * BLOCK_Q - WINDOW + 1)
+    for k_start in range(k_begin, k_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, kv_cache, block_table, kv_head, k_start, k_end, q_pos, qk_scale,
             stride_kv, stride_blk, stride_slot, stride_kvh,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFTCAP)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out.dtype.element_ty), mask=io_mask)
@@ -75,8 +79,9 @@ def _paged_prefill_kernel(
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a varlen batch of queries [T, heads, head_dim] over paged context."""
+                    out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of a varlen batch of queries [T, heads, head_dim] over paged context
+    (window > 0: sliding-window attention; softcap > 0: soft-capped scores, as kernels.reference)."""
     if out is None:
         out = torch.empty_like(query)
     group = check_attention_args(query, kv_cache, out)
@@ -97,5 +102,5 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64,
-        **dot_options(query.dtype), num_warps=4, num_stages=3)
+        WINDOW=window, SOFTCAP=softcap_log2(softcap), **dot_options(query.dtype), num_warps=4, num_stages=3)
     return out

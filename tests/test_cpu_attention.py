@@ -397,3 +397,41 @@ def test_an_fp8_store_rounds_to_nearest_and_saturates(cache_dtype, dtype, monkey
     assert stored[:4].tolist() == [1.0, min(top, float(torch.tensor(1000.0, dtype=dtype).to(cache_dtype))), -top,
                                    float(torch.tensor(0.3, dtype=dtype).to(cache_dtype))]
     assert stored[4].isnan()
+
+
+# Sliding windows (Mistral's, Gemma's local layers) and soft-capped scores (Gemma 2): a window of
+# one key, windows inside a block, across blocks and wider than every context.
+BANDS = [(1, 0.0), (7, 0.0), (40, 0.0), (5000, 0.0), (0, 5.0), (33, 2.0)]
+
+
+@pytest.mark.parametrize("window,softcap", BANDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sliding_windows_and_soft_caps_match_reference(window, softcap, threads):
+    """Decode (whole sequences, and a long one cut into slices: the slices start at the window's
+    block) and prefill (fresh prompts, chunks after context, decode rows) in float32, bf16 and over
+    an fp8 cache."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for q_lens, ctx in (([1] * 4, [3, 40, 411, 1500]), ([1], [1500]), ([50, 40, 1, 129], [50, 300, 17, 129])):
+            for dtype, cache_dtype, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 1.6e-2),
+                                            (torch.float32, torch.float8_e4m3fn, 1e-5)):
+                q, kv, qsl, lens, tables = make_case(q_lens, ctx, 8, 2, head_dim=64, dtype=dtype)
+                kv = kv.to(cache_dtype or dtype)
+                expected = reference.paged_attention(q, kv, qsl, lens, tables, 0.1, window=window, softcap=softcap)
+                out = torch_attention.paged_attention(q, kv, qsl, lens, tables, 0.1, window=window, softcap=softcap)
+                torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_reference_window_is_the_last_keys_attention():
+    """The band the kernels are held to: a query sees exactly the last `window` keys (its own
+    included), as plain softmax attention over those keys computes it."""
+    q, kv, qsl, lens, tables = make_case([1, 1], [5, 100], 4, 2)
+    banded = reference.paged_decode_attention(q, kv, lens, tables, 0.1, window=8)
+    torch.testing.assert_close(banded[0], reference.paged_decode_attention(q, kv, lens, tables, 0.1)[0])
+    k, v = reference.gather_context(kv, tables[1], 100)
+    k, v = k[92:].repeat_interleave(2, dim=1), v[92:].repeat_interleave(2, dim=1)  # [8, 4, 64]
+    probs = torch.softmax(torch.einsum("hd,shd->hs", q[1], k) * 0.1, dim=-1)
+    torch.testing.assert_close(banded[1], torch.einsum("hs,shd->hd", probs, v))

@@ -66,6 +66,8 @@ class LlamaArch:
     # embeddings by sqrt(hidden_size) rounded to the model's dtype.
     norm_offset: float = 0.0
     embedding_multiplier_in_dtype: bool = False
+    # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
+    layer_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -104,6 +106,7 @@ class LlamaArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             rope=rope_parameters(cfg),
             sliding_window=window,
+            layer_windows=_layer_windows(cfg, model_type, window),
             **moe_fields(cfg, model_type),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite
             else cfg["hidden_size"] ** 0.5 if gemma else 1.0,
@@ -119,6 +122,27 @@ class LlamaArch:
             norm_offset=1.0 if model_type == "gemma" else 0.0,
             embedding_multiplier_in_dtype=model_type == "gemma",
         )
+
+
+def _layer_windows(cfg: dict, model_type: str, window: int | None) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), as transformers reads the config: layer_types'
+    "sliding_attention" layers where it lists them; else Qwen's layers from max_window_layers on;
+    else every layer. A window as long as the model's positions never bites: 0."""
+    layers = cfg["num_hidden_layers"]
+    if not window or window >= cfg.get("max_position_embeddings", 2048):
+        return (0,) * layers
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)} (served: sliding_attention, full_attention)")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if model_type.startswith("qwen"):
+        start = cfg.get("max_window_layers", 28)
+        return tuple(window if i >= start else 0 for i in range(layers))
+    return (window,) * layers
 
 
 def _nope_layers(cfg: dict) -> tuple[int, ...]:
@@ -165,10 +189,11 @@ class Attention(nn.Module):
     _per_head = None  # per-head scales: (K's, V's divisors [KV heads, 1]; Q's, O's factors [heads, 1])
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
-                 rotary: bool = True) -> None:
+                 rotary: bool = True, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.rotary = rotary
+        self.window, self.softcap = window, 0.0  # sliding window, soft-capped scores (the kernels' arguments)
         o_bias = arch.o_bias
         if tp is not None:
             self.num_heads, self.num_kv_heads = tp.layout.local_heads, tp.layout.local_kv_heads
@@ -242,11 +267,12 @@ class Attention(nn.Module):
         elif scaled:  # an fp8 cache with calibrated scales: softmax(q . k8 * k_scale) . v8 * v_scale
             k, v, scale = k / k_scale, v / v_scale, scale * k_scale
         self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        band = {} if not (self.window or self.softcap) else dict(window=self.window, softcap=self.softcap)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale)
+            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale, **band)
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_tables, scale)
+                                             meta.block_tables, scale, **band)
         if per_head is not None:
             o = o * per_head[3]
         elif scaled and v_scale != 1.0:
@@ -291,7 +317,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
                  index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers)
+        self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers,
+                                   window=arch.layer_windows[index] if arch.layer_windows else 0)
         self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)

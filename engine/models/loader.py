@@ -98,11 +98,7 @@ def check_architecture(hf_config: dict) -> str:
 
 def resolve_max_model_len(hf_config: dict, wanted: int | None) -> int:
     """The served context: `wanted` (--max-model-len; None: the checkpoint's), within the model's limit."""
-    arch = LlamaArch.from_hf_config(hf_config)
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        # Attention here is full, not windowed: stay within the window, where both agree.
-        limit = arch.sliding_window
+    limit = LlamaArch.from_hf_config(hf_config).max_position_embeddings
     if wanted is None:
         return limit
     if wanted > limit:

@@ -155,6 +155,8 @@ struct DecodeArgs {
   int64_t G;        // query heads per KV head
   int64_t row;      // elements between consecutive tokens of one block (KVH * D)
   int64_t max_len;  // the longest sequence: per-thread score buffers are sized by it
+  int64_t window;   // > 0: the query sees its sequence's last `window` keys only (sliding window)
+  float softcap;    // > 0: scores softcap * tanh(score / softcap)
 };
 
 constexpr int64_t PREFETCH_AHEAD = 2;  // blocks
@@ -199,8 +201,10 @@ void decode_sequences(const DecodeArgs<scalar_t, cache_t>& a, int64_t splits) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / splits, s = idx % splits;
       const int64_t len = a.seq_lens[b];
-      const int64_t per = ((len + a.BS - 1) / a.BS + splits - 1) / splits;  // blocks per slice
-      const int64_t first = std::min(len, s * per * a.BS), last = std::min(len, (s + 1) * per * a.BS);
+      // A sliding window: the keys from lo on, the slices cut from lo's block (its earlier keys masked).
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0, base = lo / a.BS * a.BS;
+      const int64_t per = ((len - base + a.BS - 1) / a.BS + splits - 1) / splits;  // blocks per slice
+      const int64_t first = std::min(len, base + s * per * a.BS), last = std::min(len, base + (s + 1) * per * a.BS);
       const int64_t n_tok = last - first;
       const int32_t* table = a.tables + b * a.max_blocks;
       const scalar_t* qs = a.q + b * a.H * D;
@@ -226,7 +230,8 @@ void decode_sequences(const DecodeArgs<scalar_t, cache_t>& a, int64_t splits) {
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
-            scores[hq * n_tok + start - first + t] = dot;
+            if (a.softcap > 0.f) dot = a.softcap * std::tanh(dot / a.softcap);
+            scores[hq * n_tok + start - first + t] = start + t < lo ? -std::numeric_limits<float>::infinity() : dot;
           }
         }
       }
@@ -310,7 +315,8 @@ void check_block_tables(const int32_t* lp, const torch::Tensor& tables, int64_t 
 
 // query [B, H, D]; kv_cache [2, num_blocks, block_size, kv_heads, D]; out [B, H, D].
 void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor seq_lens,
-                            torch::Tensor block_tables, double scale, torch::Tensor out) {
+                            torch::Tensor block_tables, double scale, torch::Tensor out, int64_t window,
+                            double softcap) {
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(),
               "paged_decode_attention needs contiguous query, cache and output");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && block_tables.scalar_type() == torch::kInt32,
@@ -334,7 +340,8 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::
       const DecodeArgs<scalar_t, cache_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, lp,
                                                tables.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
                                                B, H, D, BS, tables.size(1), static_cast<float>(scale),
-                                               H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0};
+                                               H / KVH, KVH * D, B ? *std::max_element(lp, lp + B) : 0, window,
+                                               static_cast<float>(softcap)};
       // Whole sequences per thread when there are enough to go round; else each sequence's blocks
       // are cut into slices, as many as keep the threads busy, of at least 8 blocks each (shorter
       // ones cost more to merge than they save).
@@ -402,6 +409,8 @@ struct PrefillArgs {
   scalar_t* __restrict__ out;          // [T, H, D]
   int64_t H, D, BS, max_blocks, G, row;
   float scale;
+  int64_t window;  // > 0: a row at position p sees keys p - window + 1 .. p only
+  float softcap;   // > 0: scores softcap * tanh(score / softcap)
 };
 
 // One tile: rows r0 .. r0 + kRows - 1 of one sequence's (token, head-in-group) rows for one KV head.
@@ -448,8 +457,11 @@ void prefill_tile(const PrefillArgs<scalar_t, cache_t>& a, const PrefillTile& t,
   }
   std::fill(s.ot.begin(), s.ot.end(), 0.f);
   const int64_t first_pos = ctx + t.r0 / a.G;  // keys up to it are seen by every row
+  const int64_t last_pos = ctx + (t.r0 + nrows - 1) / a.G;
   const int32_t* table = a.tables + t.seq * a.max_blocks;
-  for (int64_t k0 = 0; k0 < t.keys; k0 += kKeys) {
+  // A sliding window: no row sees a key before the earliest row's window.
+  const int64_t k_begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  for (int64_t k0 = k_begin; k0 < t.keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, t.keys - k0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = k0 + j;
@@ -469,6 +481,8 @@ void prefill_tile(const PrefillArgs<scalar_t, cache_t>& a, const PrefillTile& t,
     // S^T [n][kRows] = K Q^T (the scale is in Q), causally masked where the tile reaches past
     // the earliest row's position, and each row's running max taken on the way out.
     const bool masked = k0 + n - 1 > first_pos;
+    const bool banded = a.window > 0 && k0 <= last_pos - a.window;  // a row's window starts past k0
+    const int32_t window = static_cast<int32_t>(a.window);
     vfloat mx[kRowVecs];
     vint pos[kRowVecs];
     for (int64_t x = 0; x < kRowVecs; ++x) {
@@ -478,7 +492,10 @@ void prefill_tile(const PrefillArgs<scalar_t, cache_t>& a, const PrefillTile& t,
     const vfloat ninf = vfloat{} - std::numeric_limits<float>::infinity();
     auto emit = [&](int64_t key, int64_t at, vfloat* acc) {
       for (int64_t x = 0; x < kRowVecs; ++x) {
+        if (a.softcap > 0.f)
+          for (int64_t l = 0; l < kLanes; ++l) acc[x][l] = a.softcap * std::tanh(acc[x][l] / a.softcap);
         if (masked) acc[x] = (pos[x] < static_cast<int32_t>(key)) ? ninf : acc[x];
+        if (banded) acc[x] = (pos[x] - window >= static_cast<int32_t>(key)) ? ninf : acc[x];
         mx[x] = mx[x] > acc[x] ? mx[x] : acc[x];
         vstore(st + at * kRows + x * kLanes, acc[x]);
       }
@@ -595,7 +612,8 @@ void prefill_sequences(const PrefillArgs<scalar_t, cache_t>& a, int64_t B, int64
 // num_blocks, block_size, kv_heads, D] already holding these rows' K/V; query_start_loc [B + 1];
 // seq_lens [B] (each sequence's keys: its earlier context, then its query rows); out [T, H, D].
 void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, torch::Tensor block_tables, double scale, torch::Tensor out) {
+                             torch::Tensor seq_lens, torch::Tensor block_tables, double scale, torch::Tensor out,
+                             int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T, H, D] and kv_cache [2, blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes(),
               "paged_prefill_attention needs contiguous query, cache and output of the query's shape");
@@ -624,7 +642,8 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
       const cache_t* kc = kv_cache.data_ptr<cache_t>();
       const PrefillArgs<scalar_t, cache_t> args{query.data_ptr<scalar_t>(), kc, kc + NB * BS * KVH * D, qp, lp, tp,
                                                 out.data_ptr<scalar_t>(), H, D, BS, tables.size(1), H / KVH,
-                                                KVH * D, static_cast<float>(scale)};
+                                                KVH * D, static_cast<float>(scale), window,
+                                                static_cast<float>(softcap)};
       // Tiles of 4 vectors of rows up to head size 64, 2 above: Q^T and O^T stay L1-sized.
       switch (D) {
         case 64: prefill_sequences<scalar_t, cache_t, 64, 4>(args, B, KVH); break;
@@ -909,8 +928,12 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("query"),
+        py::arg("kv_cache"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("out"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("block_tables"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding (CPU)");
   m.def("store_kv", &store_kv, "write K/V rows into the paged cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with a fused residual add (CPU)");

@@ -15,6 +15,12 @@ VARIANTS = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral": dict(arch="mistral"),
+    # Sliding windows: Mistral's on every layer (48 keys: prompts and prefix hits pass it); Qwen2's
+    # from max_window_layers on; Phi-3's with its fused projections.
+    "mistral-sliding-window": dict(arch="mistral", config={"sliding_window": 48}),
+    "qwen2-sliding-window-layer-1": dict(arch="qwen2", config={"use_sliding_window": True, "sliding_window": 40,
+                                                              "max_window_layers": 1}),
+    "phi3-sliding-window": dict(arch="phi3", config={"sliding_window": 33}),
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3"),
     # Gemma: 1 + weight norms (random weights), the sqrt(hidden) normalizer, GELU (tanh), tied embeddings.

@@ -36,6 +36,7 @@ VARIANTS = {
     "olmo2-1-kv-head": dict(arch="olmo2", num_kv_heads=1),
     "olmoe": dict(arch="olmoe"),
     "gemma": dict(arch="gemma"),
+    "mistral-sliding-window": dict(arch="mistral", config={"sliding_window": 48}),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -56,7 +57,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("qwen2-moe-shared", "chunked-padded-async"), ("llama-1-kv-head", "ngram-spec"),
          ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async"),
          ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain"), ("olmo2", "chunked-padded-async"),
-         ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async")]
+         ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async"),
+         ("mistral-sliding-window", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:

@@ -123,3 +123,30 @@ def test_decode_splits_the_context_only_when_programs_would_leave_the_gpu_idle()
     assert decode_num_splits(num_seqs=256, num_kv_heads=8, max_context=4096, sms=132) == 1
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_context=16384, sms=132) == 32
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_context=100, sms=132) == 1
+
+
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (40, 0.0), (0, 5.0), (33, 2.0)])
+def test_sliding_windows_and_soft_caps_match_reference(triton_kernels, device, window, softcap):
+    """The mixed batch with a window (inside a block, across blocks) and soft-capped scores, and
+    split-context decode (splits before the window see no key and weigh nothing in the merge)."""
+    from kernels.triton_decode import decode_attention
+
+    batch = make_paged_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_kv_heads=2, group=2, head_dim=64, block_size=16,
+                             dtype=torch.float32)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                         batch.block_tables, batch.scale, window=window, softcap=softcap)
+    b = batch.to(device)
+    out = poisoned(b.query.shape, torch.float32, device)
+    triton_kernels.paged_attention(b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.scale,
+                                   out=out, window=window, softcap=softcap)
+    assert_close(out, expected, torch.float32)
+    decode = make_paged_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_kv_heads=2, group=2, head_dim=64,
+                              block_size=16, dtype=torch.float32)
+    expected = reference.paged_decode_attention(decode.query, decode.kv_cache, decode.seq_lens, decode.block_tables,
+                                                decode.scale, window=window, softcap=softcap)
+    d = decode.to(device)
+    for splits in (1, 5):
+        out = poisoned(d.query.shape, torch.float32, device)
+        decode_attention(d.query, d.kv_cache, d.seq_lens, d.block_tables, d.scale, out, splits, window=window,
+                         softcap=softcap)
+        assert_close(out, expected, torch.float32)
