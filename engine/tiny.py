@@ -6,7 +6,7 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
          "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
@@ -90,11 +90,11 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = train_tokenizer(vocab_size, seed)
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-             "phi3": "Phi3", "granite": "Granite", "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2",
-             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe",
-             "olmoe": "Olmoe"}[arch]
+             "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "granite": "Granite",
+             "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2", "mixtral": "Mixtral",
+             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe", "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
-    model_cls = getattr(transformers, f"{names}ForCausalLM")
+    model_cls = getattr(transformers, "Gemma3ForCausalLM" if arch == "gemma3_text" else f"{names}ForCausalLM")
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
@@ -103,7 +103,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                   pad_token_id=tokenizer.pad_token_id)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma"):
+    elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma", "gemma2", "gemma3_text"):
         kwargs["head_dim"] = hidden_size // num_heads
     if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = max_position_embeddings
@@ -125,10 +125,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    if arch in ("seed_oss", "gemma"):  # transformers starts these at zero, which would hide one read wrong
-        with torch.no_grad():
+    if arch in ("seed_oss", "gemma", "gemma2", "gemma3_text"):  # transformers starts these at zero: it would
+        with torch.no_grad():                                        # hide one read wrong
             for name, param in model.named_parameters():
-                if name.endswith(".bias") or arch == "gemma" and name.endswith("norm.weight"):
+                if name.endswith(".bias") or arch.startswith("gemma") and name.endswith("norm.weight"):
                     param.normal_(0.0, 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

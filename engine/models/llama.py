@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
 and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV
 cache."""
 from __future__ import annotations
@@ -68,14 +68,26 @@ class LlamaArch:
     embedding_multiplier_in_dtype: bool = False
     # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
     layer_windows: tuple[int, ...] = ()
+    # Gemma 2 / 3: soft-capped attention scores and logits (0: none); "sandwich" norms (each
+    # sublayer's input and output normalised, pre_ / post_feedforward_layernorm around the MLP);
+    # Gemma 3: the sliding layers' own rotary parameters (rope_local; the others take rope).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    sandwich_norm: bool = False
+    rope_local: dict | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
         model_type = cfg.get("model_type", "llama")
         heads = cfg["num_attention_heads"]
-        act = cfg.get("hidden_act", "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
-        if model_type == "gemma" and act == "gelu":  # Gemma's first configs; transformers reads the tanh form
+        gemma = model_type in GEMMA_TYPES
+        act = (cfg.get("hidden_activation") if model_type != "gemma" else None) or \
+            cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+        if gemma and act == "gelu":  # Gemma's first configs; transformers reads the tanh form
             act = "gelu_pytorch_tanh"
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (an embedding model's attention) is not served")
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r} (served: {', '.join(ACTIVATIONS)})")
         window = cfg.get("sliding_window")
@@ -83,7 +95,8 @@ class LlamaArch:
                 not cfg.get("use_sliding_window", False):
             window = None
         granite = model_type in ("granite", "granitemoe")
-        gemma = model_type == "gemma"
+        rope, rope_local = (rope_parameters(cfg), None) if model_type != "gemma3_text" else _gemma3_ropes(cfg)
+        sliding = _sliding_layers(cfg, model_type)
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
@@ -102,16 +115,17 @@ class LlamaArch:
             o_bias=False if qwen2 else bool(cfg.get("attention_out_bias", False)) if model_type == "seed_oss"
             else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            rope=rope_parameters(cfg),
+            rope=rope,
             sliding_window=window,
-            layer_windows=_layer_windows(cfg, model_type, window),
+            layer_windows=tuple(window if i in sliding and window and window < cfg.get("max_position_embeddings", 2048)
+                                else 0 for i in range(cfg["num_hidden_layers"])),
             **moe_fields(cfg, model_type),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite
             else cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             attention_multiplier=float(cfg["attention_multiplier"]) if granite and "attention_multiplier" in cfg
-            else None,
+            else float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma and model_type != "gemma" else None,
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
@@ -119,18 +133,25 @@ class LlamaArch:
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             post_norm=model_type == "olmo2",
             hidden_act=act,
-            norm_offset=1.0 if model_type == "gemma" else 0.0,
-            embedding_multiplier_in_dtype=model_type == "gemma",
+            norm_offset=1.0 if gemma else 0.0,
+            embedding_multiplier_in_dtype=gemma,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            sandwich_norm=model_type in ("gemma2", "gemma3_text"),
+            rope_local=rope_local,
+            local_rope_layers=tuple(sorted(sliding)) if rope_local is not None else (),
         )
 
 
-def _layer_windows(cfg: dict, model_type: str, window: int | None) -> tuple[int, ...]:
-    """Each layer's sliding window (0: none), as transformers reads the config: layer_types'
-    "sliding_attention" layers where it lists them; else Qwen's layers from max_window_layers on;
-    else every layer. A window as long as the model's positions never bites: 0."""
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+
+
+def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
+    """The layers of sliding-window attention, as transformers reads the config (their window:
+    sliding_window): layer_types' "sliding_attention" ones where it lists them; else Gemma 2's every
+    other layer, Gemma 3's all but every sliding_window_pattern-th, Qwen's from max_window_layers
+    on when use_sliding_window says so, and every layer of the others when sliding_window is set."""
     layers = cfg["num_hidden_layers"]
-    if not window or window >= cfg.get("max_position_embeddings", 2048):
-        return (0,) * layers
     types = cfg.get("layer_types")
     if types is not None:
         if len(types) != layers:
@@ -138,11 +159,31 @@ def _layer_windows(cfg: dict, model_type: str, window: int | None) -> tuple[int,
         unknown = set(types) - {"sliding_attention", "full_attention"}
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)} (served: sliding_attention, full_attention)")
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
-    if model_type.startswith("qwen"):
-        start = cfg.get("max_window_layers", 28)
-        return tuple(window if i >= start else 0 for i in range(layers))
-    return (window,) * layers
+        return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type == "gemma2":
+        return frozenset(range(0, layers, 2))
+    if model_type == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return frozenset(i for i in range(layers) if (i + 1) % pattern)
+    if model_type.startswith("qwen") or model_type == "smollm3":
+        if not cfg.get("use_sliding_window", False):
+            return frozenset()
+        return frozenset(range(cfg.get("max_window_layers", 28), layers))
+    return frozenset(range(layers))
+
+
+def _gemma3_ropes(cfg: dict) -> tuple[dict, dict]:
+    """Gemma 3's rotary parameters of its full-attention layers and of its sliding ones: transformers
+    5's rope_parameters by layer type, or 4.x's rope_theta (+ rope_scaling) and rope_local_base_freq."""
+    by_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        full = by_type.get("full_attention") or {"rope_type": "default", "rope_theta": 1_000_000.0}
+        local = by_type.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return rope_parameters({**base, "rope_parameters": full}), rope_parameters({**base, "rope_parameters": local})
 
 
 def _nope_layers(cfg: dict) -> tuple[int, ...]:
@@ -193,7 +234,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.rotary = rotary
-        self.window, self.softcap = window, 0.0  # sliding window, soft-capped scores (the kernels' arguments)
+        self.window, self.softcap = window, arch.attn_softcap  # sliding window, soft-capped scores (kernels' args)
         o_bias = arch.o_bias
         if tp is not None:
             self.num_heads, self.num_kv_heads = tp.layout.local_heads, tp.layout.local_kv_heads
@@ -350,6 +391,24 @@ class PostNormDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2 / 3: attention's input and output normalised (input_layernorm,
+    post_attention_layernorm), then the MLP's (pre_feedforward_layernorm,
+    post_feedforward_layernorm), each output added to the residual stream as it is."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 index: int = 0) -> None:
+        super().__init__(arch, kernels, tp, index)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h = self.self_attn(positions, self.input_layernorm(x)[0], kv_cache, meta, cos_sin)
+        x = x + self.post_attention_layernorm(h)[0]
+        h = self.mlp(self.pre_feedforward_layernorm(x)[0])
+        return x + self.post_feedforward_layernorm(h)[0], None
+
+
 class LlamaForCausalLM(nn.Module):
     """With tp (tensor parallelism): this rank's shard; the embedding and the LM head are
     vocabulary-parallel (rows vocab_start.. of the vocabulary), norms replicated."""
@@ -360,13 +419,18 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         vocab_rows = arch.vocab_size if tp is None else tp.layout.vocab_per_rank
         self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
-        layer_cls = PostNormDecoderLayer if arch.post_norm else DecoderLayer
+        layer_cls = PostNormDecoderLayer if arch.post_norm else SandwichDecoderLayer if arch.sandwich_norm \
+            else DecoderLayer
         self.layers = nn.ModuleList(layer_cls(arch, kernels, tp, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", rope_table(arch), persistent=False)
+        # Gemma 3: the sliding layers' own rotary table.
+        self.local_rope_layers = frozenset(arch.local_rope_layers)
+        self.register_buffer("cos_sin_local", rope_table(arch, params=arch.rope_local) if arch.rope_local else None,
+                             persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -376,8 +440,9 @@ class LlamaForCausalLM(nn.Module):
         elif self.arch.embedding_multiplier != 1.0:
             x = x * self.arch.embedding_multiplier
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            cos_sin = self.cos_sin_local if i in self.local_rope_layers else self.cos_sin
+            x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin)
         return self.norm(x, residual)[0]
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -394,4 +459,6 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.arch.logits_scaling != 1.0:  # Granite
             logits = logits / self.arch.logits_scaling
+        if self.arch.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits if self.tp is None else self.tp.gather_logits(logits)

@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
@@ -162,6 +164,8 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
         module.allocate(torch.device(device))
     # Buffers made on the meta device hold no data: compute the rotary table for real.
     model.cos_sin = rope_table(arch, max_model_len).to(device)
+    if arch.rope_local is not None:
+        model.cos_sin_local = rope_table(arch, max_model_len, arch.rope_local).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float | torch.Tensor]] = {}

@@ -124,9 +124,11 @@ def cos_sin_cache(rot_dim: int, max_positions: int, params: dict, long: bool = F
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
 
 
-def rope_table(arch, max_model_len: int | None = None) -> torch.Tensor:
+def rope_table(arch, max_model_len: int | None = None, params: dict | None = None) -> torch.Tensor:
     """The model's rotary table (arch: engine.models.llama.LlamaArch) for a served context of
-    max_model_len tokens (None: the checkpoint's max_position_embeddings)."""
+    max_model_len tokens (None: the checkpoint's max_position_embeddings); params: other rotary
+    parameters than arch.rope (Gemma 3's sliding layers')."""
+    params = arch.rope if params is None else params
     served = arch.max_position_embeddings if max_model_len is None else max_model_len
-    return cos_sin_cache(rotary_dim(arch.head_dim, arch.rope), max(arch.max_position_embeddings, served), arch.rope,
-                         long=uses_long_factors(arch.rope, served))
+    return cos_sin_cache(rotary_dim(arch.head_dim, params), max(arch.max_position_embeddings, served), params,
+                         long=uses_long_factors(params, served))

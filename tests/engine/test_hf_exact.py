@@ -25,6 +25,14 @@ VARIANTS = {
     "qwen3": dict(arch="qwen3"),
     # Gemma: 1 + weight norms (random weights), the sqrt(hidden) normalizer, GELU (tanh), tied embeddings.
     "gemma": dict(arch="gemma"),
+    # Gemma 2: soft-capped scores and logits, a 40-key window on every other layer, sandwich norms,
+    # query_pre_attn_scalar; Gemma 3: q / k norms, its sliding layers' own rotary table (and linear
+    # scaling on the full ones).
+    "gemma2": dict(arch="gemma2", config={"sliding_window": 40, "attn_logit_softcapping": 5.0,
+                                          "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 24}),
+    "gemma3": dict(arch="gemma3_text", config={"sliding_window": 40, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     # Phi-3's fused projections, with Phi-4-mini's partial rotary embedding; Granite's multipliers.
     "phi3-partial-rotary": dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
     "granite": dict(arch="granite"),

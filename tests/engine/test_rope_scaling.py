@@ -66,3 +66,22 @@ def test_an_unsupported_rope_type_is_named_at_load(tiny_model_factory):
                                                                     "factor": 2.0}})
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'.*yarn, longrope"):
         LLM(path)
+
+
+def test_gemma3s_published_config_form_is_read():
+    """Gemma 3's config.json as published (transformers 4.x): rope_theta with rope_scaling for the
+    full-attention layers, rope_local_base_freq for the sliding ones, every sixth layer full."""
+    from engine.models.llama import LlamaArch
+
+    arch = LlamaArch.from_hf_config({
+        "model_type": "gemma3_text", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 32768, "sliding_window": 512, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"})
+    assert arch.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(12))
+    assert arch.local_rope_layers == tuple(i for i in range(12) if (i + 1) % 6)
+    assert (arch.rope["rope_type"], arch.rope["factor"], arch.rope["rope_theta"]) == ("linear", 8.0, 1000000.0)
+    assert (arch.rope_local["rope_type"], arch.rope_local["rope_theta"]) == ("default", 10000.0)
+    assert arch.attention_multiplier == 256 ** -0.5 and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.norm_offset == 1.0 and arch.qk_norm and arch.sandwich_norm and arch.tie_word_embeddings

@@ -37,6 +37,9 @@ VARIANTS = {
     "olmoe": dict(arch="olmoe"),
     "gemma": dict(arch="gemma"),
     "mistral-sliding-window": dict(arch="mistral", config={"sliding_window": 48}),
+    "gemma2": dict(arch="gemma2", config={"sliding_window": 40, "attn_logit_softcapping": 5.0,
+                                          "final_logit_softcapping": 3.0}),
+    "gemma3": dict(arch="gemma3_text", config={"sliding_window": 40}),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -58,7 +61,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("phi3-fused-partial-rotary", "chunked-preempted"), ("granite", "chunked-padded-async"),
          ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain"), ("olmo2", "chunked-padded-async"),
          ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async"),
-         ("mistral-sliding-window", "chunked-preempted")]
+         ("mistral-sliding-window", "chunked-preempted"), ("gemma2", "chunked-padded-async"),
+         ("gemma3", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
