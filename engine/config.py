@@ -107,7 +107,7 @@ class ModelConfig:
     @property
     def hf_config(self) -> dict:
         with open(os.path.join(self.path, "config.json")) as f:
-            config = json.load(f)
+            config = language_model_config(json.load(f))
         if "quantization_config" not in config:  # older AutoGPTQ / AutoAWQ outputs keep it beside
             for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
                 if os.path.isfile(os.path.join(self.path, name)):
@@ -115,6 +115,36 @@ class ModelConfig:
                         config["quantization_config"] = {"quant_method": method, **json.load(f)}
                     break
         return config
+
+
+# Multimodal checkpoints served as their language model (text in, text out): the architecture ->
+# the key of its language model's config.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "text_config"}
+
+
+def serves_language_model_of(config: dict) -> bool:
+    """Whether a config.json is a multimodal checkpoint's, served as its language model."""
+    return any(a in TEXT_OF_MULTIMODAL for a in config.get("architectures") or [])
+
+
+def language_model_config(config: dict) -> dict:
+    """A config.json as the engine reads it: a multimodal checkpoint's language model config, its
+    defaults filled in as transformers fills them (published ones leave most out), the
+    checkpoint-wide keys (dtype, quantization, tied embeddings) and architectures kept; any other as it is."""
+    if not serves_language_model_of(config):
+        return config
+    key = next(TEXT_OF_MULTIMODAL[a] for a in config["architectures"] if a in TEXT_OF_MULTIMODAL)
+    from transformers import AutoConfig
+
+    text = dict(config.get(key) or {})
+    model_type = text.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{config['architectures'][0]}: its {key} has no model_type")
+    text = AutoConfig.for_model(model_type, **text).to_dict()
+    for name in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if name in config and config[name] is not None:
+            text[name] = config[name]
+    return {**text, "model_type": model_type, "architectures": config["architectures"]}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors) into our modules."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.config import serves_language_model_of
 from engine.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm
 from engine.models.moe import SparseMoE
 from engine.models.quantization import KeptWeight, QuantizedWeights
@@ -28,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # its language model (engine.config.TEXT_OF_MULTIMODAL)
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
@@ -86,6 +89,43 @@ def unfuse(hf_name: str, tensor: torch.Tensor, arch: LlamaArch) -> list[tuple[st
                          f"{' + '.join(parts)} make {sum(sizes)}")
     scope = prefix + module.split(".")[0] + "."
     return [(f"{scope}{part}.{suffix}", rows) for part, rows in zip(parts, tensor.split(sizes))]
+
+
+# A multimodal checkpoint's language model tensors, by the names a text checkpoint gives them
+# (published: language_model.model.*, language_model.lm_head; transformers 5 in memory:
+# model.language_model.*); the rest (vision tower, projector) is not read.
+_LANGUAGE_MODEL = re.compile(r"^(?:language_model\.(model\.|lm_head\.)|model\.language_model\.|(lm_head\.))(.*)$")
+
+
+def _language_model_name(name: str) -> str | None:
+    m = _LANGUAGE_MODEL.match(name)
+    if m is None:
+        return None
+    return (m.group(1) or m.group(2) or "model.") + m.group(3)
+
+
+class _LanguageModelWeights:
+    """One shard of a multimodal checkpoint as its language model's (safe_open's interface)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self.names = {new: name for name in f.keys() if (new := _language_model_name(name)) is not None}
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(self.names[name])
+
+    def get_slice(self, name: str):
+        return self.f.get_slice(self.names[name])
+
+
+@contextlib.contextmanager
+def open_weights(file: str, hf_config: dict):
+    """A safetensors shard (safe_open, on the CPU), a multimodal checkpoint's read as its language model's."""
+    with safe_open(file, framework="pt", device="cpu") as f:
+        yield _LanguageModelWeights(f) if serves_language_model_of(hf_config) else f
 
 
 def check_architecture(hf_config: dict) -> str:
@@ -150,7 +190,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     arch = LlamaArch.from_hf_config(hf_config)
     quant = check_quantization(hf_config)
     files = safetensors_files(path)
-    companions = _companions(files, quant) if quant is not None else {}
+    companions = _companions(files, quant, hf_config) if quant is not None else {}
     if quantized_weights not in QUANTIZED_WEIGHTS:
         raise ValueError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, got {quantized_weights!r}")
     with torch.device("meta"):
@@ -173,7 +213,7 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     for i, file in enumerate(files):
         if show_progress:
             print(f"\rloading weights: shard {i + 1}/{len(files)}", end="", file=sys.stderr, flush=True)
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_weights(file, hf_config) as f:
             for hf_name in f.keys():
                 kv = _KV_SCALE.match(hf_name)
                 if kv is not None:  # a calibrated KV cache's scale (an fp8 cache's: Attention.kv_scales)
@@ -440,7 +480,7 @@ def check_keep_under_tp(path: str, hf_config: dict, quantized_weights: str, tp_s
     if quant is None or quantized_weights != "keep" or tp_size == 1:
         return
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_weights(file, hf_config) as f:
             for name in f.keys():
                 module = name.rsplit(".", 1)[0]
                 if quant.is_companion(name) and _PREFUSED.match(module + ".weight"):
@@ -494,11 +534,11 @@ def check_quantization(hf_config: dict, requested: str | None = None) -> Quantiz
     return quant
 
 
-def _companions(files: list[str], quant: QuantizedWeights) -> dict[str, dict[str, torch.Tensor]]:
+def _companions(files: list[str], quant: QuantizedWeights, hf_config: dict) -> dict[str, dict[str, torch.Tensor]]:
     """Every quantized weight's scales (and zero points, shapes), by module, from any shard."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_weights(file, hf_config) as f:
             for name in f.keys():
                 if quant.is_companion(name):
                     module, suffix = name.rsplit(".", 1)

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine.config import language_model_config
 from engine.models import load_model
 from engine.models.llama import AttentionMetadata, LlamaArch
 from engine.models.loader import check_architecture
@@ -47,7 +48,7 @@ class DraftModel:
         a draft the size cannot split (its heads, say) runs whole on rank 0 (`layout` None,
         `unsplit`: why)."""
         with open(os.path.join(config.model, "config.json")) as f:
-            self.hf_config = json.load(f)
+            self.hf_config = language_model_config(json.load(f))
         check_architecture(self.hf_config)
         self.path = config.model
         self.arch = arch = LlamaArch.from_hf_config(self.hf_config)
