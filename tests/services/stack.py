@@ -225,6 +225,34 @@ class Stack:
             self.stop()
 
 
+# Prompts a stack answers as the offline engine does (serving_as_offline): one within a block, one of
+# four blocks (past a small sliding window).
+PARITY_PROMPTS = [[17, 230, 41, 99, 5, 300, 41, 99, 12, 400, 73], list(range(40, 90))]
+PARITY_TOKENS = 12
+
+
+@contextlib.contextmanager
+def serving_as_offline(model: str, spec: StackSpec | None = None):
+    """A stack of `model` whose greedy completions of PARITY_PROMPTS are token-exact against the
+    offline engine's on the same checkpoint, each decoded over KV pulled from the prefill; yields
+    (stack, an OpenAI client of it, the offline answers) for a test's further checks."""
+    import openai
+
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model).generate(PARITY_PROMPTS, params)]
+    with Stack(model, spec or StackSpec()) as stack, \
+            openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        for prompt, tokens in zip(PARITY_PROMPTS, want):
+            out = client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=PARITY_TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert out.choices[0].model_extra["token_ids"] == tokens
+        # The prefill's KV was used (the engines' counters are snapshots published every ~50 ms).
+        assert poll_until(lambda: stack.decodes[0].metric("pdserve:kv_transfers_total") >= len(PARITY_PROMPTS), 10)
+        yield stack, client, want
+
+
 class Stacks:
     """The session's shared stacks by spec: each starts on first use and runs until stopped."""
 

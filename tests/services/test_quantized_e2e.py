@@ -8,18 +8,12 @@ import json
 import os
 import shutil
 
-import openai
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from service_procs import poll_until
-from stack import SERVED_MODEL, Stack, StackSpec
+from stack import StackSpec, serving_as_offline
 
 pytestmark = pytest.mark.e2e
-
-PROMPTS = [[17, 230, 41, 99, 5, 300, 41, 99, 12, 400, 73], list(range(40, 90))]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +46,8 @@ def fp8_model(e2e_model, tmp_path_factory) -> str:
 
 
 def test_an_fp8_checkpoint_serves_through_prefill_and_decode(fp8_model):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(fp8_model).generate(PROMPTS, params)]
     spec = StackSpec(prefill_args=("--quantized-weights", "keep", "--quantization", "fp8"))
-    with Stack(fp8_model, spec) as stack, \
-            openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        for prompt, tokens in zip(PROMPTS, want):
-            out = client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert out.choices[0].model_extra["token_ids"] == tokens
-        # The prefill's KV was used (the engines' counters are snapshots published every ~50 ms).
-        assert poll_until(lambda: stack.decodes[0].metric("pdserve:kv_transfers_total") >= len(PROMPTS), 10)
+    with serving_as_offline(fp8_model, spec) as (stack, _, _):
         assert "projections kept as stored" in stack.prefills[0].output(last=10_000)
         assert "weights dequantized as they load" in stack.decodes[0].output(last=10_000)
         assert "dequantized as they load" not in stack.prefills[0].output(last=10_000)
