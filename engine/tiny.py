@@ -112,10 +112,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     elif arch in ("qwen2_moe", "qwen3_moe"):
         kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
                       moe_intermediate_size=moe_intermediate_size)
-    elif arch == "olmoe":
-        kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
         if arch == "qwen2_moe":
             kwargs["shared_expert_intermediate_size"] = intermediate_size
+    elif arch == "olmoe":
+        kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     if arch in ("granite", "granitemoe"):
         kwargs.update(GRANITE_MULTIPLIERS)
     kwargs.update(moe_config or {})

@@ -28,9 +28,9 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     k_begin = split * tokens_per_split
+    if WINDOW > 0:  # the query (the last token) sees the last WINDOW keys: the splits cut those
+        k_begin += tl.maximum(seq_len - WINDOW, 0)
     k_end = tl.minimum(seq_len, k_begin + tokens_per_split)
-    if WINDOW > 0:  # the query (the last token) sees the last WINDOW keys: a split before them sees none
-        k_begin = tl.maximum(k_begin, seq_len - WINDOW)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -103,8 +103,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     if num_seqs == 0:
         return out
     block_size = kv_cache.shape[2]
-    # Bound the context by the block table's width: no device-to-host read of seq_lens.
+    # Bound the context by the block table's width: no device-to-host read of seq_lens; a window
+    # bounds the keys a query sees (each sequence's splits start at its window).
     max_context = block_tables.shape[1] * block_size
+    if window:
+        max_context = min(max_context, window)
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, tokens_per_split)
     mid_out = mid_lse = out  # unused placeholders when there is a single split

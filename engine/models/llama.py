@@ -62,9 +62,10 @@ class LlamaArch:
     clip_qkv: float | None = None
     post_norm: bool = False  # OLMo 2: each sublayer's output normalised before the residual add, no input norms
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
-    # Gemma: RMS norms scale by 1 + weight (the loader stores 1 + the checkpoint's weight), and the
-    # embeddings by sqrt(hidden_size) rounded to the model's dtype.
+    # Gemma: RMS norms scale by 1 + weight, and the embeddings by sqrt(hidden_size) rounded to the
+    # model's dtype. Gemma's and OLMo 2's norms scale in float32 and round once (Float32RMSNorm).
     norm_offset: float = 0.0
+    norm_in_float32: bool = False
     embedding_multiplier_in_dtype: bool = False
     # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
     layer_windows: tuple[int, ...] = ()
@@ -134,8 +135,10 @@ class LlamaArch:
             post_norm=model_type == "olmo2",
             hidden_act=act,
             norm_offset=1.0 if gemma else 0.0,
+            norm_in_float32=gemma or model_type == "olmo2",
             embedding_multiplier_in_dtype=gemma,
-            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             sandwich_norm=model_type in ("gemma2", "gemma3_text"),
             rope_local=rope_local,
@@ -218,6 +221,36 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
+    def scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x already normalised (float32) times the weight, as forward rounds it (TP's full-width norm)."""
+        return self.weight * normed.to(dtype)
+
+
+class Float32RMSNorm(RMSNorm):
+    """Gemma's norms (scaling by offset 1 + weight) and OLMo 2's: normalised and scaled in float32,
+    rounded to the input's dtype once, as transformers' GemmaRMSNorm and Olmo2RMSNorm (Llama's,
+    the kernels', rounds the normalised x before the weight: the same in float32, not in bf16)."""
+
+    def __init__(self, dim: int, eps: float, kernels: KernelBackend, offset: float = 0.0) -> None:
+        super().__init__(dim, eps, kernels)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        return self.scale(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype), x
+
+    def scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (self.weight.float() + self.offset)).to(dtype)
+
+
+def make_norm(arch: "LlamaArch", dim: int, kernels: KernelBackend) -> RMSNorm:
+    """The architecture's RMS norm over `dim`."""
+    if arch.norm_in_float32:
+        return Float32RMSNorm(dim, arch.rms_norm_eps, kernels, arch.norm_offset)
+    return RMSNorm(dim, arch.rms_norm_eps, kernels)
+
 
 class Attention(nn.Module):
     """With tp: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
@@ -244,12 +277,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels) if arch.qk_norm else None
+        self.q_norm = make_norm(arch, self.head_dim, kernels) if arch.qk_norm else None
+        self.k_norm = make_norm(arch, self.head_dim, kernels) if arch.qk_norm else None
         self.qk_norm_full, self.clip_qkv = arch.qk_norm_full, arch.clip_qkv
         if arch.qk_norm_full:  # this rank's slice of the full-width weights; the variance is over all heads
-            self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, kernels)
+            self.q_norm = make_norm(arch, self.q_size, kernels)
+            self.k_norm = make_norm(arch, self.kv_size, kernels)
             # Each KV head is on size // KV heads ranks when it is replicated: its squares counted once.
             self._k_replicas = 1 if tp is None else max(1, tp.layout.size // arch.num_kv_heads)
         self.scale = self.head_dim ** -0.5 if arch.attention_multiplier is None else arch.attention_multiplier
@@ -264,7 +297,7 @@ class Attention(nn.Module):
         squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
         width = x.shape[-1] * self.tp.layout.size // replicas
         normed = xf * torch.rsqrt(squares / (replicas * width) + norm.eps)
-        return (norm.weight * normed.to(x.dtype)).contiguous()
+        return norm.scale(normed, x.dtype).contiguous()
 
     def set_kv_scales(self, k_scale, v_scale, dtype: torch.dtype, device: torch.device) -> None:
         """A checkpoint's K and V scales: floats, or tensors of this rank's KV heads' (the divisors
@@ -361,8 +394,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, kernels, tp, rotary=index not in arch.nope_layers,
                                    window=arch.layer_windows[index] if arch.layer_windows else 0)
         self.mlp = SparseMoE(arch, kernels, MLP, tp) if index in arch.sparse_layers else MLP(arch, kernels, tp)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.input_layernorm = make_norm(arch, arch.hidden_size, kernels)
+        self.post_attention_layernorm = make_norm(arch, arch.hidden_size, kernels)
         self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
@@ -383,7 +416,7 @@ class PostNormDecoderLayer(DecoderLayer):
                  index: int = 0) -> None:
         super().__init__(arch, kernels, tp, index)
         del self.input_layernorm
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_feedforward_layernorm = make_norm(arch, arch.hidden_size, kernels)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         h = self.self_attn(positions, x, kv_cache, meta, cos_sin)
@@ -399,8 +432,8 @@ class SandwichDecoderLayer(DecoderLayer):
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
                  index: int = 0) -> None:
         super().__init__(arch, kernels, tp, index)
-        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.pre_feedforward_layernorm = make_norm(arch, arch.hidden_size, kernels)
+        self.post_feedforward_layernorm = make_norm(arch, arch.hidden_size, kernels)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         h = self.self_attn(positions, self.input_layernorm(x)[0], kv_cache, meta, cos_sin)
@@ -422,7 +455,7 @@ class LlamaForCausalLM(nn.Module):
         layer_cls = PostNormDecoderLayer if arch.post_norm else SandwichDecoderLayer if arch.sandwich_norm \
             else DecoderLayer
         self.layers = nn.ModuleList(layer_cls(arch, kernels, tp, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.norm = make_norm(arch, arch.hidden_size, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

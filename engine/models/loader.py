@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import serves_language_model_of
-from engine.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm
+from engine.models.llama import LlamaArch, LlamaForCausalLM
 from engine.models.moe import SparseMoE
 from engine.models.quantization import KeptWeight, QuantizedWeights
 from engine.models.rope import rope_table
@@ -140,7 +140,10 @@ def check_architecture(hf_config: dict) -> str:
 
 def resolve_max_model_len(hf_config: dict, wanted: int | None) -> int:
     """The served context: `wanted` (--max-model-len; None: the checkpoint's), within the model's limit."""
-    limit = LlamaArch.from_hf_config(hf_config).max_position_embeddings
+    arch = LlamaArch.from_hf_config(hf_config)
+    limit = arch.max_position_embeddings
+    if arch.rope["rope_type"] == "yarn":  # YaRN extends the pretraining context by its factor (vLLM's rule)
+        limit = max(limit, int(arch.rope["original_max_position_embeddings"] * float(arch.rope.get("factor") or 1.0)))
     if wanted is None:
         return limit
     if wanted > limit:
@@ -281,11 +284,6 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {', '.join(missing[:6])}")
     del params
-    if arch.norm_offset:  # Gemma's norms scale by 1 + weight: stored so, for every backend's RMS norm
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight.add_(arch.norm_offset)
     for i, scales in kv_scales.items():
         if i >= len(model.layers):
             raise ValueError(f"KV cache scales for layer {i}, but the model has {len(model.layers)} layers")

@@ -78,10 +78,25 @@ def test_gemma3s_published_config_form_is_read():
         "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
         "max_position_embeddings": 32768, "sliding_window": 512, "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-        "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"})
+        "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": 50.0})  # (carried by some configs; transformers does not apply it to Gemma 3)
     assert arch.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(12))
     assert arch.local_rope_layers == tuple(i for i in range(12) if (i + 1) % 6)
     assert (arch.rope["rope_type"], arch.rope["factor"], arch.rope["rope_theta"]) == ("linear", 8.0, 1000000.0)
     assert (arch.rope_local["rope_type"], arch.rope_local["rope_theta"]) == ("default", 10000.0)
     assert arch.attention_multiplier == 256 ** -0.5 and arch.hidden_act == "gelu_pytorch_tanh"
     assert arch.norm_offset == 1.0 and arch.qk_norm and arch.sandwich_norm and arch.tie_word_embeddings
+    assert arch.attn_softcap == 0.0
+
+
+def test_yarn_extends_the_served_context_by_its_factor():
+    """Qwen2.5's long-context recipe: max_position_embeddings 32768, YaRN x4 over it (vLLM's limit)."""
+    from engine.models.loader import resolve_max_model_len
+
+    config = {"model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32768,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert resolve_max_model_len(config, None) == 131072
+    with pytest.raises(ValueError, match="exceeds the model's limit of 131072"):
+        resolve_max_model_len(config, 131073)
+    assert resolve_max_model_len({**config, "rope_scaling": None}, None) == 32768
