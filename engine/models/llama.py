@@ -3,6 +3,7 @@ and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE
 cache."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -245,6 +246,13 @@ class Float32RMSNorm(RMSNorm):
         return (normed * (self.weight.float() + self.offset)).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as a Python number: a host scalar, so a step (and a CUDA graph's
+    capture) makes no tensor for it on the device."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
 def make_norm(arch: "LlamaArch", dim: int, kernels: KernelBackend) -> RMSNorm:
     """The architecture's RMS norm over `dim`."""
     if arch.norm_in_float32:
@@ -268,6 +276,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.rotary = rotary
         self.window, self.softcap = window, arch.attn_softcap  # sliding window, soft-capped scores (kernels' args)
+        self._band = dict(window=window, softcap=arch.attn_softcap) if window or arch.attn_softcap else {}
         o_bias = arch.o_bias
         if tp is not None:
             self.num_heads, self.num_kv_heads = tp.layout.local_heads, tp.layout.local_kv_heads
@@ -341,12 +350,11 @@ class Attention(nn.Module):
         elif scaled:  # an fp8 cache with calibrated scales: softmax(q . k8 * k_scale) . v8 * v_scale
             k, v, scale = k / k_scale, v / v_scale, scale * k_scale
         self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
-        band = {} if not (self.window or self.softcap) else dict(window=self.window, softcap=self.softcap)
         if meta.decode_only:
-            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale, **band)
+            o = self.kernels.paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale, **self._band)
         else:
             o = self.kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_tables, scale, **band)
+                                             meta.block_tables, scale, **self._band)
         if per_head is not None:
             o = o * per_head[3]
         elif scaled and v_scale != 1.0:
@@ -468,8 +476,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
-        if self.arch.embedding_multiplier_in_dtype:  # Gemma's normalizer, a tensor of the embeddings' dtype
-            x = x * torch.tensor(self.arch.embedding_multiplier, dtype=x.dtype, device=x.device)
+        if self.arch.embedding_multiplier_in_dtype:  # Gemma's normalizer, rounded to the embeddings' dtype
+            x = x * _rounded(self.arch.embedding_multiplier, x.dtype)
         elif self.arch.embedding_multiplier != 1.0:
             x = x * self.arch.embedding_multiplier
         residual = None

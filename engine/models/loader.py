@@ -67,6 +67,14 @@ def canonical_name(hf_name: str) -> str:
     return hf_name if m is None else m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
 
 
+def _load_parts(model, params, hf_name: str, tensor: torch.Tensor, arch: LlamaArch, tp, loaded: set[str]) -> None:
+    """A whole weight (a pre-fused one as its parts: unfuse), this rank's rows of each under TP."""
+    for name, part in unfuse(hf_name, tensor, arch):
+        part = part if tp is None else tp.layout.read(name, part)
+        if part is not None:
+            _load_one(model, params, name, part, loaded)
+
+
 # A checkpoint that stores them fused already (Phi-3): read as its parts, so that tensor parallelism
 # and LoRA see the q / k / v and gate / up projections every other member of the family has.
 _PREFUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
@@ -104,12 +112,14 @@ def _language_model_name(name: str) -> str | None:
     return (m.group(1) or m.group(2) or "model.") + m.group(3)
 
 
-class _LanguageModelWeights:
-    """One shard of a multimodal checkpoint as its language model's (safe_open's interface)."""
+class _RenamedWeights:
+    """One shard under the names the loader reads (safe_open's interface): canonical_name's, and a
+    multimodal checkpoint's language model tensors under their text names (the rest left out)."""
 
-    def __init__(self, f) -> None:
+    def __init__(self, f, language_model: bool) -> None:
         self.f = f
-        self.names = {new: name for name in f.keys() if (new := _language_model_name(name)) is not None}
+        rename = _language_model_name if language_model else str
+        self.names = {canonical_name(new): name for name in f.keys() if (new := rename(name)) is not None}
 
     def keys(self) -> list[str]:
         return list(self.names)
@@ -123,9 +133,9 @@ class _LanguageModelWeights:
 
 @contextlib.contextmanager
 def open_weights(file: str, hf_config: dict):
-    """A safetensors shard (safe_open, on the CPU), a multimodal checkpoint's read as its language model's."""
+    """A safetensors shard (safe_open, on the CPU) under the names the loader reads (_RenamedWeights)."""
     with safe_open(file, framework="pt", device="cpu") as f:
-        yield _LanguageModelWeights(f) if serves_language_model_of(hf_config) else f
+        yield _RenamedWeights(f, serves_language_model_of(hf_config))
 
 
 def check_architecture(hf_config: dict) -> str:
@@ -247,21 +257,10 @@ def load_model(path: str, hf_config: dict, kernels: KernelBackend, dtype: torch.
                         tensor = quant.dequantize(hf_name, f.get_tensor(hf_name),
                                                   companions.get(hf_name.rsplit(".", 1)[0], {}), dtype)
                         # dequantized whole (its scales' grid is the whole weight's), then split
-                        for name, part in unfuse(quant.main_name(hf_name), tensor, arch):
-                            part = part if tp is None else tp.layout.read(name, part)
-                            if part is not None:
-                                _load_one(model, params, name, part, loaded)
-                    continue
-                if _GRANITE_MOE.match(hf_name):
-                    name = canonical_name(hf_name)
-                    tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(name, f.get_slice(hf_name))
-                    _load_one(model, params, name, tensor, loaded)
+                        _load_parts(model, params, quant.main_name(hf_name), tensor, arch, tp, loaded)
                     continue
                 if _PREFUSED.match(hf_name):  # read whole, then as its parts (a rank's rows of each)
-                    for name, part in unfuse(hf_name, f.get_tensor(hf_name), arch):
-                        part = part if tp is None else tp.layout.read(name, part)
-                        if part is not None:
-                            _load_one(model, params, name, part, loaded)
+                    _load_parts(model, params, hf_name, f.get_tensor(hf_name), arch, tp, loaded)
                     continue
                 tensor = f.get_tensor(hf_name) if tp is None else tp.layout.read(hf_name, f.get_slice(hf_name))
                 if tensor is not None:
