@@ -6,8 +6,8 @@ import random
 import shutil
 import tempfile
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3", "seed_oss", "olmo2", "mixtral",
-         "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3",
+         "seed_oss", "olmo2", "olmo3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
@@ -91,7 +91,8 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     tokenizer = train_tokenizer(vocab_size, seed)
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
              "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "granite": "Granite",
-             "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2", "mixtral": "Mixtral",
+             "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2", "olmo3": "Olmo3", "exaone4": "Exaone4",
+             "mixtral": "Mixtral",
              "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe", "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, "Gemma3ForCausalLM" if arch == "gemma3_text" else f"{names}ForCausalLM")

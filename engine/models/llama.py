@@ -97,8 +97,9 @@ class LlamaArch:
                 not cfg.get("use_sliding_window", False):
             window = None
         granite = model_type in ("granite", "granitemoe")
-        rope, rope_local = (rope_parameters(cfg), None) if model_type != "gemma3_text" else _gemma3_ropes(cfg)
         sliding = _sliding_layers(cfg, model_type)
+        rope, rope_local = _ropes_by_layer_type(cfg, model_type) if model_type in ("gemma3_text", "olmo3") \
+            else (rope_parameters(cfg), None)
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
@@ -117,7 +118,7 @@ class LlamaArch:
             o_bias=False if qwen2 else bool(cfg.get("attention_out_bias", False)) if model_type == "seed_oss"
             else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             rope=rope,
             sliding_window=window,
@@ -130,13 +131,16 @@ class LlamaArch:
             else float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma and model_type != "gemma" else None,
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
-            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
-            qk_norm_full=model_type in ("olmo2", "olmoe"),
+            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else
+            # EXAONE 4 with a window: its full-attention layers take no rotary embedding
+            tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding) if model_type == "exaone4" and window
+            else (),
+            qk_norm_full=model_type in OLMO_TYPES,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
-            post_norm=model_type == "olmo2",
+            post_norm=model_type in ("olmo2", "olmo3", "exaone4"),
             hidden_act=act,
             norm_offset=1.0 if gemma else 0.0,
-            norm_in_float32=gemma or model_type == "olmo2",
+            norm_in_float32=gemma or model_type in ("olmo2", "olmo3"),
             embedding_multiplier_in_dtype=gemma,
             # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
@@ -148,6 +152,7 @@ class LlamaArch:
 
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+OLMO_TYPES = ("olmo2", "olmo3", "olmoe")  # q and k normalised over all heads at once
 
 
 def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
@@ -169,6 +174,15 @@ def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
     if model_type == "gemma3_text":
         pattern = int(cfg.get("sliding_window_pattern", 6))
         return frozenset(i for i in range(layers) if (i + 1) % pattern)
+    if model_type == "olmo3":  # three sliding layers, then a full one
+        return frozenset(i for i in range(layers) if (i + 1) % 4)
+    if model_type == "exaone4":
+        if cfg.get("sliding_window") is None:
+            return frozenset()
+        pattern = cfg.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):  # EXAONE's own form, "LLLG": L a local (sliding) layer, G a global one
+            return frozenset(i for i in range(layers) if pattern[i % len(pattern)] == "L")
+        return frozenset(i for i in range(layers) if (i + 1) % int(pattern))
     if model_type.startswith("qwen") or model_type == "smollm3":
         if not cfg.get("use_sliding_window", False):
             return frozenset()
@@ -176,18 +190,24 @@ def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
     return frozenset(range(layers))
 
 
-def _gemma3_ropes(cfg: dict) -> tuple[dict, dict]:
-    """Gemma 3's rotary parameters of its full-attention layers and of its sliding ones: transformers
-    5's rope_parameters by layer type, or 4.x's rope_theta (+ rope_scaling) and rope_local_base_freq."""
+def _ropes_by_layer_type(cfg: dict, model_type: str) -> tuple[dict, dict | None]:
+    """The rotary parameters of the full-attention layers and of the sliding ones (None: the
+    same): transformers 5's rope_parameters by layer type, or 4.x's rope_theta and rope_scaling.
+    Gemma 3's sliding layers take rope_local_base_freq (10k) and no scaling; OLMo 3's take its
+    rope_theta without the scaling (transformers applies rope_scaling to the full layers only)."""
     by_type = cfg.get("rope_parameters") or {}
+    gemma = model_type == "gemma3_text"
+    theta = cfg.get("rope_theta", 1_000_000.0 if gemma else 500_000.0)
     if "full_attention" in by_type or "sliding_attention" in by_type:
-        full = by_type.get("full_attention") or {"rope_type": "default", "rope_theta": 1_000_000.0}
-        local = by_type.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+        full = by_type.get("full_attention") or {"rope_type": "default", "rope_theta": theta}
+        local = by_type.get("sliding_attention") or {"rope_type": "default",
+                                                      "rope_theta": 10_000.0 if gemma else theta}
     else:
-        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": theta}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0) if gemma else theta}
     base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
-    return rope_parameters({**base, "rope_parameters": full}), rope_parameters({**base, "rope_parameters": local})
+    full, local = rope_parameters({**base, "rope_parameters": full}), rope_parameters({**base, "rope_parameters": local})
+    return full, (None if local == full else local)
 
 
 def _nope_layers(cfg: dict) -> tuple[int, ...]:

@@ -36,6 +36,8 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "SeedOssForCausalLM": "seed_oss",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

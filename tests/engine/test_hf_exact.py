@@ -41,6 +41,15 @@ VARIANTS = {
     "seed-oss": dict(arch="seed_oss"),
     # OLMo 2: q and k normalised over all heads at once, each sublayer's output normalised.
     "olmo2": dict(arch="olmo2"),
+    # OLMo 3: OLMo 2's layers, a 40-key window on the first, YaRN on the full-attention one only.
+    "olmo3": dict(arch="olmo3", config={
+        "sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                               "original_max_position_embeddings": 256},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}}),
+    # EXAONE 4: per-head q / k norms, each sublayer's output normalised; a 40-key window on the
+    # first layer, the full-attention second one without a rotary embedding.
+    "exaone4": dict(arch="exaone4", config={"sliding_window": 40, "sliding_window_pattern": 2}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
