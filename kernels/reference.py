@@ -145,21 +145,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding. cos_sin_cache [max_pos, rot_dim]: cos halves then sin halves.
+                     cos_sin_cache: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding. cos_sin_cache [max_pos, rot_dim]: cos halves then sin halves.
 
-    query [T, heads, head_dim], key [T, kv_heads, head_dim]; rotates the first rot_dim dims.
-    Returns new tensors.
+    query [T, heads, head_dim], key [T, kv_heads, head_dim]; rotates the first rot_dim dims:
+    dims i and rot_dim / 2 + i as a pair (Neox style), or, interleaved, dims 2i and 2i + 1 (GPT-J
+    style: GLM's). Returns new tensors.
     """
     rot_dim = cos_sin_cache.shape[1]
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    if interleaved:
+        cos, sin = cos.repeat_interleave(2, dim=-1).unsqueeze(1), sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    else:
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-        x1, x2 = x_rot.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
+        if interleaved:
+            rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+            rotated = torch.cat((-x2, x1), dim=-1)
         return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), dim=-1)
 
     return rotate(query), rotate(key)

@@ -189,12 +189,12 @@ def _chunk_after_context(q, k, v, ctx: int, scale: float) -> torch.Tensor:
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     cos_sin_cache: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.rotary_embedding, one C++ pass over q and k (bit-identical in float32)."""
     ext = _ext(query)
     if ext is None:
-        return reference.rotary_embedding(positions, query, key, cos_sin_cache)
-    q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache)
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache, interleaved)
+    q, k = ext.rotary_embedding(positions, query, key, cos_sin_cache, interleaved)
     return q, k
 
 

@@ -54,19 +54,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rotate_heads(out, x, t, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin,
                   num_heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate every head of token t: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
+    """Rotate every head of token t: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the pairs
+    (i, HALF + i), or interleaved (2i, 2i + 1)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     src = x + t * stride_xt + h * stride_xh
     dst = out + t * stride_ot + h * stride_oh
     mask = (h < num_heads) & (i < HALF)
-    x1 = tl.load(src + i, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, HALF + i
+    x1 = tl.load(src + first, mask=mask, other=0.0)
+    x2 = tl.load(src + second, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(dst + i, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(dst + HALF + i, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + second, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
     if 2 * HALF < HEAD_DIM:  # partial rotary: the tail passes through unchanged
         d = tl.arange(0, BLOCK_D)[None, :]
         tail = (h < num_heads) & (d >= 2 * HALF) & (d < HEAD_DIM)
@@ -78,7 +84,7 @@ def _rotary_kernel(q_out, k_out, query, key, positions, cos_sin_cache, num_heads
                    stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr):
     # One program per token: its query heads and key heads share one cos/sin row.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
@@ -87,14 +93,15 @@ def _rotary_kernel(q_out, k_out, query, key, positions, cos_sin_cache, num_heads
     cos = tl.load(cs + i, mask=i < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
     _rotate_heads(q_out, query, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
-                  num_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_D)
+                  num_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_D, INTERLEAVED)
     _rotate_heads(k_out, key, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
-                  num_kv_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_D)
+                  num_kv_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_D, INTERLEAVED)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding. cos_sin_cache [max_pos, rot_dim]: cos halves then sin halves.
+                     cos_sin_cache: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.rotary_embedding: Neox style, or interleaved (GLM's). cos_sin_cache
+    [max_pos, rot_dim]: cos halves then sin halves.
 
     query [T, heads, head_dim], key [T, kv_heads, head_dim]; rotates the first rot_dim dims.
     Returns new tensors.
@@ -115,7 +122,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
             HEAD_DIM=head_dim, HALF=rot_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
-            BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim))
+            BLOCK_HALF=triton.next_power_of_2(rot_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
+            INTERLEAVED=interleaved)
     return q_out, k_out
 
 

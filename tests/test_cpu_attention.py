@@ -194,8 +194,9 @@ def test_decode_scores_spanning_the_float_range():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rot_dim", [64, 32])  # full and partial rotation
-def test_rotary_is_bit_identical_to_reference_on_qkv_views(rot_dim):
+def test_rotary_is_bit_identical_to_reference_on_qkv_views(rot_dim, interleaved):
     g = torch.Generator().manual_seed(rot_dim)
     t, heads, kv_heads, d = 37, 8, 2, 64
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
@@ -204,21 +205,43 @@ def test_rotary_is_bit_identical_to_reference_on_qkv_views(rot_dim):
     cos_sin = torch.randn(300, rot_dim, generator=g)
     positions = torch.randint(0, 300, (t,), generator=g)
     before = qkv.clone()
-    got = torch_attention.rotary_embedding(positions, q, k, cos_sin)
-    expected = reference.rotary_embedding(positions, q, k, cos_sin)
+    got = torch_attention.rotary_embedding(positions, q, k, cos_sin, interleaved)
+    expected = reference.rotary_embedding(positions, q, k, cos_sin, interleaved)
     for a, b in zip(got, expected):
         assert a.is_contiguous() and torch.equal(a, b)
     assert torch.equal(qkv, before)  # inputs untouched
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rotary_half_precision(dtype):
+def test_rotary_half_precision(dtype, interleaved):
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(9, 4, 32, generator=g).to(dtype), torch.randn(9, 2, 32, generator=g).to(dtype)
     positions, cos_sin = torch.arange(9), torch.randn(16, 32, generator=g)
-    for a, b in zip(torch_attention.rotary_embedding(positions, q, k, cos_sin),
-                    reference.rotary_embedding(positions, q, k, cos_sin)):
+    for a, b in zip(torch_attention.rotary_embedding(positions, q, k, cos_sin, interleaved),
+                    reference.rotary_embedding(positions, q, k, cos_sin, interleaved)):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rot_dim", [64, 32])
+def test_interleaved_rotary_is_glms(rot_dim):
+    """The interleaved reference rotates as transformers' GLM-4 does (its partial rotary included)."""
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
+
+    from engine.models.rope import cos_sin_cache
+
+    g = torch.Generator().manual_seed(2)
+    t, d = 13, 64
+    q, k = torch.randn(t, 4, d, generator=g), torch.randn(t, 2, d, generator=g)
+    positions = torch.randint(0, 100, (t,), generator=g)
+    table = cos_sin_cache(rot_dim, 100, {"rope_type": "default", "rope_theta": 10000.0})
+    got_q, got_k = reference.rotary_embedding(positions, q, k, table, interleaved=True)
+    cos, sin = table[positions].chunk(2, dim=-1)  # transformers' cos / sin: the halves repeated
+    cos, sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(got_q, reference.rotary_embedding(positions, q, k, table)[0])  # not Neox's
 
 
 def test_rotary_refuses_positions_outside_the_cache():

@@ -61,7 +61,10 @@ class LlamaArch:
     # before the rotary embedding; then clamped to +-clip_qkv (and v) where the config says.
     qk_norm_full: bool = False
     clip_qkv: float | None = None
-    post_norm: bool = False  # OLMo 2: each sublayer's output normalised before the residual add, no input norms
+    # Where a layer's norms sit (LAYER_NORMS): "pre" (Llama's: each sublayer's input), "post" (OLMo 2,
+    # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
+    # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names).
+    layer_norms: str = "pre"
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
     # Gemma: RMS norms scale by 1 + weight, and the embeddings by sqrt(hidden_size) rounded to the
     # model's dtype. Gemma's and OLMo 2's norms scale in float32 and round once (Float32RMSNorm).
@@ -70,14 +73,13 @@ class LlamaArch:
     embedding_multiplier_in_dtype: bool = False
     # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
     layer_windows: tuple[int, ...] = ()
-    # Gemma 2 / 3: soft-capped attention scores and logits (0: none); "sandwich" norms (each
-    # sublayer's input and output normalised, pre_ / post_feedforward_layernorm around the MLP);
-    # Gemma 3: the sliding layers' own rotary parameters (rope_local; the others take rope).
+    # Gemma 2 / 3: soft-capped attention scores and logits (0: none); Gemma 3 (and OLMo 3): the
+    # sliding layers' own rotary parameters (rope_local; the others take rope).
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    sandwich_norm: bool = False
     rope_local: dict | None = None
     local_rope_layers: tuple[int, ...] = ()
+    rope_interleaved: bool = False  # GLM: dims 2i and 2i + 1 rotated as a pair (GPT-J style), not i and half + i
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
@@ -115,8 +117,8 @@ class LlamaArch:
             # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config may say otherwise.
             qkv_bias=(bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True) if qwen2
             else attention_bias,
-            o_bias=False if qwen2 else bool(cfg.get("attention_out_bias", False)) if model_type == "seed_oss"
-            else attention_bias,
+            o_bias=False if qwen2 or model_type in GLM_TYPES else bool(cfg.get("attention_out_bias", False))
+            if model_type == "seed_oss" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
@@ -137,7 +139,8 @@ class LlamaArch:
             else (),
             qk_norm_full=model_type in OLMO_TYPES,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
-            post_norm=model_type in ("olmo2", "olmo3", "exaone4"),
+            layer_norms="post" if model_type in ("olmo2", "olmo3", "exaone4") else
+            "sandwich" if model_type in ("gemma2", "gemma3_text") else "glm4" if model_type == "glm4" else "pre",
             hidden_act=act,
             norm_offset=1.0 if gemma else 0.0,
             norm_in_float32=gemma or model_type in ("olmo2", "olmo3"),
@@ -145,14 +148,15 @@ class LlamaArch:
             # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
-            sandwich_norm=model_type in ("gemma2", "gemma3_text"),
             rope_local=rope_local,
             local_rope_layers=tuple(sorted(sliding)) if rope_local is not None else (),
+            rope_interleaved=model_type in GLM_TYPES,
         )
 
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")  # q and k normalised over all heads at once
+GLM_TYPES = ("glm", "glm4")  # interleaved partial rotary (half of head_dim unless the config says)
 
 
 def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
@@ -295,6 +299,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.rotary = rotary
+        self._rope = dict(interleaved=True) if arch.rope_interleaved else {}  # (the kernels' default: Neox)
         self.window, self.softcap = window, arch.attn_softcap  # sliding window, soft-capped scores (kernels' args)
         self._band = dict(window=window, softcap=arch.attn_softcap) if window or arch.attn_softcap else {}
         o_bias = arch.o_bias
@@ -359,7 +364,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         if self.rotary:
-            q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+            q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin, **self._rope)
         else:  # (SmolLM3's NoPE layers) the kernels take q and k as the rotary kernel leaves them
             q, k = q.contiguous(), k.contiguous()
         scale, (k_scale, v_scale) = self.scale, self.kv_scales
@@ -456,18 +461,34 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 / 3: attention's input and output normalised (input_layernorm,
     post_attention_layernorm), then the MLP's (pre_feedforward_layernorm,
     post_feedforward_layernorm), each output added to the residual stream as it is."""
+    # The four norms in the order they apply, by the checkpoint's names.
+    NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
                  index: int = 0) -> None:
         super().__init__(arch, kernels, tp, index)
-        self.pre_feedforward_layernorm = make_norm(arch, arch.hidden_size, kernels)
-        self.post_feedforward_layernorm = make_norm(arch, arch.hidden_size, kernels)
+        for name in self.NORMS[2:] + self.NORMS[:2]:  # (the last two: DecoderLayer's own names)
+            if not hasattr(self, name):
+                setattr(self, name, make_norm(arch, arch.hidden_size, kernels))
+        self._norms = tuple(getattr(self, name) for name in self.NORMS)
+        if len(set(map(id, self._norms))) != 4 or len(list(self.children())) != 6:
+            raise AssertionError(f"{type(self).__name__}: its norms {self.NORMS} must be four modules of their own")
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
-        h = self.self_attn(positions, self.input_layernorm(x)[0], kv_cache, meta, cos_sin)
-        x = x + self.post_attention_layernorm(h)[0]
-        h = self.mlp(self.pre_feedforward_layernorm(x)[0])
-        return x + self.post_feedforward_layernorm(h)[0], None
+        attn_in, attn_out, mlp_in, mlp_out = self._norms
+        h = self.self_attn(positions, attn_in(x)[0], kv_cache, meta, cos_sin)
+        x = x + attn_out(h)[0]
+        h = self.mlp(mlp_in(x)[0])
+        return x + mlp_out(h)[0], None
+
+
+class Glm4DecoderLayer(SandwichDecoderLayer):
+    """GLM-4: Gemma 2's sandwich under GLM-4's names (post_attention_layernorm is the MLP's input norm)."""
+    NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+
+
+LAYER_NORMS = {"pre": DecoderLayer, "post": PostNormDecoderLayer, "sandwich": SandwichDecoderLayer,
+               "glm4": Glm4DecoderLayer}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -480,8 +501,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         vocab_rows = arch.vocab_size if tp is None else tp.layout.vocab_per_rank
         self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
-        layer_cls = PostNormDecoderLayer if arch.post_norm else SandwichDecoderLayer if arch.sandwich_norm \
-            else DecoderLayer
+        layer_cls = LAYER_NORMS[arch.layer_norms]
         self.layers = nn.ModuleList(layer_cls(arch, kernels, tp, i) for i in range(arch.num_layers))
         self.norm = make_norm(arch, arch.hidden_size, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)

@@ -21,7 +21,9 @@ def rope_parameters(hf_config: dict) -> dict:
     if rope_type == "su":  # Phi-3's first name for LongRoPE
         rope_type = "longrope"
     params["rope_type"] = rope_type
-    params.setdefault("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    # (GLM's configs leave it out for half: transformers' default for them)
+    params.setdefault("partial_rotary_factor", hf_config.get(
+        "partial_rotary_factor", 0.5 if hf_config.get("model_type") in ("glm", "glm4") else 1.0))
     if rope_type in ("yarn", "longrope"):
         params.setdefault("max_position_embeddings", hf_config.get("max_position_embeddings", 2048))
         # Phi-3 saves the pretraining context at the top level, and it takes priority (transformers' rule).

@@ -656,9 +656,10 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
   });
 }
 
-// Neox-style rotary embedding of query [T, heads, D] and key [T, kv_heads, D] (any strides:
-// they are usually views into the fused QKV output) into new contiguous tensors, rotating the
-// first rot_dim dims with cos_sin_cache [max_pos, rot_dim] (cos halves, then sin halves).
+// Rotary embedding of query [T, heads, D] and key [T, kv_heads, D] (any strides: they are
+// usually views into the fused QKV output) into new contiguous tensors, rotating the first
+// rot_dim dims with cos_sin_cache [max_pos, rot_dim] (cos halves, then sin halves): dims i and
+// half + i as a pair (Neox style), or, interleaved, dims 2i and 2i + 1 (GPT-J style: GLM's).
 // Products and sums are rounded one by one (no FMA contraction), as torch computes them, so
 // the result is bit-identical to kernels.reference for float32.
 #pragma GCC push_options
@@ -667,8 +668,11 @@ namespace {
 
 template <typename scalar_t, typename cs_t>
 void rotate(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t T, int64_t heads, int64_t D,
-            int64_t st, int64_t sh, const int64_t* __restrict__ pos, const cs_t* __restrict__ cs, int64_t rot) {
+            int64_t st, int64_t sh, const int64_t* __restrict__ pos, const cs_t* __restrict__ cs, int64_t rot,
+            bool interleaved) {
   const int64_t half = rot / 2;
+  // The pair of element i: (i, half + i), or interleaved (2i, 2i + 1).
+  const int64_t step = interleaved ? 2 : 1, other = interleaved ? 1 : half;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> c(half), s(half);
     for (int64_t t = begin; t < end; ++t) {
@@ -682,10 +686,10 @@ void rotate(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t T,
         scalar_t* __restrict__ yh = y + (t * heads + h) * D;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(xh[i]), x2 = to_f(xh[half + i]);
+          const float x1 = to_f(xh[step * i]), x2 = to_f(xh[step * i + other]);
           const float a = x1 * c[i], b = x2 * s[i], u = x2 * c[i], v = x1 * s[i];
-          yh[i] = static_cast<scalar_t>(a - b);
-          yh[half + i] = static_cast<scalar_t>(u + v);
+          yh[step * i] = static_cast<scalar_t>(a - b);
+          yh[step * i + other] = static_cast<scalar_t>(u + v);
         }
         for (int64_t i = rot; i < D; ++i) yh[i] = xh[i];
       }
@@ -697,7 +701,7 @@ void rotate(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t T,
 #pragma GCC pop_options
 
 std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
-                                            torch::Tensor cos_sin_cache) {
+                                            torch::Tensor cos_sin_cache, bool interleaved) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) &&
               query.size(2) == key.size(2), "query [T, heads, D] and key [T, kv_heads, D] expected");
   TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key dtypes differ");
@@ -718,8 +722,8 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
   if (T == 0) return {q_out, k_out};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "rotary", [&] {
     auto run = [&](auto* c) {
-      rotate(q.data_ptr<scalar_t>(), q_out.data_ptr<scalar_t>(), T, q.size(1), D, q.stride(0), q.stride(1), p, c, rot);
-      rotate(k.data_ptr<scalar_t>(), k_out.data_ptr<scalar_t>(), T, k.size(1), D, k.stride(0), k.stride(1), p, c, rot);
+      rotate(q.data_ptr<scalar_t>(), q_out.data_ptr<scalar_t>(), T, q.size(1), D, q.stride(0), q.stride(1), p, c, rot, interleaved);
+      rotate(k.data_ptr<scalar_t>(), k_out.data_ptr<scalar_t>(), T, k.size(1), D, k.stride(0), k.stride(1), p, c, rot, interleaved);
     };
     if (cs.scalar_type() == at::kFloat) run(cs.data_ptr<float>());
     else run(cs.data_ptr<scalar_t>());
@@ -934,7 +938,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU)",
         py::arg("query"), py::arg("kv_cache"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("block_tables"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding, Neox style or interleaved (CPU)",
+        py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"), py::arg("interleaved") = false);
   m.def("store_kv", &store_kv, "write K/V rows into the paged cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with a fused residual add (CPU)");
   m.def("copy_blocks", &copy_blocks, "KV blocks between the caches and a staging buffer (CPU)");

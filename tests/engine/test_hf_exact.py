@@ -50,6 +50,10 @@ VARIANTS = {
     # EXAONE 4: per-head q / k norms, each sublayer's output normalised; a 40-key window on the
     # first layer, the full-attention second one without a rotary embedding.
     "exaone4": dict(arch="exaone4", config={"sliding_window": 40, "sliding_window_pattern": 2}),
+    # GLM: dims 2i and 2i + 1 rotated as a pair over half of each head, a fused gate_up_proj, q/k/v
+    # biases (random); GLM-4: four norms a layer (random weights), by its own names.
+    "glm": dict(arch="glm"),
+    "glm4": dict(arch="glm4"),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

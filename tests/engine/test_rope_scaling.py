@@ -85,7 +85,7 @@ def test_gemma3s_published_config_form_is_read():
     assert (arch.rope["rope_type"], arch.rope["factor"], arch.rope["rope_theta"]) == ("linear", 8.0, 1000000.0)
     assert (arch.rope_local["rope_type"], arch.rope_local["rope_theta"]) == ("default", 10000.0)
     assert arch.attention_multiplier == 256 ** -0.5 and arch.hidden_act == "gelu_pytorch_tanh"
-    assert arch.norm_offset == 1.0 and arch.qk_norm and arch.sandwich_norm and arch.tie_word_embeddings
+    assert arch.norm_offset == 1.0 and arch.qk_norm and arch.layer_norms == "sandwich" and arch.tie_word_embeddings
     assert arch.attn_softcap == 0.0
 
 

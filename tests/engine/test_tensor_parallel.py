@@ -42,6 +42,7 @@ VARIANTS = {
     "gemma3": dict(arch="gemma3_text", config={"sliding_window": 40}),
     "olmo3": dict(arch="olmo3", config={"sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"]}),
     "exaone4": dict(arch="exaone4", config={"sliding_window": 40, "sliding_window_pattern": 2}),
+    "glm4": dict(arch="glm4"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -64,7 +65,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("granite-moe", "chunked-preempted"), ("seed-oss-biases", "plain"), ("olmo2", "chunked-padded-async"),
          ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async"),
          ("mistral-sliding-window", "chunked-preempted"), ("gemma2", "chunked-padded-async"),
-         ("gemma3", "chunked-preempted"), ("olmo3", "chunked-padded-async"), ("exaone4", "chunked-preempted")]
+         ("gemma3", "chunked-preempted"), ("olmo3", "chunked-padded-async"), ("exaone4", "chunked-preempted"),
+         ("glm4", "chunked-padded-async")]
 
 
 def alive(pid: int) -> bool:

@@ -1,4 +1,5 @@
-"""Triton RMSNorm (+ residual), SiLU-and-multiply and neox rotary embedding against the torch reference."""
+"""Triton RMSNorm (+ residual), SiLU-and-multiply and rotary embedding (Neox style and interleaved)
+against the torch reference."""
 from __future__ import annotations
 
 import pytest
@@ -38,9 +39,10 @@ def test_rms_norm_keeps_hf_dtype_promotion_and_leading_dims(triton_kernels, devi
     assert_close(normed, expected, torch.float16)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rot_dim", [64, 32], ids=["full", "partial"])
-def test_rotary_embedding_matches_reference(triton_kernels, device, dtype, rot_dim):
+def test_rotary_embedding_matches_reference(triton_kernels, device, dtype, rot_dim, interleaved):
     num_tokens, num_heads, num_kv_heads, head_dim, max_pos = 11, 6, 2, 64, 300
     # q and k as the model makes them: views into one fused QKV projection.
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
@@ -48,10 +50,11 @@ def test_rotary_embedding_matches_reference(triton_kernels, device, dtype, rot_d
     key = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
     positions = torch.randint(0, max_pos, (num_tokens,))
     cos_sin_cache = torch.randn(max_pos, rot_dim)
-    expected_q, expected_k = reference.rotary_embedding(positions, query, key, cos_sin_cache)
+    expected_q, expected_k = reference.rotary_embedding(positions, query, key, cos_sin_cache, interleaved)
 
     q_dev, k_dev = query.to(device), key.to(device)
-    q, k = triton_kernels.rotary_embedding(positions.to(device), q_dev, k_dev, cos_sin_cache.to(device))
+    q, k = triton_kernels.rotary_embedding(positions.to(device), q_dev, k_dev, cos_sin_cache.to(device),
+                                           interleaved)
     assert_close(q, expected_q, dtype)
     assert_close(k, expected_k, dtype)
     if rot_dim < head_dim:  # the dims past rot_dim pass through untouched
