@@ -7,7 +7,8 @@ import shutil
 import tempfile
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3",
-         "seed_oss", "olmo2", "olmo3", "exaone4", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
+         "seed_oss", "olmo2", "olmo3", "exaone4", "glm", "glm4", "ministral", "helium",
+         "ernie4_5", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
@@ -92,7 +93,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
              "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "granite": "Granite",
              "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2", "olmo3": "Olmo3", "exaone4": "Exaone4",
-             "glm": "Glm", "glm4": "Glm4",
+             "glm": "Glm", "glm4": "Glm4", "ministral": "Ministral", "helium": "Helium", "ernie4_5": "Ernie4_5",
              "mixtral": "Mixtral",
              "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe", "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
@@ -105,9 +106,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
                   pad_token_id=tokenizer.pad_token_id)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4"):
+    elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "ernie4_5",
+                  "ministral", "helium"):
         kwargs["head_dim"] = hidden_size // num_heads
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "ministral"):
         kwargs["sliding_window"] = max_position_embeddings
     if arch in ("mixtral", "granitemoe"):
         kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
@@ -131,10 +133,11 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     # random where that would hide one read wrong (GLM's: its q/k/v biases, its four norms a layer).
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias") and arch in ("seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4") or \
+            if name.endswith(".bias") and arch in ("seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
+                                                   "helium", "ernie4_5") or \
                     arch.startswith("gemma") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.1)
-            elif arch in ("glm", "glm4") and name.endswith("norm.weight"):
+            elif arch in ("glm", "glm4", "helium") and name.endswith("norm.weight"):
                 param.normal_(1.0, 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

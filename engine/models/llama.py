@@ -102,8 +102,7 @@ class LlamaArch:
         sliding = _sliding_layers(cfg, model_type)
         rope, rope_local = _ropes_by_layer_type(cfg, model_type) if model_type in ("gemma3_text", "olmo3") \
             else (rope_parameters(cfg), None)
-        attention_bias = bool(cfg.get("attention_bias", False))
-        qwen2 = model_type in ("qwen2", "qwen2_moe")
+        qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -114,14 +113,11 @@ class LlamaArch:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config may say otherwise.
-            qkv_bias=(bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True) if qwen2
-            else attention_bias,
-            o_bias=False if qwen2 or model_type in GLM_TYPES else bool(cfg.get("attention_out_bias", False))
-            if model_type == "seed_oss" else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or model_type == "ernie4_5")),
             rope=rope,
             sliding_window=window,
             layer_windows=tuple(window if i in sliding and window and window < cfg.get("max_position_embeddings", 2048)
@@ -143,20 +139,37 @@ class LlamaArch:
             "sandwich" if model_type in ("gemma2", "gemma3_text") else "glm4" if model_type == "glm4" else "pre",
             hidden_act=act,
             norm_offset=1.0 if gemma else 0.0,
-            norm_in_float32=gemma or model_type in ("olmo2", "olmo3"),
+            norm_in_float32=gemma or model_type in ("olmo2", "olmo3", "helium"),
             embedding_multiplier_in_dtype=gemma,
             # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             rope_local=rope_local,
             local_rope_layers=tuple(sorted(sliding)) if rope_local is not None else (),
-            rope_interleaved=model_type in GLM_TYPES,
+            rope_interleaved=model_type in INTERLEAVED_ROPE_TYPES,
         )
 
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")  # q and k normalised over all heads at once
-GLM_TYPES = ("glm", "glm4")  # interleaved partial rotary (half of head_dim unless the config says)
+# Dims 2i and 2i + 1 rotated as a pair (GLM's rotary is partial: half of head_dim unless the config says).
+INTERLEAVED_ROPE_TYPES = ("glm", "glm4", "helium", "ernie4_5")
+
+
+def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
+    """Whether q/k/v, o_proj and the MLP's projections have biases."""
+    if model_type in ("qwen2", "qwen2_moe"):  # always on q/k/v (Qwen2-MoE's config may say otherwise)
+        return bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True, False, False
+    if model_type == "ernie4_5":  # one switch for every projection
+        return (bool(cfg.get("use_bias", False)),) * 3
+    attention = bool(cfg.get("attention_bias", False))
+    if model_type in ("glm", "glm4", "helium"):  # o_proj without one
+        o = False
+    elif model_type == "seed_oss":
+        o = bool(cfg.get("attention_out_bias", False))
+    else:
+        o = attention
+    return attention, o, bool(cfg.get("mlp_bias", False))
 
 
 def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:

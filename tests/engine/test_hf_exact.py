@@ -54,6 +54,13 @@ VARIANTS = {
     # biases (random); GLM-4: four norms a layer (random weights), by its own names.
     "glm": dict(arch="glm"),
     "glm4": dict(arch="glm4"),
+    # Ministral: Mistral's layers with windows by layer_types; Helium and ERNIE 4.5: the interleaved
+    # rotary over whole heads (Helium's q/k/v and MLP biases, its norms scaled in float32; ERNIE's
+    # biases on every projection and tied embeddings).
+    "ministral": dict(arch="ministral", config={"sliding_window": 40,
+                                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "helium": dict(arch="helium", config={"attention_bias": True, "mlp_bias": True}),
+    "ernie4_5": dict(arch="ernie4_5", tie_word_embeddings=True, config={"use_bias": True}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

@@ -43,6 +43,7 @@ VARIANTS = {
     "olmo3": dict(arch="olmo3", config={"sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"]}),
     "exaone4": dict(arch="exaone4", config={"sliding_window": 40, "sliding_window_pattern": 2}),
     "glm4": dict(arch="glm4"),
+    "ernie4_5-biases": dict(arch="ernie4_5", config={"use_bias": True}),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -66,7 +67,7 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async"),
          ("mistral-sliding-window", "chunked-preempted"), ("gemma2", "chunked-padded-async"),
          ("gemma3", "chunked-preempted"), ("olmo3", "chunked-padded-async"), ("exaone4", "chunked-preempted"),
-         ("glm4", "chunked-padded-async")]
+         ("glm4", "chunked-padded-async"), ("ernie4_5-biases", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
