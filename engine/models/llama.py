@@ -63,13 +63,19 @@ class LlamaArch:
     clip_qkv: float | None = None
     # Where a layer's norms sit (LAYER_NORMS): "pre" (Llama's: each sublayer's input), "post" (OLMo 2,
     # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
-    # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names).
+    # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names),
+    # "parallel" (Cohere: attention and the MLP both read one norm of the stream, both added to it).
     layer_norms: str = "pre"
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
     # Gemma: RMS norms scale by 1 + weight, and the embeddings by sqrt(hidden_size) rounded to the
     # model's dtype. Gemma's and OLMo 2's norms scale in float32 and round once (Float32RMSNorm).
     norm_offset: float = 0.0
     norm_in_float32: bool = False
+    # Cohere: LayerNorms (the mean subtracted, no bias, in float32), not RMS norms; Command R+'s q / k
+    # norms with a weight per head ([heads, head_dim]); the logits multiplied by logit_scale.
+    layer_norm: bool = False
+    qk_norm_per_head: bool = False
+    logit_scale: float = 1.0
     embedding_multiplier_in_dtype: bool = False
     # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
     layer_windows: tuple[int, ...] = ()
@@ -103,6 +109,7 @@ class LlamaArch:
         rope, rope_local = _ropes_by_layer_type(cfg, model_type) if model_type in ("gemma3_text", "olmo3") \
             else (rope_parameters(cfg), None)
         qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
+        cohere = model_type in ("cohere", "cohere2")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -111,13 +118,14 @@ class LlamaArch:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if cohere else cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or model_type == "ernie4_5")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4") or
+            model_type == "cohere" and bool(cfg.get("use_qk_norm", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or cohere or model_type == "ernie4_5")),
             rope=rope,
             sliding_window=window,
             layer_windows=tuple(window if i in sliding and window and window < cfg.get("max_position_embeddings", 2048)
@@ -130,16 +138,20 @@ class LlamaArch:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else
-            # EXAONE 4 with a window: its full-attention layers take no rotary embedding
-            tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding) if model_type == "exaone4" and window
-            else (),
+            # EXAONE 4 with a window and Command R7B / A: their full-attention layers take no rotary embedding
+            tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding)
+            if model_type == "exaone4" and window or model_type == "cohere2" else (),
             qk_norm_full=model_type in OLMO_TYPES,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             layer_norms="post" if model_type in ("olmo2", "olmo3", "exaone4") else
-            "sandwich" if model_type in ("gemma2", "gemma3_text") else "glm4" if model_type == "glm4" else "pre",
+            "sandwich" if model_type in ("gemma2", "gemma3_text") else "glm4" if model_type == "glm4" else
+            "parallel" if cohere else "pre",
             hidden_act=act,
             norm_offset=1.0 if gemma else 0.0,
             norm_in_float32=gemma or model_type in ("olmo2", "olmo3", "helium"),
+            layer_norm=cohere,
+            qk_norm_per_head=model_type == "cohere" and bool(cfg.get("use_qk_norm", False)),
+            logit_scale=float(cfg.get("logit_scale", 0.0625)) if cohere else 1.0,
             embedding_multiplier_in_dtype=gemma,
             # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
@@ -153,11 +165,13 @@ class LlamaArch:
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")  # q and k normalised over all heads at once
 # Dims 2i and 2i + 1 rotated as a pair (GLM's rotary is partial: half of head_dim unless the config says).
-INTERLEAVED_ROPE_TYPES = ("glm", "glm4", "helium", "ernie4_5")
+INTERLEAVED_ROPE_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "cohere2")
 
 
 def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
     """Whether q/k/v, o_proj and the MLP's projections have biases."""
+    if model_type in ("cohere", "cohere2"):  # attention_bias on every attention projection, none on the MLP
+        return (bool(cfg.get("attention_bias", False)),) * 2 + (False,)
     if model_type in ("qwen2", "qwen2_moe"):  # always on q/k/v (Qwen2-MoE's config may say otherwise)
         return bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True, False, False
     if model_type == "ernie4_5":  # one switch for every projection
@@ -193,6 +207,8 @@ def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
         return frozenset(i for i in range(layers) if (i + 1) % pattern)
     if model_type == "olmo3":  # three sliding layers, then a full one
         return frozenset(i for i in range(layers) if (i + 1) % 4)
+    if model_type == "cohere2":  # three sliding layers, then a full one
+        return frozenset(i for i in range(layers) if (i + 1) % int(cfg.get("sliding_window_pattern", 4)))
     if model_type == "exaone4":
         if cfg.get("sliding_window") is None:
             return frozenset()
@@ -283,6 +299,20 @@ class Float32RMSNorm(RMSNorm):
         return (normed * (self.weight.float() + self.offset)).to(dtype)
 
 
+class Float32LayerNorm(RMSNorm):
+    """Cohere's LayerNorm: the mean subtracted, normalised and scaled in float32, rounded to the
+    input's dtype once; no bias. dim: an int, or (heads, head_dim) for a weight per head (Command
+    R+'s q / k norms: each head normalised over head_dim and scaled by its own row)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        centred = xf - xf.mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype), x
+
+
 @functools.lru_cache(maxsize=None)
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype`, as a Python number: a host scalar, so a step (and a CUDA graph's
@@ -290,8 +320,10 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
 
 
-def make_norm(arch: "LlamaArch", dim: int, kernels: KernelBackend) -> RMSNorm:
-    """The architecture's RMS norm over `dim`."""
+def make_norm(arch: "LlamaArch", dim: int | tuple[int, int], kernels: KernelBackend) -> RMSNorm:
+    """The architecture's norm over `dim` (RMS, or Cohere's LayerNorm)."""
+    if arch.layer_norm:
+        return Float32LayerNorm(dim, arch.rms_norm_eps, kernels)
     if arch.norm_in_float32:
         return Float32RMSNorm(dim, arch.rms_norm_eps, kernels, arch.norm_offset)
     return RMSNorm(dim, arch.rms_norm_eps, kernels)
@@ -324,8 +356,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
-        self.q_norm = make_norm(arch, self.head_dim, kernels) if arch.qk_norm else None
-        self.k_norm = make_norm(arch, self.head_dim, kernels) if arch.qk_norm else None
+        # Per head: one weight for every head, or (Command R+) each of this rank's heads its own row.
+        q_dim, k_dim = ((self.num_heads, self.head_dim), (self.num_kv_heads, self.head_dim)) \
+            if arch.qk_norm_per_head else (self.head_dim, self.head_dim)
+        self.q_norm = make_norm(arch, q_dim, kernels) if arch.qk_norm else None
+        self.k_norm = make_norm(arch, k_dim, kernels) if arch.qk_norm else None
         self.qk_norm_full, self.clip_qkv = arch.qk_norm_full, arch.clip_qkv
         if arch.qk_norm_full:  # this rank's slice of the full-width weights; the variance is over all heads
             self.q_norm = make_norm(arch, self.q_size, kernels)
@@ -470,6 +505,20 @@ class PostNormDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
 
 
+class ParallelDecoderLayer(DecoderLayer):
+    """Cohere: attention and the MLP both read one norm of the residual stream (input_layernorm),
+    and both outputs are added to it."""
+
+    def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
+                 index: int = 0) -> None:
+        super().__init__(arch, kernels, tp, index)
+        del self.post_attention_layernorm
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h = self.input_layernorm(x)[0]
+        return x + self.self_attn(positions, h, kv_cache, meta, cos_sin) + self.mlp(h), None
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 / 3: attention's input and output normalised (input_layernorm,
     post_attention_layernorm), then the MLP's (pre_feedforward_layernorm,
@@ -501,7 +550,7 @@ class Glm4DecoderLayer(SandwichDecoderLayer):
 
 
 LAYER_NORMS = {"pre": DecoderLayer, "post": PostNormDecoderLayer, "sandwich": SandwichDecoderLayer,
-               "glm4": Glm4DecoderLayer}
+               "glm4": Glm4DecoderLayer, "parallel": ParallelDecoderLayer}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -553,6 +602,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.arch.logits_scaling != 1.0:  # Granite
             logits = logits / self.arch.logits_scaling
+        elif self.arch.logit_scale != 1.0:  # Cohere
+            logits = logits * self.arch.logit_scale
         if self.arch.final_softcap:  # Gemma 2
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits if self.tp is None else self.tp.gather_logits(logits)

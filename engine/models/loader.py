@@ -43,6 +43,8 @@ SUPPORTED_ARCHITECTURES = {
     "MinistralForCausalLM": "ministral",
     "HeliumForCausalLM": "helium",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

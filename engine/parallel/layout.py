@@ -135,8 +135,11 @@ class TPLayout:
             pad = self.vocab_per_rank - part.shape[0]
             return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
         if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-            rows = tensor_slice.get_shape()[0] if hasattr(tensor_slice, "get_shape") else tensor_slice.shape[0]
-            if rows != self.head_dim:  # over all heads at once (OLMo 2): this rank's heads' slice
+            shape = tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape") else tensor_slice.shape
+            if len(shape) == 2:  # a weight per head, [heads, head_dim] (Command R+): this rank's heads' rows
+                _, start, end = self.split_of(name.replace("_norm.", "_proj."))
+                return tensor_slice[start // self.head_dim:end // self.head_dim]
+            if shape[0] != self.head_dim:  # over all heads at once (OLMo 2): this rank's heads' slice
                 _, start, end = self.split_of(name.replace("_norm.", "_proj."))
                 return tensor_slice[start:end]
         split = self.split_of(name)

@@ -61,6 +61,13 @@ VARIANTS = {
                                                 "layer_types": ["sliding_attention", "full_attention"]}),
     "helium": dict(arch="helium", config={"attention_bias": True, "mlp_bias": True}),
     "ernie4_5": dict(arch="ernie4_5", tie_word_embeddings=True, config={"use_bias": True}),
+    # Cohere: LayerNorms, attention and the MLP in parallel off one norm, the interleaved rotary,
+    # biases on every attention projection; Command R+'s q / k norms with a weight per head;
+    # Command R7B's: a window on the first layer, the full second one without a rotary embedding.
+    "cohere": dict(arch="cohere", config={"attention_bias": True}),
+    "cohere-qk-norm": dict(arch="cohere", config={"use_qk_norm": True}),
+    "cohere2": dict(arch="cohere2", config={"sliding_window": 40,
+                                            "layer_types": ["sliding_attention", "full_attention"]}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
@@ -150,3 +157,25 @@ def test_prefix_cache_hits_are_exact(variant, device):
     for prompt, out in zip(prompts, outputs):
         assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     llm.engine.check_integrity(expect_all_free=True)
+
+
+# Greedy answers cannot see a positive scale or a soft cap on the logits; the distribution does.
+SCALED_LOGITS = {
+    "granite": dict(arch="granite"),  # divided by logits_scaling
+    "gemma2": dict(arch="gemma2", config={"final_logit_softcapping": 3.0}),  # soft-capped
+    "cohere": dict(arch="cohere", config={"logit_scale": 0.25}),  # multiplied by logit_scale
+}
+
+
+@pytest.mark.parametrize("name", list(SCALED_LOGITS))
+def test_prompt_logprobs_match_transformers_where_logits_are_scaled(name, tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(max_position_embeddings=1024, **SCALED_LOGITS[name])
+    prompt = list(range(5, 45))
+    out = LLM(path).generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    got = [entry[token] for entry, token in zip(out.prompt_logprobs, prompt[1:])]
+    assert got == pytest.approx([float(ref[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-4)

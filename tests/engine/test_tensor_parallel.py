@@ -44,6 +44,10 @@ VARIANTS = {
     "exaone4": dict(arch="exaone4", config={"sliding_window": 40, "sliding_window_pattern": 2}),
     "glm4": dict(arch="glm4"),
     "ernie4_5-biases": dict(arch="ernie4_5", config={"use_bias": True}),
+    # Command R+'s q / k norms: each rank holds its heads' rows of the weights.
+    "cohere-qk-norm": dict(arch="cohere", config={"use_qk_norm": True}),
+    "cohere-qk-norm-1-kv-head": dict(arch="cohere", num_kv_heads=1, config={"use_qk_norm": True}),
+    "cohere2": dict(arch="cohere2", config={"sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"]}),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -67,7 +71,9 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("olmo2-1-kv-head", "draft-model"), ("olmoe", "chunked-preempted"), ("gemma", "chunked-padded-async"),
          ("mistral-sliding-window", "chunked-preempted"), ("gemma2", "chunked-padded-async"),
          ("gemma3", "chunked-preempted"), ("olmo3", "chunked-padded-async"), ("exaone4", "chunked-preempted"),
-         ("glm4", "chunked-padded-async"), ("ernie4_5-biases", "chunked-preempted")]
+         ("glm4", "chunked-padded-async"), ("ernie4_5-biases", "chunked-preempted"),
+         ("cohere-qk-norm", "chunked-padded-async"), ("cohere-qk-norm-1-kv-head", "preempted"),
+         ("cohere2", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
