@@ -1,6 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi-3, Granite, SmolLM3, Seed-OSS, OLMo 2,
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV
-cache."""
+"""The Llama family (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Gemma 1-3, Phi-3, Granite, SmolLM3,
+Seed-OSS, OLMo 2 and 3, EXAONE 4, GLM and GLM-4, Helium, ERNIE 4.5, Command R / R+ / R7B / A, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV cache;
+what each model type fixes is one row of FAMILIES."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,54 @@ ACTIVATIONS = {"silu": reference.silu_and_mul, "gelu_pytorch_tanh": reference.ge
 
 if TYPE_CHECKING:
     from engine.parallel.group import TPGroup
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model type fixes (FAMILIES); its config.json says the sizes and the rest."""
+    qk_norm: str = ""  # "head": q and k normalised per head (Qwen3); "full": over all heads at once (OLMo 2)
+    layer_norms: str = "pre"  # where a layer's norms sit: LAYER_NORMS' key (LlamaArch.layer_norms)
+    # "rms": the kernels' RMS norm (the normalised x rounded before the weight: Llama's); "rms32":
+    # scaled in float32 and rounded once (OLMo 2's, Helium's); "gemma": the same by 1 + weight;
+    # "layer": Cohere's LayerNorm (the mean subtracted, no bias, in float32).
+    norm: str = "rms"
+    rope_interleaved: bool = False  # dims 2i and 2i + 1 rotated as a pair (GPT-J style), not i and half + i
+    rope_by_layer_type: bool = False  # the sliding layers' own rotary parameters (_ropes_by_layer_type)
+    window_opt_in: bool = False  # Qwen's: a window only where use_sliding_window says, from max_window_layers on
+    # Without layer_types, which layers slide: every (i + 1) % n != 0 (n: the config's
+    # sliding_window_pattern, else this); 0: every layer (where the config sets a window).
+    sliding_pattern: int = 0
+    full_layers_nope: bool = False  # with a window, the full-attention layers take no rotary embedding
+    tied: bool = False  # tie_word_embeddings where the config leaves it out
+    eps_key: str = "rms_norm_eps"
+
+
+# Every model type served (engine.models.loader.SUPPORTED_ARCHITECTURES maps the architectures).
+# Gemma's and Granite's multipliers, Gemma's soft caps and the MoE routing are read in code.
+FAMILIES = {
+    "llama": Family(), "mistral": Family(), "ministral": Family(), "granite": Family(),
+    "seed_oss": Family(), "phi3": Family(),
+    "qwen2": Family(window_opt_in=True), "qwen3": Family(qk_norm="head", window_opt_in=True),
+    "smollm3": Family(window_opt_in=True),
+    "gemma": Family(norm="gemma", tied=True),
+    "gemma2": Family(norm="gemma", tied=True, layer_norms="sandwich", sliding_pattern=2),
+    "gemma3_text": Family(norm="gemma", tied=True, layer_norms="sandwich", qk_norm="head", rope_by_layer_type=True,
+                          sliding_pattern=6),
+    "olmo2": Family(qk_norm="full", layer_norms="post", norm="rms32"),
+    "olmo3": Family(qk_norm="full", layer_norms="post", norm="rms32", rope_by_layer_type=True, sliding_pattern=4),
+    "exaone4": Family(qk_norm="head", layer_norms="post", sliding_pattern=4, full_layers_nope=True),
+    "glm": Family(rope_interleaved=True),
+    "glm4": Family(rope_interleaved=True, layer_norms="glm4"),
+    "helium": Family(rope_interleaved=True, norm="rms32"),
+    "ernie4_5": Family(rope_interleaved=True, tied=True),
+    "cohere": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True, eps_key="layer_norm_eps"),
+    "cohere2": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True,
+                      eps_key="layer_norm_eps", sliding_pattern=4, full_layers_nope=True),
+    "mixtral": Family(),
+    "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
+    "granitemoe": Family(),
+    "olmoe": Family(qk_norm="full"),
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +139,9 @@ class LlamaArch:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
         model_type = cfg.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(f"unsupported model_type {model_type!r} (served: {', '.join(sorted(FAMILIES))})")
+        family = FAMILIES[model_type]
         heads = cfg["num_attention_heads"]
         gemma = model_type in GEMMA_TYPES
         act = (cfg.get("hidden_activation") if model_type != "gemma" else None) or \
@@ -101,15 +153,15 @@ class LlamaArch:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r} (served: {', '.join(ACTIVATIONS)})")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and \
-                not cfg.get("use_sliding_window", False):
+        if family.window_opt_in and not cfg.get("use_sliding_window", False):
             window = None
         granite = model_type in ("granite", "granitemoe")
-        sliding = _sliding_layers(cfg, model_type)
-        rope, rope_local = _ropes_by_layer_type(cfg, model_type) if model_type in ("gemma3_text", "olmo3") \
+        sliding = _sliding_layers(cfg, family)
+        rope, rope_local = _ropes_by_layer_type(cfg, model_type) if family.rope_by_layer_type \
             else (rope_parameters(cfg), None)
         qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
-        cohere = model_type in ("cohere", "cohere2")
+        # Command R+'s q / k norms (use_qk_norm): a weight per head.
+        per_head_qk_norm = model_type == "cohere" and bool(cfg.get("use_qk_norm", False))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -118,14 +170,13 @@ class LlamaArch:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if cohere else cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get(family.eps_key, 1e-5 if family.norm == "layer" else 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4") or
-            model_type == "cohere" and bool(cfg.get("use_qk_norm", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or cohere or model_type == "ernie4_5")),
+            qk_norm=family.qk_norm == "head" or per_head_qk_norm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied)),
             rope=rope,
             sliding_window=window,
             layer_windows=tuple(window if i in sliding and window and window < cfg.get("max_position_embeddings", 2048)
@@ -138,34 +189,28 @@ class LlamaArch:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else
-            # EXAONE 4 with a window and Command R7B / A: their full-attention layers take no rotary embedding
             tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding)
-            if model_type == "exaone4" and window or model_type == "cohere2" else (),
-            qk_norm_full=model_type in OLMO_TYPES,
+            if family.full_layers_nope and window else (),
+            qk_norm_full=family.qk_norm == "full",
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
-            layer_norms="post" if model_type in ("olmo2", "olmo3", "exaone4") else
-            "sandwich" if model_type in ("gemma2", "gemma3_text") else "glm4" if model_type == "glm4" else
-            "parallel" if cohere else "pre",
+            layer_norms=family.layer_norms,
             hidden_act=act,
-            norm_offset=1.0 if gemma else 0.0,
-            norm_in_float32=gemma or model_type in ("olmo2", "olmo3", "helium"),
-            layer_norm=cohere,
-            qk_norm_per_head=model_type == "cohere" and bool(cfg.get("use_qk_norm", False)),
-            logit_scale=float(cfg.get("logit_scale", 0.0625)) if cohere else 1.0,
+            norm_offset=1.0 if family.norm == "gemma" else 0.0,
+            norm_in_float32=family.norm in ("gemma", "rms32"),
+            layer_norm=family.norm == "layer",
+            qk_norm_per_head=per_head_qk_norm,
+            logit_scale=float(cfg.get("logit_scale", 0.0625)) if model_type in ("cohere", "cohere2") else 1.0,
             embedding_multiplier_in_dtype=gemma,
             # (Gemma 3's config may carry attn_logit_softcapping; transformers does not apply it there)
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             rope_local=rope_local,
             local_rope_layers=tuple(sorted(sliding)) if rope_local is not None else (),
-            rope_interleaved=model_type in INTERLEAVED_ROPE_TYPES,
+            rope_interleaved=family.rope_interleaved,
         )
 
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-OLMO_TYPES = ("olmo2", "olmo3", "olmoe")  # q and k normalised over all heads at once
-# Dims 2i and 2i + 1 rotated as a pair (GLM's rotary is partial: half of head_dim unless the config says).
-INTERLEAVED_ROPE_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "cohere2")
 
 
 def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
@@ -186,11 +231,12 @@ def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
     return attention, o, bool(cfg.get("mlp_bias", False))
 
 
-def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
+def _sliding_layers(cfg: dict, family: Family) -> frozenset[int]:
     """The layers of sliding-window attention, as transformers reads the config (their window:
-    sliding_window): layer_types' "sliding_attention" ones where it lists them; else Gemma 2's every
-    other layer, Gemma 3's all but every sliding_window_pattern-th, Qwen's from max_window_layers
-    on when use_sliding_window says so, and every layer of the others when sliding_window is set."""
+    sliding_window): layer_types' "sliding_attention" ones where it lists them; else Qwen's from
+    max_window_layers on when use_sliding_window says so; else by the family's pattern (Gemma 2's
+    every other layer, Gemma 3's five of six, OLMo 3's and Cohere 2's three of four; EXAONE's
+    "LLLG" form: L a local layer, G a global one); else every layer."""
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is not None:
@@ -200,26 +246,15 @@ def _sliding_layers(cfg: dict, model_type: str) -> frozenset[int]:
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)} (served: sliding_attention, full_attention)")
         return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
-    if model_type == "gemma2":
-        return frozenset(range(0, layers, 2))
-    if model_type == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        return frozenset(i for i in range(layers) if (i + 1) % pattern)
-    if model_type == "olmo3":  # three sliding layers, then a full one
-        return frozenset(i for i in range(layers) if (i + 1) % 4)
-    if model_type == "cohere2":  # three sliding layers, then a full one
-        return frozenset(i for i in range(layers) if (i + 1) % int(cfg.get("sliding_window_pattern", 4)))
-    if model_type == "exaone4":
-        if cfg.get("sliding_window") is None:
-            return frozenset()
-        pattern = cfg.get("sliding_window_pattern", 4)
-        if isinstance(pattern, str):  # EXAONE's own form, "LLLG": L a local (sliding) layer, G a global one
-            return frozenset(i for i in range(layers) if pattern[i % len(pattern)] == "L")
-        return frozenset(i for i in range(layers) if (i + 1) % int(pattern))
-    if model_type.startswith("qwen") or model_type == "smollm3":
+    if family.window_opt_in:
         if not cfg.get("use_sliding_window", False):
             return frozenset()
         return frozenset(range(cfg.get("max_window_layers", 28), layers))
+    if family.sliding_pattern:
+        pattern = cfg.get("sliding_window_pattern") or family.sliding_pattern
+        if isinstance(pattern, str):
+            return frozenset(i for i in range(layers) if pattern[i % len(pattern)] == "L")
+        return frozenset(i for i in range(layers) if (i + 1) % int(pattern))
     return frozenset(range(layers))
 
 

@@ -89,6 +89,48 @@ def test_gemma3s_published_config_form_is_read():
     assert arch.attn_softcap == 0.0
 
 
+def test_olmo3s_published_long_context_config_scales_its_full_layers_only():
+    """OLMo 3's 32k config (transformers 4.x form): rope_scaling (YaRN) for the full-attention layers,
+    the sliding ones plain at the same theta; three sliding layers to a full one without layer_types."""
+    from engine.models.llama import LlamaArch
+
+    arch = LlamaArch.from_hf_config({
+        "model_type": "olmo3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 65536, "sliding_window": 4096, "rope_theta": 500000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                         "attention_factor": 1.2079, "beta_fast": 32, "beta_slow": 1}})
+    assert arch.layer_windows == tuple(0 if (i + 1) % 4 == 0 else 4096 for i in range(8))
+    assert (arch.rope["rope_type"], arch.rope["factor"], arch.rope["rope_theta"]) == ("yarn", 8.0, 500000)
+    assert (arch.rope_local["rope_type"], arch.rope_local["rope_theta"]) == ("default", 500000)
+    assert arch.local_rope_layers == tuple(i for i in range(8) if (i + 1) % 4)
+    assert arch.qk_norm_full and arch.layer_norms == "post" and arch.norm_in_float32
+
+
+def test_exaones_pattern_string_and_its_global_layers_without_rotary():
+    """EXAONE 4's own pattern form ("LLLG") without layer_types; its global layers take no rotary
+    embedding while the model has a window, and every layer does without one."""
+    from engine.models.llama import LlamaArch
+
+    base = {"model_type": "exaone4", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768, "sliding_window_pattern": "LLLG"}
+    arch = LlamaArch.from_hf_config({**base, "sliding_window": 4096})
+    assert arch.layer_windows == (4096, 4096, 4096, 0) * 2 and arch.nope_layers == (3, 7)
+    assert arch.qk_norm and not arch.qk_norm_full and arch.layer_norms == "post"
+    whole = LlamaArch.from_hf_config({**base, "sliding_window": None, "layer_types": ["full_attention"] * 8})
+    assert whole.layer_windows == (0,) * 8 and whole.nope_layers == ()
+
+
+def test_every_served_architecture_has_a_family():
+    from engine.models.llama import FAMILIES, LlamaArch
+    from engine.models.loader import SUPPORTED_ARCHITECTURES
+
+    assert set(SUPPORTED_ARCHITECTURES.values()) == set(FAMILIES)
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        LlamaArch.from_hf_config({"model_type": "gpt2", "num_attention_heads": 4})
+
+
 def test_yarn_extends_the_served_context_by_its_factor():
     """Qwen2.5's long-context recipe: max_position_embeddings 32768, YaRN x4 over it (vLLM's limit)."""
     from engine.models.loader import resolve_max_model_len
