@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Gemma 1-3, Phi-3, Granite, SmolLM3,
-Seed-OSS, OLMo 2 and 3, EXAONE 4, GLM and GLM-4, Helium, ERNIE 4.5, Command R / R+ / R7B / A, and the
+Seed-OSS, OLMo 2 and 3, EXAONE 4, GLM and GLM-4, Helium, ERNIE 4.5, Command R / R+ / R7B / A, HunYuan, and the
 mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV cache;
 what each model type fixes is one row of FAMILIES."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class Family:
     """What a model type fixes (FAMILIES); its config.json says the sizes and the rest."""
     qk_norm: str = ""  # "head": q and k normalised per head (Qwen3); "full": over all heads at once (OLMo 2)
+    qk_norm_after_rope: bool = False  # (HunYuan) the per-head norms applied to the rotated q and k
     layer_norms: str = "pre"  # where a layer's norms sit: LAYER_NORMS' key (LlamaArch.layer_norms)
     # "rms": the kernels' RMS norm (the normalised x rounded before the weight: Llama's); "rms32":
     # scaled in float32 and rounded once (OLMo 2's, Helium's); "gemma": the same by 1 + weight;
@@ -63,6 +64,7 @@ FAMILIES = {
     "cohere": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True, eps_key="layer_norm_eps"),
     "cohere2": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True,
                       eps_key="layer_norm_eps", sliding_pattern=4, full_layers_nope=True),
+    "hunyuan_v1_dense": Family(qk_norm="head", qk_norm_after_rope=True),
     "mixtral": Family(),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
@@ -110,6 +112,7 @@ class LlamaArch:
     # before the rotary embedding; then clamped to +-clip_qkv (and v) where the config says.
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    qk_norm_after_rope: bool = False  # HunYuan: the per-head q / k norms after the rotary embedding
     # Where a layer's norms sit (LAYER_NORMS): "pre" (Llama's: each sublayer's input), "post" (OLMo 2,
     # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
     # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names),
@@ -192,6 +195,7 @@ class LlamaArch:
             tuple(i for i in range(cfg["num_hidden_layers"]) if i not in sliding)
             if family.full_layers_nope and window else (),
             qk_norm_full=family.qk_norm == "full",
+            qk_norm_after_rope=family.qk_norm_after_rope,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             layer_norms=family.layer_norms,
             hidden_act=act,
@@ -397,6 +401,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(arch, q_dim, kernels) if arch.qk_norm else None
         self.k_norm = make_norm(arch, k_dim, kernels) if arch.qk_norm else None
         self.qk_norm_full, self.clip_qkv = arch.qk_norm_full, arch.clip_qkv
+        self.qk_norm_after_rope = arch.qk_norm_after_rope
         if arch.qk_norm_full:  # this rank's slice of the full-width weights; the variance is over all heads
             self.q_norm = make_norm(arch, self.q_size, kernels)
             self.k_norm = make_norm(arch, self.kv_size, kernels)
@@ -443,13 +448,17 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_full:
+        per_head_norm = self.q_norm is not None and not self.qk_norm_full
+        if per_head_norm and not self.qk_norm_after_rope:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         if self.rotary:
             q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin, **self._rope)
         else:  # (SmolLM3's NoPE layers) the kernels take q and k as the rotary kernel leaves them
             q, k = q.contiguous(), k.contiguous()
+        if per_head_norm and self.qk_norm_after_rope:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
         scale, (k_scale, v_scale) = self.scale, self.kv_scales
         scaled = kv_cache.element_size() == 1 and self.has_kv_scales
         per_head = self._per_head if scaled else None

@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -70,10 +71,18 @@ _GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output
                       "router.layer.weight": "mlp.gate.weight"}
 
 
+# HunYuan's names for the per-head q / k norms.
+_QK_NORM_NAMES = re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$")
+
+
 def canonical_name(hf_name: str) -> str:
-    """A checkpoint tensor's name as the loader reads it (Granite-MoE's experts and router renamed)."""
+    """A checkpoint tensor's name as the loader reads it (Granite-MoE's experts and router, and
+    HunYuan's q / k norms, renamed)."""
     m = _GRANITE_MOE.match(hf_name)
-    return hf_name if m is None else m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
+    if m is not None:
+        return m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
+    m = _QK_NORM_NAMES.match(hf_name)
+    return hf_name if m is None else f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"
 
 
 def _load_parts(model, params, hf_name: str, tensor: torch.Tensor, arch: LlamaArch, tp, loaded: set[str]) -> None:

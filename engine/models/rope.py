@@ -1,12 +1,12 @@
-"""Rotary embedding tables (default, linear, Llama-3, YaRN and Phi-3's LongRoPE scaling), as
-transformers computes them."""
+"""Rotary embedding tables (default, linear, Llama-3, YaRN, Phi-3's LongRoPE and HunYuan's NTK-alpha
+scaling), as transformers computes them."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")
 
 
 def rope_parameters(hf_config: dict) -> dict:
@@ -20,6 +20,8 @@ def rope_parameters(hf_config: dict) -> dict:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "su":  # Phi-3's first name for LongRoPE
         rope_type = "longrope"
+    if rope_type == "dynamic" and params.get("alpha"):  # HunYuan's: a fixed alpha makes the frequencies static
+        rope_type = "ntk_alpha"
     params["rope_type"] = rope_type
     # (GLM's configs leave it out for half: transformers' default for them)
     params.setdefault("partial_rotary_factor", hf_config.get(
@@ -54,6 +56,9 @@ def inv_frequencies(rot_dim: int, params: dict, long: bool = False) -> tuple[tor
         raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "ntk_alpha":  # the base scaled by alpha ** (d / (d - 2)) (transformers' HunYuan: d = head_dim)
+        alpha = float(params["alpha"])
+        return 1.0 / ((base * alpha ** (rot_dim / (rot_dim - 2))) ** exponents), 1.0
     if rope_type == "linear":
         return inv_freq / float(params["factor"]), 1.0
     if rope_type == "llama3":

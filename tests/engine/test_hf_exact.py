@@ -68,6 +68,10 @@ VARIANTS = {
     "cohere-qk-norm": dict(arch="cohere", config={"use_qk_norm": True}),
     "cohere2": dict(arch="cohere2", config={"sliding_window": 40,
                                             "layer_types": ["sliding_attention", "full_attention"]}),
+    # HunYuan: per-head q / k norms on the rotated q and k (by its own names), the NTK-alpha rotary
+    # its checkpoints label "dynamic", tied embeddings.
+    "hunyuan": dict(arch="hunyuan_v1_dense", tie_word_embeddings=True, rope_scaling={
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),
