@@ -284,8 +284,8 @@ class LoRAManager:
             attn.o_lora = LoRALayer(self.batch, q, [(0, h)])
             self.layers[i] = {"qkv": attn.qkv_lora, "o": attn.o_lora}
             if i not in self.arch.sparse_layers:  # (a mixture's experts take no adapter: LoRAAdapter.load)
-                inter = mlp.intermediate_size
-                mlp.gate_up_lora = LoRALayer(self.batch, h, [(0, inter), (inter, inter)])
+                inter, (gate, up) = mlp.intermediate_size, mlp.gate_up_sizes  # (a plain MLP: no gate rows)
+                mlp.gate_up_lora = LoRALayer(self.batch, h, [(0, gate), (gate, up)])
                 mlp.down_lora = LoRALayer(self.batch, inter, [(0, h)])
                 self.layers[i].update(gate_up=mlp.gate_up_lora, down=mlp.down_lora)
             if self.num_slots is not None:

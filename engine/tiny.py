@@ -8,7 +8,8 @@ import tempfile
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3",
          "seed_oss", "olmo2", "olmo3", "exaone4", "glm", "glm4", "ministral", "helium",
-         "ernie4_5", "cohere", "cohere2", "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
+         "ernie4_5", "cohere", "cohere2", "hunyuan_v1_dense", "arcee",
+         "nemotron", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
@@ -95,6 +96,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
              "smollm3": "SmolLM3", "seed_oss": "SeedOss", "olmo2": "Olmo2", "olmo3": "Olmo3", "exaone4": "Exaone4",
              "glm": "Glm", "glm4": "Glm4", "ministral": "Ministral", "helium": "Helium", "ernie4_5": "Ernie4_5",
              "cohere": "Cohere", "cohere2": "Cohere2", "hunyuan_v1_dense": "HunYuanDenseV1",
+             "arcee": "Arcee", "nemotron": "Nemotron", "starcoder2": "Starcoder2",
              "mixtral": "Mixtral",
              "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe", "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
@@ -108,7 +110,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     elif arch in ("qwen3", "qwen3_moe", "seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "ernie4_5",
-                  "ministral", "helium", "hunyuan_v1_dense"):
+                  "ministral", "helium", "hunyuan_v1_dense", "nemotron"):
         kwargs["head_dim"] = hidden_size // num_heads
     if arch in ("mistral", "mixtral", "ministral"):
         kwargs["sliding_window"] = max_position_embeddings
@@ -135,10 +137,11 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias") and arch in ("seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
-                                                   "helium", "ernie4_5", "cohere", "cohere2") or \
-                    arch.startswith("gemma") and name.endswith("norm.weight"):
+                                                   "helium", "ernie4_5", "cohere", "cohere2", "nemotron", "arcee",
+                                                   "starcoder2") or \
+                    arch in ("gemma", "gemma2", "gemma3_text", "nemotron") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.1)
-            elif arch in ("glm", "glm4", "helium", "cohere", "cohere2", "hunyuan_v1_dense") and \
+            elif arch in ("glm", "glm4", "helium", "cohere", "cohere2", "hunyuan_v1_dense", "starcoder2") and \
                     name.endswith("norm.weight"):
                 param.normal_(1.0, 0.2)
     os.makedirs(path, exist_ok=True)

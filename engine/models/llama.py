@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Gemma 1-3, Phi-3, Granite, SmolLM3,
 Seed-OSS, OLMo 2 and 3, EXAONE 4, GLM and GLM-4, Helium, ERNIE 4.5, Command R / R+ / R7B / A, HunYuan, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and OLMoE) over a paged KV cache;
+plain-MLP models Arcee, Nemotron and StarCoder 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE,
+Granite-MoE and OLMoE) over a paged KV cache;
 what each model type fixes is one row of FAMILIES."""
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from kernels import KernelBackend, reference
 
 # A gated MLP's activation -> (gate, up) -> act(gate) * up (silu: the backend's fused kernel).
 ACTIVATIONS = {"silu": reference.silu_and_mul, "gelu_pytorch_tanh": reference.gelu_tanh_and_mul}
+# A plain (non-gated) MLP's: up -> act(up), as transformers' ACT2FN computes each.
+PLAIN_ACTIVATIONS = {
+    "relu2": lambda x: torch.square(torch.relu(x)),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu": nn.functional.gelu,
+    "silu": nn.functional.silu,
+}
 
 if TYPE_CHECKING:
     from engine.parallel.group import TPGroup
@@ -30,8 +38,10 @@ class Family:
     layer_norms: str = "pre"  # where a layer's norms sit: LAYER_NORMS' key (LlamaArch.layer_norms)
     # "rms": the kernels' RMS norm (the normalised x rounded before the weight: Llama's); "rms32":
     # scaled in float32 and rounded once (OLMo 2's, Helium's); "gemma": the same by 1 + weight;
-    # "layer": Cohere's LayerNorm (the mean subtracted, no bias, in float32).
+    # "layer": Cohere's LayerNorm (the mean subtracted, no bias, in float32); "layer_bias": torch's
+    # LayerNorm with a bias, in the model's dtype (StarCoder 2); "layer1p": the same by 1 + weight (Nemotron).
     norm: str = "rms"
+    gated_mlp: bool = True  # act(gate) * up; else (Arcee, Nemotron, StarCoder 2) act(up) alone
     rope_interleaved: bool = False  # dims 2i and 2i + 1 rotated as a pair (GPT-J style), not i and half + i
     rope_by_layer_type: bool = False  # the sliding layers' own rotary parameters (_ropes_by_layer_type)
     window_opt_in: bool = False  # Qwen's: a window only where use_sliding_window says, from max_window_layers on
@@ -65,6 +75,9 @@ FAMILIES = {
     "cohere2": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True,
                       eps_key="layer_norm_eps", sliding_pattern=4, full_layers_nope=True),
     "hunyuan_v1_dense": Family(qk_norm="head", qk_norm_after_rope=True),
+    "arcee": Family(gated_mlp=False),
+    "nemotron": Family(gated_mlp=False, norm="layer1p", eps_key="norm_eps"),
+    "starcoder2": Family(gated_mlp=False, norm="layer_bias", tied=True, eps_key="norm_epsilon"),
     "mixtral": Family(),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
@@ -126,6 +139,8 @@ class LlamaArch:
     # Cohere: LayerNorms (the mean subtracted, no bias, in float32), not RMS norms; Command R+'s q / k
     # norms with a weight per head ([heads, head_dim]); the logits multiplied by logit_scale.
     layer_norm: bool = False
+    layer_norm_bias: bool = False  # StarCoder 2, Nemotron: torch's LayerNorm (a bias; Nemotron's by 1 + weight)
+    gated_mlp: bool = True  # False: the MLP is down(act(up(x))) (Arcee, Nemotron, StarCoder 2)
     qk_norm_per_head: bool = False
     logit_scale: float = 1.0
     embedding_multiplier_in_dtype: bool = False
@@ -153,8 +168,9 @@ class LlamaArch:
             act = "gelu_pytorch_tanh"
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model's attention) is not served")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r} (served: {', '.join(ACTIVATIONS)})")
+        served = ACTIVATIONS if family.gated_mlp else PLAIN_ACTIVATIONS
+        if act not in served:
+            raise ValueError(f"unsupported hidden_act {act!r} (served: {', '.join(served)})")
         window = cfg.get("sliding_window")
         if family.window_opt_in and not cfg.get("use_sliding_window", False):
             window = None
@@ -173,7 +189,7 @@ class LlamaArch:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get(family.eps_key, 1e-5 if family.norm == "layer" else 1e-6),
+            rms_norm_eps=cfg.get(family.eps_key, 1e-6 if family.norm in ("rms", "rms32", "gemma") else 1e-5),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -199,9 +215,11 @@ class LlamaArch:
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             layer_norms=family.layer_norms,
             hidden_act=act,
-            norm_offset=1.0 if family.norm == "gemma" else 0.0,
+            norm_offset=1.0 if family.norm in ("gemma", "layer1p") else 0.0,
             norm_in_float32=family.norm in ("gemma", "rms32"),
             layer_norm=family.norm == "layer",
+            layer_norm_bias=family.norm in ("layer_bias", "layer1p"),
+            gated_mlp=family.gated_mlp,
             qk_norm_per_head=per_head_qk_norm,
             logit_scale=float(cfg.get("logit_scale", 0.0625)) if model_type in ("cohere", "cohere2") else 1.0,
             embedding_multiplier_in_dtype=gemma,
@@ -223,8 +241,8 @@ def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
         return (bool(cfg.get("attention_bias", False)),) * 2 + (False,)
     if model_type in ("qwen2", "qwen2_moe"):  # always on q/k/v (Qwen2-MoE's config may say otherwise)
         return bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True, False, False
-    if model_type == "ernie4_5":  # one switch for every projection
-        return (bool(cfg.get("use_bias", False)),) * 3
+    if model_type in ("ernie4_5", "starcoder2"):  # one switch for every projection
+        return (bool(cfg.get("use_bias", model_type == "starcoder2")),) * 3
     attention = bool(cfg.get("attention_bias", False))
     if model_type in ("glm", "glm4", "helium"):  # o_proj without one
         o = False
@@ -352,6 +370,22 @@ class Float32LayerNorm(RMSNorm):
         return (self.weight.float() * normed).to(x.dtype), x
 
 
+class BiasedLayerNorm(RMSNorm):
+    """torch's LayerNorm with a bias, in the input's dtype (StarCoder 2's nn.LayerNorm); offset 1:
+    Nemotron's LayerNorm1P, scaling by 1 + weight."""
+
+    def __init__(self, dim: int, eps: float, kernels: KernelBackend, offset: float = 0.0) -> None:
+        super().__init__(dim, eps, kernels)
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        weight = self.weight + self.offset if self.offset else self.weight
+        return nn.functional.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps), x
+
+
 @functools.lru_cache(maxsize=None)
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype`, as a Python number: a host scalar, so a step (and a CUDA graph's
@@ -363,6 +397,8 @@ def make_norm(arch: "LlamaArch", dim: int | tuple[int, int], kernels: KernelBack
     """The architecture's norm over `dim` (RMS, or Cohere's LayerNorm)."""
     if arch.layer_norm:
         return Float32LayerNorm(dim, arch.rms_norm_eps, kernels)
+    if arch.layer_norm_bias:
+        return BiasedLayerNorm(dim, arch.rms_norm_eps, kernels, arch.norm_offset)
     if arch.norm_in_float32:
         return Float32RMSNorm(dim, arch.rms_norm_eps, kernels, arch.norm_offset)
     return RMSNorm(dim, arch.rms_norm_eps, kernels)
@@ -484,7 +520,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """With tp: gate_up column-parallel, down_proj row-parallel (all-reduced)."""
+    """With tp: gate_up column-parallel, down_proj row-parallel (all-reduced). gate_up_proj holds the
+    gate rows then the up rows (gate_up_sizes); a plain MLP's (arch.gated_mlp False) holds no gate rows."""
     gate_up_lora = down_lora = None
 
     def __init__(self, arch: LlamaArch, kernels: KernelBackend, tp: "TPGroup | None" = None,
@@ -496,9 +533,11 @@ class MLP(nn.Module):
             intermediate_size = arch.intermediate_size if tp is None else tp.layout.local_intermediate
         self.intermediate_size = intermediate_size
         down_bias = arch.mlp_bias and (tp is None or tp.layout.owns_replicated_bias())
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
+        self.gate_up_sizes = (intermediate_size if arch.gated_mlp else 0, intermediate_size)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, sum(self.gate_up_sizes), bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
-        self.act_and_mul = kernels.silu_and_mul if arch.hidden_act == "silu" else ACTIVATIONS[arch.hidden_act]
+        self.act_and_mul = PLAIN_ACTIVATIONS[arch.hidden_act] if not arch.gated_mlp else \
+            kernels.silu_and_mul if arch.hidden_act == "silu" else ACTIVATIONS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -46,6 +46,9 @@ SUPPORTED_ARCHITECTURES = {
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+    "ArceeForCausalLM": "arcee",
+    "NemotronForCausalLM": "nemotron",
+    "Starcoder2ForCausalLM": "starcoder2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -71,8 +74,9 @@ _GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output
                       "router.layer.weight": "mlp.gate.weight"}
 
 
-# HunYuan's names for the per-head q / k norms.
+# HunYuan's names for the per-head q / k norms; StarCoder 2's for its MLP's projections.
 _QK_NORM_NAMES = re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$")
+_STARCODER_MLP = re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$")
 
 
 def canonical_name(hf_name: str) -> str:
@@ -82,7 +86,10 @@ def canonical_name(hf_name: str) -> str:
     if m is not None:
         return m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
     m = _QK_NORM_NAMES.match(hf_name)
-    return hf_name if m is None else f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"
+    if m is not None:
+        return f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"
+    m = _STARCODER_MLP.match(hf_name)
+    return hf_name if m is None else f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"
 
 
 def _load_parts(model, params, hf_name: str, tensor: torch.Tensor, arch: LlamaArch, tp, loaded: set[str]) -> None:
@@ -194,10 +201,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def _shard_sizes(module: torch.nn.Module, name: str) -> list[int]:
-    attn_or_mlp = module
+    """The rows of each part of a fused projection (a plain MLP's gate_up_proj: no gate rows)."""
     if name == "qkv_proj":
-        return [attn_or_mlp.q_size, attn_or_mlp.kv_size, attn_or_mlp.kv_size]
-    return [attn_or_mlp.intermediate_size] * 2
+        return [module.q_size, module.kv_size, module.kv_size]
+    return list(module.gate_up_sizes)
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -412,7 +419,8 @@ def _keep_quantized(model, quant: QuantizedWeights | None, companions: dict, ker
     for target, have in sorted(shards.items()):
         linear = model.get_submodule(target)
         fused = target.rsplit(".", 1)[1]
-        need = {None} if fused not in ("qkv_proj", "gate_up_proj") else set(range(3 if fused == "qkv_proj" else 2))
+        need = {None} if fused not in ("qkv_proj", "gate_up_proj") else \
+            {i for i, rows in enumerate(_shard_sizes(model.get_submodule(target.rsplit(".", 1)[0]), fused)) if rows}
         if have == {None} and fused in ("qkv_proj", "gate_up_proj") and model.tp is not None:
             raise _fused_kept_under_tp(target)
         if have == {None}:  # stored fused (Phi-3): kept as stored, its rows whole

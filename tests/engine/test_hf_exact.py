@@ -72,6 +72,12 @@ VARIANTS = {
     # its checkpoints label "dynamic", tied embeddings.
     "hunyuan": dict(arch="hunyuan_v1_dense", tie_word_embeddings=True, rope_scaling={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
+    # Plain MLPs (no gate): Arcee's ReLU^2 with biases; Nemotron's ReLU^2, LayerNorms with biases by
+    # 1 + weight, half of each head rotated; StarCoder 2's GELU (tanh), LayerNorms with biases, biases
+    # on every projection under its own MLP names (c_fc, c_proj), a 40-key window.
+    "arcee": dict(arch="arcee", config={"mlp_bias": True}),
+    "nemotron": dict(arch="nemotron", config={"attention_bias": True, "mlp_bias": True}),
+    "starcoder2": dict(arch="starcoder2", config={"sliding_window": 40}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

@@ -573,18 +573,29 @@ def test_max_cpu_loras_keeps_that_many_in_host_memory_and_reads_the_others_back(
     llm.engine.check_integrity(expect_all_free=True)
 
 
+# Phi-3 stores qkv_proj and gate_up_proj fused, and PEFT adapts them as such: each is served as its
+# parts' adapters (the same A, B cut by rows). Arcee's MLP is plain (no gate): its up_proj's adapter
+# takes the whole of the MLP's input projection.
+ADAPTED_FAMILIES = {
+    "phi3-fused": (dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
+                   ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "arcee-plain-mlp": (dict(arch="arcee"), ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")),
+}
+
+
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_adapters_of_phi3s_fused_projections_are_token_exact_against_peft(tiny_model_factory, tiny_lora_factory,
-                                                                          tensor_parallel_size):
-    """Phi-3 stores qkv_proj and gate_up_proj fused, and PEFT adapts them as such: each is served
-    as its parts' adapters (the same A, B cut by rows), at TP=1 and split over two ranks."""
+@pytest.mark.parametrize("family", list(ADAPTED_FAMILIES))
+def test_adapters_of_fused_and_plain_projections_are_token_exact_against_peft(
+        tiny_model_factory, tiny_lora_factory, family, tensor_parallel_size):
+    """At TP=1 and split over two ranks."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = tiny_model_factory("phi3", config={"partial_rotary_factor": 0.75})
-    adapter = tiny_lora_factory(base, 3, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    model_kwargs, targets = ADAPTED_FAMILIES[family]
+    base = tiny_model_factory(**model_kwargs)
+    adapter = tiny_lora_factory(base, 3, targets=targets)
     expected = {}
-    for name in (None, "phi"):
+    for name in (None, "ad"):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         model = (PeftModel.from_pretrained(model, adapter) if name else model).eval()
         model.generation_config.eos_token_id = None  # as ignore_eos: run on past an end token
@@ -594,11 +605,11 @@ def test_adapters_of_phi3s_fused_projections_are_token_exact_against_peft(tiny_m
                 gen = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=MAX_TOKENS,
                                      do_sample=False, pad_token_id=0)
             expected[(name, i)] = gen[0, len(ids):].tolist()
-    assert expected[(None, 0)] != expected[("phi", 0)], "the adapter changes the answer"
-    llm = LLM(base, enable_lora=True, lora_modules=[f"phi={adapter}"], tensor_parallel_size=tensor_parallel_size,
+    assert expected[(None, 0)] != expected[("ad", 0)], "the adapter changes the answer"
+    llm = LLM(base, enable_lora=True, lora_modules=[f"ad={adapter}"], tensor_parallel_size=tensor_parallel_size,
               num_blocks=256)
     try:
-        cases = [(name, i) for name in (None, "phi") for i in range(len(PROMPTS))]
+        cases = [(name, i) for name in (None, "ad") for i in range(len(PROMPTS))]
         outs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(name) for name, _ in cases])
         assert {case: out.outputs[0].token_ids for case, out in zip(cases, outs)} == expected
         llm.engine.check_integrity(expect_all_free=True)

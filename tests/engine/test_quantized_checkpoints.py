@@ -801,3 +801,25 @@ def test_a_phi3_checkpoints_fused_quantized_projections(phi3, case, tmp_path):
     fused = r"stores layers\.0\.(self_attn\.qkv|mlp\.gate_up)_proj fused.*--quantized-weights dequantize"
     with pytest.raises(ValueError, match=fused):  # said before a worker starts
         LLM(path, tensor_parallel_size=2, quantized_weights="keep")
+
+
+@pytest.mark.parametrize("case", ["fp8-block-128", "int8-channel"])
+def test_a_plain_mlps_quantized_up_projection(tiny_model_factory, case, tmp_path):
+    """Arcee's MLP has no gate: its quantized up_proj is the whole of the MLP's input projection,
+    dequantized (TP=1 and 2) or kept as stored (TP=1), and the answers are transformers'."""
+    from kernels.quant_linear import QuantizedLinear
+
+    arcee = tiny_model_factory("arcee", hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2)
+    path = CASES[case](arcee, str(tmp_path / case))
+    want = reference_greedy(case, path, tmp_path)
+    assert pdserve_greedy(path) == want
+    llm = LLM(path, quantized_weights="keep")
+    up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert isinstance(up, QuantizedLinear) and up.out_features == 384
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=256)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.engine.shutdown()

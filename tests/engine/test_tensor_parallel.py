@@ -49,6 +49,9 @@ VARIANTS = {
     "cohere-qk-norm-1-kv-head": dict(arch="cohere", num_kv_heads=1, config={"use_qk_norm": True}),
     "cohere2": dict(arch="cohere2", config={"sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"]}),
     "hunyuan": dict(arch="hunyuan_v1_dense"),
+    # Plain MLPs: each rank its rows of up_proj, its columns of down_proj; LayerNorms' biases replicated.
+    "nemotron-biases": dict(arch="nemotron", config={"attention_bias": True, "mlp_bias": True}),
+    "starcoder2": dict(arch="starcoder2"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -74,7 +77,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("gemma3", "chunked-preempted"), ("olmo3", "chunked-padded-async"), ("exaone4", "chunked-preempted"),
          ("glm4", "chunked-padded-async"), ("ernie4_5-biases", "chunked-preempted"),
          ("cohere-qk-norm", "chunked-padded-async"), ("cohere-qk-norm-1-kv-head", "preempted"),
-         ("cohere2", "chunked-preempted"), ("hunyuan", "chunked-padded-async")]
+         ("cohere2", "chunked-preempted"), ("hunyuan", "chunked-padded-async"),
+         ("nemotron-biases", "chunked-preempted"), ("starcoder2", "chunked-padded-async")]
 
 
 def alive(pid: int) -> bool:
