@@ -118,8 +118,17 @@ class ModelConfig:
 
 
 # Multimodal checkpoints served as their language model (text in, text out): the architecture ->
-# the key of its language model's config.
-TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "text_config"}
+# its language model's model type (transformers' text config of the checkpoint's config).
+TEXT_OF_MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1 / 3.2, Magistral Small
+    "LlavaForConditionalGeneration": None,  # its text_config's own (Llama, Mistral, Qwen2, ...)
+    # Qwen2-VL / 2.5-VL / 3-VL: multimodal rotary sections over (time, height, width) positions, all
+    # one position for text, where it is the rotary embedding itself.
+    "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
+}
 
 
 def serves_language_model_of(config: dict) -> bool:
@@ -128,19 +137,26 @@ def serves_language_model_of(config: dict) -> bool:
 
 
 def language_model_config(config: dict) -> dict:
-    """A config.json as the engine reads it: a multimodal checkpoint's language model config, its
-    defaults filled in as transformers fills them (published ones leave most out), the
-    checkpoint-wide keys (dtype, quantization, tied embeddings) and architectures kept; any other as it is."""
+    """A config.json as the engine reads it: a multimodal checkpoint's language model config
+    (transformers' text config of it: a nested text_config, or Qwen2-VL's first flat form, with the
+    defaults transformers fills in where published ones leave them out), the checkpoint-wide keys
+    (dtype, quantization, tied embeddings) and architectures kept; any other as it is."""
     if not serves_language_model_of(config):
         return config
-    key = next(TEXT_OF_MULTIMODAL[a] for a in config["architectures"] if a in TEXT_OF_MULTIMODAL)
     from transformers import AutoConfig
 
-    text = dict(config.get(key) or {})
-    model_type = text.pop("model_type", None)
-    if model_type is None:
-        raise ValueError(f"{config['architectures'][0]}: its {key} has no model_type")
-    text = AutoConfig.for_model(model_type, **text).to_dict()
+    arch = next(a for a in config["architectures"] if a in TEXT_OF_MULTIMODAL)
+    if "model_type" not in config:
+        raise ValueError(f"{arch}: its config.json has no model_type")
+    whole = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    text = whole.get_text_config()
+    if text is whole:
+        raise ValueError(f"{arch}: no language model config found in its config.json")
+    text = text.to_dict()
+    model_type = text.get("model_type")
+    expected = TEXT_OF_MULTIMODAL[arch]
+    if expected is not None and model_type != expected:
+        raise ValueError(f"{arch}: its language model is {model_type!r}; served as {expected!r} only")
     for name in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
         if name in config and config[name] is not None:
             text[name] = config[name]

@@ -59,6 +59,9 @@ FAMILIES = {
     "llama": Family(), "mistral": Family(), "ministral": Family(), "granite": Family(),
     "seed_oss": Family(), "phi3": Family(),
     "qwen2": Family(window_opt_in=True), "qwen3": Family(qk_norm="head", window_opt_in=True),
+    # Qwen2-VL / 2.5-VL / 3-VL's language models (text only: their multimodal rotary is the plain one)
+    "qwen2_vl_text": Family(window_opt_in=True), "qwen2_5_vl_text": Family(window_opt_in=True),
+    "qwen3_vl_text": Family(qk_norm="head", window_opt_in=True),
     "smollm3": Family(window_opt_in=True),
     "gemma": Family(norm="gemma", tied=True),
     "gemma2": Family(norm="gemma", tied=True, layer_norms="sandwich", sliding_pattern=2),
@@ -239,7 +242,8 @@ def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
     """Whether q/k/v, o_proj and the MLP's projections have biases."""
     if model_type in ("cohere", "cohere2"):  # attention_bias on every attention projection, none on the MLP
         return (bool(cfg.get("attention_bias", False)),) * 2 + (False,)
-    if model_type in ("qwen2", "qwen2_moe"):  # always on q/k/v (Qwen2-MoE's config may say otherwise)
+    if model_type in ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"):  # always on q/k/v (Qwen2-MoE's
+        # config may say otherwise)
         return bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True, False, False
     if model_type in ("ernie4_5", "starcoder2"):  # one switch for every projection
         return (bool(cfg.get("use_bias", model_type == "starcoder2")),) * 3

@@ -30,7 +30,14 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
-    "Gemma3ForConditionalGeneration": "gemma3_text",  # its language model (engine.config.TEXT_OF_MULTIMODAL)
+    # Multimodal checkpoints served as their language model (engine.config.TEXT_OF_MULTIMODAL);
+    # None: the model type of its text config.
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Mistral3ForConditionalGeneration": "mistral",
+    "LlavaForConditionalGeneration": None,
+    "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
@@ -126,15 +133,19 @@ def unfuse(hf_name: str, tensor: torch.Tensor, arch: LlamaArch) -> list[tuple[st
 
 # A multimodal checkpoint's language model tensors, by the names a text checkpoint gives them
 # (published: language_model.model.*, language_model.lm_head; transformers 5 in memory:
-# model.language_model.*); the rest (vision tower, projector) is not read.
+# model.language_model.*; Qwen2-VL's: model.* and lm_head as a text checkpoint's); the rest
+# (vision tower, projector) is not read.
 _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.(model\.|lm_head\.)|model\.language_model\.|(lm_head\.))(.*)$")
+_NOT_TEXT = re.compile(r"^(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector|mm_projector)\.")
 
 
 def _language_model_name(name: str) -> str | None:
     m = _LANGUAGE_MODEL.match(name)
-    if m is None:
-        return None
-    return (m.group(1) or m.group(2) or "model.") + m.group(3)
+    if m is not None:
+        return (m.group(1) or m.group(2) or "model.") + m.group(3)
+    if name.startswith("model.") and not _NOT_TEXT.match(name):  # already its text name (Qwen2-VL's)
+        return name
+    return None
 
 
 class _RenamedWeights:

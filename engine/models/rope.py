@@ -20,6 +20,8 @@ def rope_parameters(hf_config: dict) -> dict:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "su":  # Phi-3's first name for LongRoPE
         rope_type = "longrope"
+    if rope_type == "mrope":  # Qwen2-VL's: sections of the default rotary over (time, height, width)
+        rope_type = "default"
     if rope_type == "dynamic" and params.get("alpha"):  # HunYuan's: a fixed alpha makes the frequencies static
         rope_type = "ntk_alpha"
     params["rope_type"] = rope_type
