@@ -18,13 +18,34 @@ from kernels import KernelBackend, reference
 
 # A gated MLP's activation -> (gate, up) -> act(gate) * up (silu: the backend's fused kernel).
 ACTIVATIONS = {"silu": reference.silu_and_mul, "gelu_pytorch_tanh": reference.gelu_tanh_and_mul}
-# A plain (non-gated) MLP's: up -> act(up), as transformers' ACT2FN computes each.
+# A plain (non-gated) MLP's: up -> act(up), as transformers' ACT2FN computes each ("xielu": a
+# module with learned parameters, XIELU).
 PLAIN_ACTIVATIONS = {
     "relu2": lambda x: torch.square(torch.relu(x)),
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
     "gelu": nn.functional.gelu,
     "silu": nn.functional.silu,
+    "xielu": None,
 }
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus): x > 0: softplus(alpha_p) x^2 + beta x; else (expm1(min(x, eps)) - x) *
+    (beta + softplus(alpha_n)) + beta x; alpha_p and alpha_n learned per layer, beta and eps stored
+    beside them (mlp.act_fn.*), as transformers' XIELUActivation computes it in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.eps = nn.Parameter(torch.tensor(-1e-6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = nn.functional.softplus(self.alpha_p)
+        alpha_n = self.beta + nn.functional.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
 
 if TYPE_CHECKING:
     from engine.parallel.group import TPGroup
@@ -81,6 +102,7 @@ FAMILIES = {
     "arcee": Family(gated_mlp=False),
     "nemotron": Family(gated_mlp=False, norm="layer1p", eps_key="norm_eps"),
     "starcoder2": Family(gated_mlp=False, norm="layer_bias", tied=True, eps_key="norm_epsilon"),
+    "apertus": Family(gated_mlp=False, qk_norm="head"),
     "mixtral": Family(),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
@@ -540,8 +562,12 @@ class MLP(nn.Module):
         self.gate_up_sizes = (intermediate_size if arch.gated_mlp else 0, intermediate_size)
         self.gate_up_proj = nn.Linear(arch.hidden_size, sum(self.gate_up_sizes), bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=down_bias)
-        self.act_and_mul = PLAIN_ACTIVATIONS[arch.hidden_act] if not arch.gated_mlp else \
-            kernels.silu_and_mul if arch.hidden_act == "silu" else ACTIVATIONS[arch.hidden_act]
+        if not arch.gated_mlp and arch.hidden_act == "xielu":
+            self.act_fn = XIELU()  # (its parameters are the checkpoint's mlp.act_fn.*)
+            self.act_and_mul = self.act_fn.forward  # (one module, registered once: as act_fn)
+        else:
+            self.act_and_mul = PLAIN_ACTIVATIONS[arch.hidden_act] if not arch.gated_mlp else \
+                kernels.silu_and_mul if arch.hidden_act == "silu" else ACTIVATIONS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -56,6 +56,7 @@ SUPPORTED_ARCHITECTURES = {
     "ArceeForCausalLM": "arcee",
     "NemotronForCausalLM": "nemotron",
     "Starcoder2ForCausalLM": "starcoder2",
+    "ApertusForCausalLM": "apertus",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -81,8 +82,10 @@ _GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output
                       "router.layer.weight": "mlp.gate.weight"}
 
 
-# HunYuan's names for the per-head q / k norms; StarCoder 2's for its MLP's projections.
+# HunYuan's names for the per-head q / k norms; StarCoder 2's for its MLP's projections; Apertus's
+# for its layers' two norms.
 _QK_NORM_NAMES = re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$")
+_APERTUS_NORMS = re.compile(r"^(.*\.layers\.\d+\.)(attention|feedforward)_layernorm\.(weight)$")
 _STARCODER_MLP = re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$")
 
 
@@ -95,6 +98,10 @@ def canonical_name(hf_name: str) -> str:
     m = _QK_NORM_NAMES.match(hf_name)
     if m is not None:
         return f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"
+    m = _APERTUS_NORMS.match(hf_name)
+    if m is not None:
+        norm = "input_layernorm" if m.group(2) == "attention" else "post_attention_layernorm"
+        return f"{m.group(1)}{norm}.{m.group(3)}"
     m = _STARCODER_MLP.match(hf_name)
     return hf_name if m is None else f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"
 

@@ -148,4 +148,6 @@ class TPLayout:
         if split is not None:
             dim, start, end = split
             return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
-        return tensor_slice[:]  # norms: replicated
+        # norms (and a scalar: xIELU's beta, eps): replicated
+        shape = tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape") else tensor_slice.shape
+        return tensor_slice[:] if len(shape) else tensor_slice[...]

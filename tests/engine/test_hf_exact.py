@@ -78,6 +78,11 @@ VARIANTS = {
     "arcee": dict(arch="arcee", config={"mlp_bias": True}),
     "nemotron": dict(arch="nemotron", config={"attention_bias": True, "mlp_bias": True}),
     "starcoder2": dict(arch="starcoder2", config={"sliding_window": 40}),
+    # Apertus: the xIELU activation with its learned parameters a layer (random), per-head q / k norms,
+    # its norms under their own names, Llama 3's rotary scaling.
+    "apertus": dict(arch="apertus", config={"attention_bias": True}, rope_scaling={
+        "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

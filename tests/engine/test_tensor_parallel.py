@@ -52,6 +52,7 @@ VARIANTS = {
     # Plain MLPs: each rank its rows of up_proj, its columns of down_proj; LayerNorms' biases replicated.
     "nemotron-biases": dict(arch="nemotron", config={"attention_bias": True, "mlp_bias": True}),
     "starcoder2": dict(arch="starcoder2"),
+    "apertus": dict(arch="apertus"),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -78,7 +79,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("glm4", "chunked-padded-async"), ("ernie4_5-biases", "chunked-preempted"),
          ("cohere-qk-norm", "chunked-padded-async"), ("cohere-qk-norm-1-kv-head", "preempted"),
          ("cohere2", "chunked-preempted"), ("hunyuan", "chunked-padded-async"),
-         ("nemotron-biases", "chunked-preempted"), ("starcoder2", "chunked-padded-async")]
+         ("nemotron-biases", "chunked-preempted"), ("starcoder2", "chunked-padded-async"),
+         ("apertus", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
