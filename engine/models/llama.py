@@ -6,6 +6,7 @@ what each model type fixes is one row of FAMILIES."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ PLAIN_ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
     "gelu": nn.functional.gelu,
     "silu": nn.functional.silu,
+    # GPT-2's tanh form, written out as transformers' NewGELUActivation computes it (Phi)
+    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
     "xielu": None,
 }
 
@@ -72,6 +75,7 @@ class Family:
     full_layers_nope: bool = False  # with a window, the full-attention layers take no rotary embedding
     tied: bool = False  # tie_word_embeddings where the config leaves it out
     eps_key: str = "rms_norm_eps"
+    lm_head_bias: bool = False  # (Phi) the LM head adds a bias to the logits
 
 
 # Every model type served (engine.models.loader.SUPPORTED_ARCHITECTURES maps the architectures).
@@ -103,6 +107,10 @@ FAMILIES = {
     "nemotron": Family(gated_mlp=False, norm="layer1p", eps_key="norm_eps"),
     "starcoder2": Family(gated_mlp=False, norm="layer_bias", tied=True, eps_key="norm_epsilon"),
     "apertus": Family(gated_mlp=False, qk_norm="head"),
+    # StableLM: its layers "parallel_sum" where use_parallel_residual says
+    "stablelm": Family(norm="layer_bias", eps_key="layer_norm_eps"),
+    "phi": Family(gated_mlp=False, norm="layer_bias", layer_norms="parallel_sum", eps_key="layer_norm_eps",
+                  lm_head_bias=True),
     "mixtral": Family(),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
@@ -154,7 +162,8 @@ class LlamaArch:
     # Where a layer's norms sit (LAYER_NORMS): "pre" (Llama's: each sublayer's input), "post" (OLMo 2,
     # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
     # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names),
-    # "parallel" (Cohere: attention and the MLP both read one norm of the stream, both added to it).
+    # "parallel" (Cohere: attention and the MLP both read one norm of the stream, both added to it),
+    # "parallel_sum" (Phi, StableLM's parallel residual: the same, the two outputs summed first).
     layer_norms: str = "pre"
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
     # Gemma: RMS norms scale by 1 + weight, and the embeddings by sqrt(hidden_size) rounded to the
@@ -168,6 +177,7 @@ class LlamaArch:
     gated_mlp: bool = True  # False: the MLP is down(act(up(x))) (Arcee, Nemotron, StarCoder 2)
     qk_norm_per_head: bool = False
     logit_scale: float = 1.0
+    lm_head_bias: bool = False
     embedding_multiplier_in_dtype: bool = False
     # Each layer's sliding window (0: full attention): a query sees the last `window` keys.
     layer_windows: tuple[int, ...] = ()
@@ -206,6 +216,10 @@ class LlamaArch:
         qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
         # Command R+'s q / k norms (use_qk_norm): a weight per head.
         per_head_qk_norm = model_type == "cohere" and bool(cfg.get("use_qk_norm", False))
+        if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
+            raise ValueError(f"{model_type}: qk_layernorm (LayerNorms with biases on q and k) is not served")
+        layer_norms = "parallel_sum" if model_type == "stablelm" and cfg.get("use_parallel_residual") \
+            else family.layer_norms
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -238,7 +252,7 @@ class LlamaArch:
             qk_norm_full=family.qk_norm == "full",
             qk_norm_after_rope=family.qk_norm_after_rope,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
-            layer_norms=family.layer_norms,
+            layer_norms=layer_norms,
             hidden_act=act,
             norm_offset=1.0 if family.norm in ("gemma", "layer1p") else 0.0,
             norm_in_float32=family.norm in ("gemma", "rms32"),
@@ -254,6 +268,7 @@ class LlamaArch:
             rope_local=rope_local,
             local_rope_layers=tuple(sorted(sliding)) if rope_local is not None else (),
             rope_interleaved=family.rope_interleaved,
+            lm_head_bias=family.lm_head_bias,
         )
 
 
@@ -269,6 +284,10 @@ def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
         return bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else True, False, False
     if model_type in ("ernie4_5", "starcoder2"):  # one switch for every projection
         return (bool(cfg.get("use_bias", model_type == "starcoder2")),) * 3
+    if model_type == "phi":  # every projection
+        return True, True, True
+    if model_type == "stablelm":  # q / k / v where use_qkv_bias says
+        return bool(cfg.get("use_qkv_bias", False)), False, False
     attention = bool(cfg.get("attention_bias", False))
     if model_type in ("glm", "glm4", "helium"):  # o_proj without one
         o = False
@@ -632,6 +651,14 @@ class ParallelDecoderLayer(DecoderLayer):
         return x + self.self_attn(positions, h, kv_cache, meta, cos_sin) + self.mlp(h), None
 
 
+class ParallelSumDecoderLayer(ParallelDecoderLayer):
+    """Phi, StableLM's parallel residual: as Cohere's, the two outputs summed before the stream."""
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h = self.input_layernorm(x)[0]
+        return self.self_attn(positions, h, kv_cache, meta, cos_sin) + self.mlp(h) + x, None
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 / 3: attention's input and output normalised (input_layernorm,
     post_attention_layernorm), then the MLP's (pre_feedforward_layernorm,
@@ -663,7 +690,7 @@ class Glm4DecoderLayer(SandwichDecoderLayer):
 
 
 LAYER_NORMS = {"pre": DecoderLayer, "post": PostNormDecoderLayer, "sandwich": SandwichDecoderLayer,
-               "glm4": Glm4DecoderLayer, "parallel": ParallelDecoderLayer}
+               "glm4": Glm4DecoderLayer, "parallel": ParallelDecoderLayer, "parallel_sum": ParallelSumDecoderLayer}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -679,7 +706,7 @@ class LlamaForCausalLM(nn.Module):
         layer_cls = LAYER_NORMS[arch.layer_norms]
         self.layers = nn.ModuleList(layer_cls(arch, kernels, tp, i) for i in range(arch.num_layers))
         self.norm = make_norm(arch, arch.hidden_size, kernels)
-        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=arch.lm_head_bias)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", rope_table(arch), persistent=False)

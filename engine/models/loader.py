@@ -57,6 +57,8 @@ SUPPORTED_ARCHITECTURES = {
     "NemotronForCausalLM": "nemotron",
     "Starcoder2ForCausalLM": "starcoder2",
     "ApertusForCausalLM": "apertus",
+    "StableLmForCausalLM": "stablelm",
+    "PhiForCausalLM": "phi",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -86,6 +88,10 @@ _GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output
 # for its layers' two norms.
 _QK_NORM_NAMES = re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$")
 _APERTUS_NORMS = re.compile(r"^(.*\.layers\.\d+\.)(attention|feedforward)_layernorm\.(weight)$")
+# Phi's: its attention's output projection, its MLP's, its final norm.
+_PHI_NAMES = re.compile(r"^(.*\.)(self_attn\.dense|mlp\.fc1|mlp\.fc2|final_layernorm)\.(weight|bias)$")
+_PHI_RENAMED = {"self_attn.dense": "self_attn.o_proj", "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj",
+                "final_layernorm": "norm"}
 _STARCODER_MLP = re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$")
 
 
@@ -102,6 +108,9 @@ def canonical_name(hf_name: str) -> str:
     if m is not None:
         norm = "input_layernorm" if m.group(2) == "attention" else "post_attention_layernorm"
         return f"{m.group(1)}{norm}.{m.group(3)}"
+    m = _PHI_NAMES.match(hf_name)
+    if m is not None:
+        return f"{m.group(1)}{_PHI_RENAMED[m.group(2)]}.{m.group(3)}"
     m = _STARCODER_MLP.match(hf_name)
     return hf_name if m is None else f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"
 

@@ -7,6 +7,8 @@ import math
 import torch
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")
+# The share of head_dim rotated where a config leaves partial_rotary_factor out (transformers' defaults).
+PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "nemotron": 0.5, "phi": 0.5, "stablelm": 0.25}
 
 
 def rope_parameters(hf_config: dict) -> dict:
@@ -25,9 +27,9 @@ def rope_parameters(hf_config: dict) -> dict:
     if rope_type == "dynamic" and params.get("alpha"):  # HunYuan's: a fixed alpha makes the frequencies static
         rope_type = "ntk_alpha"
     params["rope_type"] = rope_type
-    # (GLM's configs leave it out for half: transformers' default for them)
+    # (some families' configs leave it out for their default: transformers')
     params.setdefault("partial_rotary_factor", hf_config.get(
-        "partial_rotary_factor", 0.5 if hf_config.get("model_type") in ("glm", "glm4") else 1.0))
+        "partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(hf_config.get("model_type"), 1.0)))
     if rope_type in ("yarn", "longrope"):
         params.setdefault("max_position_embeddings", hf_config.get("max_position_embeddings", 2048))
         # Phi-3 saves the pretraining context at the top level, and it takes priority (transformers' rule).

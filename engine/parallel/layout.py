@@ -130,10 +130,10 @@ class TPLayout:
             whole = self.moe_intermediate_size  # [E, 2I, H]: this rank's gate rows and its up rows
             return torch.cat([tensor_slice[:, self.rank * w:(self.rank + 1) * w],
                               tensor_slice[:, whole + self.rank * w:whole + (self.rank + 1) * w]], dim=1)
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight", "lm_head.bias")):  # (Phi's head has a bias)
             part = tensor_slice[self.vocab_start:self.vocab_end]
             pad = self.vocab_per_rank - part.shape[0]
-            return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
+            return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
         if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             shape = tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape") else tensor_slice.shape
             if len(shape) == 2:  # a weight per head, [heads, head_dim] (Command R+): this rank's heads' rows

@@ -83,6 +83,12 @@ VARIANTS = {
     "apertus": dict(arch="apertus", config={"attention_bias": True}, rope_scaling={
         "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # StableLM: LayerNorms with biases, a quarter of each head rotated, q/k/v biases; its parallel
+    # residual. Phi (2, 1.5): parallel layers summing their two outputs first, a plain GELU MLP, biases
+    # on every projection and on the LM head, its own names (dense, fc1, fc2, final_layernorm).
+    "stablelm": dict(arch="stablelm", config={"use_qkv_bias": True}),
+    "stablelm-parallel": dict(arch="stablelm", config={"use_parallel_residual": True}),
+    "phi": dict(arch="phi"),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

@@ -122,6 +122,15 @@ def test_exaones_pattern_string_and_its_global_layers_without_rotary():
     assert whole.layer_windows == (0,) * 8 and whole.nope_layers == ()
 
 
+@pytest.mark.parametrize("model_type, share", [("nemotron", 0.5), ("phi", 0.5), ("stablelm", 0.25), ("glm4", 0.5),
+                                               ("llama", 1.0)])
+def test_a_config_without_partial_rotary_factor_takes_its_familys_default(model_type, share):
+    """Published configs that leave partial_rotary_factor out rotate what transformers rotates for them."""
+    params = rope_parameters({"model_type": model_type, "rope_theta": 10000.0})
+    assert params["partial_rotary_factor"] == share
+    assert rope_parameters({"model_type": model_type, "partial_rotary_factor": 0.75})["partial_rotary_factor"] == 0.75
+
+
 def test_every_served_architecture_has_a_family():
     from engine.models.llama import FAMILIES, LlamaArch
     from engine.models.loader import SUPPORTED_ARCHITECTURES
@@ -129,6 +138,9 @@ def test_every_served_architecture_has_a_family():
     assert {t for t in SUPPORTED_ARCHITECTURES.values() if t is not None} == set(FAMILIES)
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         LlamaArch.from_hf_config({"model_type": "gpt2", "num_attention_heads": 4})
+    with pytest.raises(ValueError, match="phi: qk_layernorm .* is not served"):
+        LlamaArch.from_hf_config({"model_type": "phi", "num_attention_heads": 4, "hidden_act": "gelu_new",
+                                  "qk_layernorm": True})
 
 
 def test_yarn_extends_the_served_context_by_its_factor():

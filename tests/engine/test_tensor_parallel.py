@@ -53,6 +53,8 @@ VARIANTS = {
     "nemotron-biases": dict(arch="nemotron", config={"attention_bias": True, "mlp_bias": True}),
     "starcoder2": dict(arch="starcoder2"),
     "apertus": dict(arch="apertus"),
+    # Phi's LM head bias: each rank its vocabulary rows of it (the last rank's zero-padded).
+    "phi-odd-vocab": dict(arch="phi", vocab_size=1999),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -80,7 +82,7 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("cohere-qk-norm", "chunked-padded-async"), ("cohere-qk-norm-1-kv-head", "preempted"),
          ("cohere2", "chunked-preempted"), ("hunyuan", "chunked-padded-async"),
          ("nemotron-biases", "chunked-preempted"), ("starcoder2", "chunked-padded-async"),
-         ("apertus", "chunked-preempted")]
+         ("apertus", "chunked-preempted"), ("phi-odd-vocab", "chunked-padded-async")]
 
 
 def alive(pid: int) -> bool:
