@@ -195,6 +195,8 @@ class LlamaArch:
         if model_type not in FAMILIES:
             raise ValueError(f"unsupported model_type {model_type!r} (served: {', '.join(sorted(FAMILIES))})")
         family = FAMILIES[model_type]
+        if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
+            raise ValueError(f"{model_type}: qk_layernorm (LayerNorms with biases on q and k) is not served")
         heads = cfg["num_attention_heads"]
         gemma = model_type in GEMMA_TYPES
         act = (cfg.get("hidden_activation") if model_type != "gemma" else None) or \
@@ -216,8 +218,6 @@ class LlamaArch:
         qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
         # Command R+'s q / k norms (use_qk_norm): a weight per head.
         per_head_qk_norm = model_type == "cohere" and bool(cfg.get("use_qk_norm", False))
-        if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
-            raise ValueError(f"{model_type}: qk_layernorm (LayerNorms with biases on q and k) is not served")
         layer_norms = "parallel_sum" if model_type == "stablelm" and cfg.get("use_parallel_residual") \
             else family.layer_norms
         return cls(
