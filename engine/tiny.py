@@ -9,7 +9,8 @@ import tempfile
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "smollm3",
          "seed_oss", "olmo2", "olmo3", "exaone4", "glm", "glm4", "ministral", "helium",
          "ernie4_5", "cohere", "cohere2", "hunyuan_v1_dense", "arcee",
-         "nemotron", "starcoder2", "apertus", "stablelm", "phi", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
+         "nemotron", "starcoder2", "apertus", "stablelm", "phi", "gpt_neox",
+         "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "olmoe")
 # Granite 3's multipliers (ibm-granite/granite-3.0-2b-instruct's config), so that a tiny Granite
 # exercises each of them.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
@@ -98,6 +99,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
              "cohere": "Cohere", "cohere2": "Cohere2", "hunyuan_v1_dense": "HunYuanDenseV1",
              "arcee": "Arcee", "nemotron": "Nemotron", "starcoder2": "Starcoder2",
              "apertus": "Apertus", "stablelm": "StableLm", "phi": "Phi",
+             "gpt_neox": "GPTNeoX",
              "mixtral": "Mixtral",
              "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe", "olmoe": "Olmoe"}[arch]
     config_cls = getattr(transformers, f"{names}Config")
@@ -139,11 +141,11 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int | None = Non
         for name, param in model.named_parameters():
             if name.endswith(".bias") and arch in ("seed_oss", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
                                                    "helium", "ernie4_5", "cohere", "cohere2", "nemotron", "arcee",
-                                                   "starcoder2", "stablelm", "phi") or \
+                                                   "starcoder2", "stablelm", "phi", "gpt_neox") or \
                     arch in ("gemma", "gemma2", "gemma3_text", "nemotron") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.1)
             elif arch in ("glm", "glm4", "helium", "cohere", "cohere2", "hunyuan_v1_dense", "starcoder2", "stablelm",
-                          "phi") and \
+                          "phi", "gpt_neox") and \
                     name.endswith("norm.weight"):
                 param.normal_(1.0, 0.2)
             elif ".act_fn.alpha_" in name:  # Apertus's xIELU: its learned parameters, each layer its own

@@ -111,6 +111,8 @@ FAMILIES = {
     "stablelm": Family(norm="layer_bias", eps_key="layer_norm_eps"),
     "phi": Family(gated_mlp=False, norm="layer_bias", layer_norms="parallel_sum", eps_key="layer_norm_eps",
                   lm_head_bias=True),
+    # GPT-NeoX (Pythia): its layers "parallel_two_norms" unless use_parallel_residual is false
+    "gpt_neox": Family(gated_mlp=False, norm="layer_bias", layer_norms="parallel_two_norms", eps_key="layer_norm_eps"),
     "mixtral": Family(),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
@@ -163,7 +165,8 @@ class LlamaArch:
     # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
     # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names),
     # "parallel" (Cohere: attention and the MLP both read one norm of the stream, both added to it),
-    # "parallel_sum" (Phi, StableLM's parallel residual: the same, the two outputs summed first).
+    # "parallel_sum" (Phi, StableLM's parallel residual: the same, the two outputs summed first),
+    # "parallel_two_norms" (GPT-NeoX: each reads its own norm of the stream, the outputs summed first).
     layer_norms: str = "pre"
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
     # Gemma: RMS norms scale by 1 + weight, and the embeddings by sqrt(hidden_size) rounded to the
@@ -219,7 +222,7 @@ class LlamaArch:
         # Command R+'s q / k norms (use_qk_norm): a weight per head.
         per_head_qk_norm = model_type == "cohere" and bool(cfg.get("use_qk_norm", False))
         layer_norms = "parallel_sum" if model_type == "stablelm" and cfg.get("use_parallel_residual") \
-            else family.layer_norms
+            else "pre" if model_type == "gpt_neox" and not cfg.get("use_parallel_residual", True) else family.layer_norms
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -286,6 +289,9 @@ def _biases(cfg: dict, model_type: str) -> tuple[bool, bool, bool]:
         return (bool(cfg.get("use_bias", model_type == "starcoder2")),) * 3
     if model_type == "phi":  # every projection
         return True, True, True
+    if model_type == "gpt_neox":  # the MLP's always; attention's where attention_bias says (its default: on)
+        attention = bool(cfg.get("attention_bias", True))
+        return attention, attention, True
     if model_type == "stablelm":  # q / k / v where use_qkv_bias says
         return bool(cfg.get("use_qkv_bias", False)), False, False
     attention = bool(cfg.get("attention_bias", False))
@@ -659,6 +665,15 @@ class ParallelSumDecoderLayer(ParallelDecoderLayer):
         return self.self_attn(positions, h, kv_cache, meta, cos_sin) + self.mlp(h) + x, None
 
 
+class ParallelTwoNormsDecoderLayer(DecoderLayer):
+    """GPT-NeoX's parallel residual: attention reads input_layernorm's norm of the stream and the MLP
+    post_attention_layernorm's; the two outputs are summed before the stream."""
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        h = self.self_attn(positions, self.input_layernorm(x)[0], kv_cache, meta, cos_sin)
+        return self.mlp(self.post_attention_layernorm(x)[0]) + h + x, None
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 / 3: attention's input and output normalised (input_layernorm,
     post_attention_layernorm), then the MLP's (pre_feedforward_layernorm,
@@ -690,7 +705,8 @@ class Glm4DecoderLayer(SandwichDecoderLayer):
 
 
 LAYER_NORMS = {"pre": DecoderLayer, "post": PostNormDecoderLayer, "sandwich": SandwichDecoderLayer,
-               "glm4": Glm4DecoderLayer, "parallel": ParallelDecoderLayer, "parallel_sum": ParallelSumDecoderLayer}
+               "glm4": Glm4DecoderLayer, "parallel": ParallelDecoderLayer, "parallel_sum": ParallelSumDecoderLayer,
+               "parallel_two_norms": ParallelTwoNormsDecoderLayer}
 
 
 class LlamaForCausalLM(nn.Module):

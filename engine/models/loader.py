@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -59,6 +60,7 @@ SUPPORTED_ARCHITECTURES = {
     "ApertusForCausalLM": "apertus",
     "StableLmForCausalLM": "stablelm",
     "PhiForCausalLM": "phi",
+    "GPTNeoXForCausalLM": "gpt_neox",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -77,42 +79,51 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-# Granite-MoE's names for a layer's stacked experts ([E, 2I, H] gate and up, [E, H, I] down) and
-# router: read as transformers 5 holds Mixtral's (mlp.experts.gate_up_proj, down_proj; mlp.gate).
-_GRANITE_MOE = re.compile(r"^(.*\.)block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight)$")
+# Other families' names for the tensors this model holds, as (pattern, its name here: a function of
+# the match, None for a tensor not read). Every checkpoint's names go through them (each pattern is
+# one family's own spelling); the first that matches renames.
 _GRANITE_MOE_NAMES = {"input_linear.weight": "mlp.experts.gate_up_proj", "output_linear.weight": "mlp.experts.down_proj",
                       "router.layer.weight": "mlp.gate.weight"}
+_PHI_NAMES = {"self_attn.dense": "self_attn.o_proj", "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj",
+              "final_layernorm": "norm"}
+_NEOX_NAMES = {"attention.dense": "self_attn.o_proj", "attention.query_key_value": "self_attn.query_key_value",
+               "mlp.dense_h_to_4h": "mlp.up_proj", "mlp.dense_4h_to_h": "mlp.down_proj"}
+_RENAMES: list[tuple[re.Pattern, Callable[[re.Match], str | None]]] = [
+    # Granite-MoE: a layer's stacked experts ([E, 2I, H] gate and up, [E, H, I] down) and router, read
+    # as transformers 5 holds Mixtral's (mlp.experts.gate_up_proj, down_proj; mlp.gate)
+    (re.compile(r"^(.*\.)block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight)$"),
+     lambda m: m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]),
+    # HunYuan's per-head q / k norms
+    (re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$"),
+     lambda m: f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"),
+    # Apertus's layers' two norms
+    (re.compile(r"^(.*\.layers\.\d+\.)(attention|feedforward)_layernorm\.(weight)$"),
+     lambda m: f"{m.group(1)}{'input' if m.group(2) == 'attention' else 'post_attention'}_layernorm.{m.group(3)}"),
+    # Phi's attention output, MLP and final norm
+    (re.compile(r"^(.*\.)(self_attn\.dense|mlp\.fc1|mlp\.fc2|final_layernorm)\.(weight|bias)$"),
+     lambda m: f"{m.group(1)}{_PHI_NAMES[m.group(2)]}.{m.group(3)}"),
+    # StarCoder 2's MLP
+    (re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$"),
+     lambda m: f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"),
+    # GPT-NeoX (Pythia): gpt_neox.* and embed_out; its older checkpoints' causal-mask buffers not read
+    (re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(?:bias|masked_bias)$"), lambda m: None),
+    (re.compile(r"^gpt_neox\.(layers\.\d+\.)(attention\.dense|attention\.query_key_value|mlp\.dense_h_to_4h|"
+                r"mlp\.dense_4h_to_h)\.(weight|bias)$"),
+     lambda m: f"model.{m.group(1)}{_NEOX_NAMES[m.group(2)]}.{m.group(3)}"),
+    (re.compile(r"^gpt_neox\.(embed_in|final_layer_norm|layers\.\d+\.\w+_layernorm)\.(weight|bias)$"),
+     lambda m: f"model.{ {'embed_in': 'embed_tokens', 'final_layer_norm': 'norm'}.get(m.group(1), m.group(1)) }."
+               f"{m.group(2)}"),
+    (re.compile(r"^embed_out\.weight$"), lambda m: "lm_head.weight"),
+]
 
 
-# HunYuan's names for the per-head q / k norms; StarCoder 2's for its MLP's projections; Apertus's
-# for its layers' two norms.
-_QK_NORM_NAMES = re.compile(r"^(.*\.self_attn\.)(query|key)_layernorm\.(weight)$")
-_APERTUS_NORMS = re.compile(r"^(.*\.layers\.\d+\.)(attention|feedforward)_layernorm\.(weight)$")
-# Phi's: its attention's output projection, its MLP's, its final norm.
-_PHI_NAMES = re.compile(r"^(.*\.)(self_attn\.dense|mlp\.fc1|mlp\.fc2|final_layernorm)\.(weight|bias)$")
-_PHI_RENAMED = {"self_attn.dense": "self_attn.o_proj", "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj",
-                "final_layernorm": "norm"}
-_STARCODER_MLP = re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$")
-
-
-def canonical_name(hf_name: str) -> str:
-    """A checkpoint tensor's name as the loader reads it (Granite-MoE's experts and router, and
-    HunYuan's q / k norms, renamed)."""
-    m = _GRANITE_MOE.match(hf_name)
-    if m is not None:
-        return m.group(1) + _GRANITE_MOE_NAMES[m.group(2)]
-    m = _QK_NORM_NAMES.match(hf_name)
-    if m is not None:
-        return f"{m.group(1)}{m.group(2)[0]}_norm.{m.group(3)}"
-    m = _APERTUS_NORMS.match(hf_name)
-    if m is not None:
-        norm = "input_layernorm" if m.group(2) == "attention" else "post_attention_layernorm"
-        return f"{m.group(1)}{norm}.{m.group(3)}"
-    m = _PHI_NAMES.match(hf_name)
-    if m is not None:
-        return f"{m.group(1)}{_PHI_RENAMED[m.group(2)]}.{m.group(3)}"
-    m = _STARCODER_MLP.match(hf_name)
-    return hf_name if m is None else f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"
+def canonical_name(hf_name: str) -> str | None:
+    """A checkpoint tensor's name as the loader reads it (_RENAMES); None: a tensor not read."""
+    for pattern, renamed in _RENAMES:
+        m = pattern.match(hf_name)
+        if m is not None:
+            return renamed(m)
+    return hf_name
 
 
 def _load_parts(model, params, hf_name: str, tensor: torch.Tensor, arch: LlamaArch, tp, loaded: set[str]) -> None:
@@ -125,7 +136,7 @@ def _load_parts(model, params, hf_name: str, tensor: torch.Tensor, arch: LlamaAr
 
 # A checkpoint that stores them fused already (Phi-3): read as its parts, so that tensor parallelism
 # and LoRA see the q / k / v and gate / up projections every other member of the family has.
-_PREFUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+_PREFUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|self_attn\.query_key_value|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def unfuse(hf_name: str, tensor: torch.Tensor, arch: LlamaArch) -> list[tuple[str, torch.Tensor]]:
@@ -135,6 +146,14 @@ def unfuse(hf_name: str, tensor: torch.Tensor, arch: LlamaArch) -> list[tuple[st
     if m is None:
         return [(hf_name, tensor)]
     prefix, module, suffix = m.groups()
+    if module.endswith("query_key_value"):  # GPT-NeoX: each head's q, k and v rows in turn ([heads, 3, head_dim])
+        heads, hd = arch.num_heads, arch.head_dim
+        if tensor.shape[0] != 3 * heads * hd:
+            raise ValueError(f"weight {hf_name!r} has {tensor.shape[0]} rows; the config's 3 x {heads} heads x "
+                             f"{hd} make {3 * heads * hd}")
+        by_head = tensor.reshape(heads, 3, hd, *tensor.shape[1:])
+        return [(f"{prefix}self_attn.{part}.{suffix}", by_head[:, i].reshape(heads * hd, *tensor.shape[1:]))
+                for i, part in enumerate(("q_proj", "k_proj", "v_proj"))]
     if module.endswith("qkv_proj"):
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         parts, sizes = ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
@@ -171,7 +190,8 @@ class _RenamedWeights:
     def __init__(self, f, language_model: bool) -> None:
         self.f = f
         rename = _language_model_name if language_model else str
-        self.names = {canonical_name(new): name for name in f.keys() if (new := rename(name)) is not None}
+        self.names = {canonical: name for name in f.keys()
+                      if (new := rename(name)) is not None and (canonical := canonical_name(new)) is not None}
 
     def keys(self) -> list[str]:
         return list(self.names)

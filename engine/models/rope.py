@@ -8,7 +8,7 @@ import torch
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")
 # The share of head_dim rotated where a config leaves partial_rotary_factor out (transformers' defaults).
-PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "nemotron": 0.5, "phi": 0.5, "stablelm": 0.25}
+PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "nemotron": 0.5, "phi": 0.5, "stablelm": 0.25, "gpt_neox": 0.25}
 
 
 def rope_parameters(hf_config: dict) -> dict:
@@ -18,7 +18,8 @@ def rope_parameters(hf_config: dict) -> dict:
     params = dict(hf_config.get("rope_parameters") or {})
     if not params:
         params = dict(hf_config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+        # (GPT-NeoX's first configs: rotary_emb_base)
+        params.setdefault("rope_theta", hf_config.get("rope_theta", hf_config.get("rotary_emb_base", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "su":  # Phi-3's first name for LongRoPE
         rope_type = "longrope"
@@ -28,8 +29,9 @@ def rope_parameters(hf_config: dict) -> dict:
         rope_type = "ntk_alpha"
     params["rope_type"] = rope_type
     # (some families' configs leave it out for their default: transformers')
-    params.setdefault("partial_rotary_factor", hf_config.get(
-        "partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(hf_config.get("model_type"), 1.0)))
+    # (GPT-NeoX's first configs: rotary_pct)
+    params.setdefault("partial_rotary_factor", hf_config.get("partial_rotary_factor", hf_config.get(
+        "rotary_pct", PARTIAL_ROTARY_DEFAULTS.get(hf_config.get("model_type"), 1.0))))
     if rope_type in ("yarn", "longrope"):
         params.setdefault("max_position_embeddings", hf_config.get("max_position_embeddings", 2048))
         # Phi-3 saves the pretraining context at the top level, and it takes priority (transformers' rule).

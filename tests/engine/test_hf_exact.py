@@ -89,6 +89,10 @@ VARIANTS = {
     "stablelm": dict(arch="stablelm", config={"use_qkv_bias": True}),
     "stablelm-parallel": dict(arch="stablelm", config={"use_parallel_residual": True}),
     "phi": dict(arch="phi"),
+    # GPT-NeoX (Pythia): each head's q, k and v rows fused in turn (query_key_value), its parallel
+    # residual with a norm for each branch, or sequential; a quarter of each head rotated.
+    "gpt-neox": dict(arch="gpt_neox", num_kv_heads=4),
+    "gpt-neox-sequential": dict(arch="gpt_neox", num_kv_heads=4, config={"use_parallel_residual": False}),
     # Mixtures of experts: Mixtral's renormalised top 2 of 8, Qwen2-MoE's shared expert, Qwen3-MoE
     # with a dense layer between sparse ones.
     "mixtral": dict(arch="mixtral"),

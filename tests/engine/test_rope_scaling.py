@@ -131,6 +131,29 @@ def test_a_config_without_partial_rotary_factor_takes_its_familys_default(model_
     assert rope_parameters({"model_type": model_type, "partial_rotary_factor": 0.75})["partial_rotary_factor"] == 0.75
 
 
+def test_gpt_neoxs_published_names_and_rotary_keys_are_read():
+    """Pythia's config.json (rotary_pct, rotary_emb_base) and checkpoint names, its older checkpoints'
+    causal-mask buffers left unread."""
+    from engine.models.llama import LlamaArch
+    from engine.models.loader import canonical_name
+
+    arch = LlamaArch.from_hf_config({
+        "model_type": "gpt_neox", "vocab_size": 50304, "hidden_size": 512, "intermediate_size": 2048,
+        "num_hidden_layers": 6, "num_attention_heads": 8, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+        "max_position_embeddings": 2048, "layer_norm_eps": 1e-5, "use_parallel_residual": True, "hidden_act": "gelu"})
+    assert arch.rope["partial_rotary_factor"] == 0.25 and arch.rope["rope_theta"] == 10000
+    assert arch.layer_norms == "parallel_two_norms" and not arch.gated_mlp and arch.qkv_bias and arch.o_bias
+    assert canonical_name("gpt_neox.layers.3.attention.query_key_value.weight") == \
+        "model.layers.3.self_attn.query_key_value.weight"
+    assert canonical_name("gpt_neox.layers.3.mlp.dense_4h_to_h.bias") == "model.layers.3.mlp.down_proj.bias"
+    assert canonical_name("gpt_neox.final_layer_norm.weight") == "model.norm.weight"
+    assert canonical_name("gpt_neox.embed_in.weight") == "model.embed_tokens.weight"
+    assert canonical_name("embed_out.weight") == "lm_head.weight"
+    assert canonical_name("gpt_neox.layers.0.attention.masked_bias") is None
+    assert canonical_name("gpt_neox.layers.0.attention.bias") is None
+    assert canonical_name("model.layers.0.self_attn.q_proj.bias") == "model.layers.0.self_attn.q_proj.bias"
+
+
 def test_every_served_architecture_has_a_family():
     from engine.models.llama import FAMILIES, LlamaArch
     from engine.models.loader import SUPPORTED_ARCHITECTURES

@@ -55,6 +55,8 @@ VARIANTS = {
     "apertus": dict(arch="apertus"),
     # Phi's LM head bias: each rank its vocabulary rows of it (the last rank's zero-padded).
     "phi-odd-vocab": dict(arch="phi", vocab_size=1999),
+    # GPT-NeoX's fused query_key_value: each rank its heads' q, k and v rows.
+    "gpt-neox": dict(arch="gpt_neox", num_kv_heads=4),
 }
 BLOCKS = dict(num_blocks=512)
 CONFIGS = {
@@ -82,7 +84,8 @@ CASES = [("llama-gqa", "plain"), ("llama-gqa", "chunked-padded-async"), ("llama-
          ("cohere-qk-norm", "chunked-padded-async"), ("cohere-qk-norm-1-kv-head", "preempted"),
          ("cohere2", "chunked-preempted"), ("hunyuan", "chunked-padded-async"),
          ("nemotron-biases", "chunked-preempted"), ("starcoder2", "chunked-padded-async"),
-         ("apertus", "chunked-preempted"), ("phi-odd-vocab", "chunked-padded-async")]
+         ("apertus", "chunked-preempted"), ("phi-odd-vocab", "chunked-padded-async"),
+         ("gpt-neox", "chunked-preempted")]
 
 
 def alive(pid: int) -> bool:
@@ -227,10 +230,10 @@ def test_greedy_tp2_matches_tp1_and_transformers(engines, variant, config):
     if config == "draft-model":  # its own checkpoint as the draft: every proposal is accepted
         assert core.stats()["spec_decode_acceptance_rate"] > 0.9
     core.check_integrity(expect_all_free=True)
-    # Each rank's KV shard: 2 KV heads split (one per rank) or 1 replicated (on both); every
-    # rank has the driver's block count.
+    # Each rank's KV shard: its half of the KV heads (GPT-NeoX's 4: two a rank; 2: one), or 1
+    # replicated (on both); every rank has the driver's block count.
     (worker,) = core.runner.tp.call("info")
-    shard = (2, core.runner.num_blocks, 16, 1, 16)
+    shard = (2, core.runner.num_blocks, 16, max(1, VARIANTS[variant].get("num_kv_heads", 2) // 2), 16)
     assert tuple(core.runner.kv_caches[0].shape) == worker["kv_cache_shape"] == shard
     assert worker["rank"] == 1 and worker["pid"] == core.runner.tp.procs[0].pid and worker["threads"] == 1
     with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1: AttributeError"):
