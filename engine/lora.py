@@ -41,8 +41,15 @@ TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 # A checkpoint that fuses them (Phi-3): an adapter of the fused module is one of each part, the same
 # A with the part's rows of B (B A x, cut by rows, is each part's delta).
-FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# GPT-NeoX's query_key_value holds each head's q, k and v rows in turn: its B is cut per head.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                 "query_key_value": ("q_proj", "k_proj", "v_proj")}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|attention|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# Other families' module names (the loader's renames): Phi's, StarCoder 2's, GPT-NeoX's.
+_MODULE_NAMES = {("self_attn", "dense"): "o_proj", ("mlp", "fc1"): "up_proj", ("mlp", "fc2"): "down_proj",
+                 ("mlp", "c_fc"): "up_proj", ("mlp", "c_proj"): "down_proj", ("attention", "dense"): "o_proj",
+                 ("attention", "query_key_value"): "query_key_value", ("mlp", "dense_h_to_4h"): "up_proj",
+                 ("mlp", "dense_4h_to_h"): "down_proj"}
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -65,7 +72,7 @@ def _fingerprint(path: str) -> tuple:
         return ()
 
 
-def _unfused(pairs: dict, shapes: dict[str, tuple[int, int]], where: str) -> dict:
+def _unfused(pairs: dict, shapes: dict[str, tuple[int, int]], where: str, num_heads: int) -> dict:
     """An adapter's pairs with each fused module's (FUSED_TARGETS) as its parts' pairs."""
     out = {}
     for (layer, module), ab in pairs.items():
@@ -77,7 +84,10 @@ def _unfused(pairs: dict, shapes: dict[str, tuple[int, int]], where: str) -> dic
         if ab["B"].shape[0] != sum(sizes):
             raise ValueError(f"{where}: layer {layer} {module}: lora_B has {ab['B'].shape[0]} rows; the model's "
                              f"{' + '.join(parts)} make {sum(sizes)}")
-        for part, rows in zip(parts, ab["B"].split(sizes)):
+        b = ab["B"]
+        if module == "query_key_value":  # [heads, 3, head_dim] rows: each part's rows of every head
+            b = b.reshape(num_heads, 3, -1, b.shape[-1]).transpose(0, 1).reshape(b.shape)
+        for part, rows in zip(parts, b.split(sizes)):
             if (layer, part) in pairs:
                 raise ValueError(f"{where}: layer {layer} adapts both {module} and {part}")
             out[(layer, part)] = {"A": ab["A"], "B": rows}
@@ -135,19 +145,21 @@ class LoRAAdapter:
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in _read_tensors(path).items():
             m = _KEY.search(key)
-            if m is None or m.group(2) not in TARGETS and m.group(2) not in FUSED_TARGETS:
+            module = None if m is None else _MODULE_NAMES.get(
+                (m.group(2), m.group(3)), m.group(3) if m.group(2) != "attention" else None)
+            if module not in TARGETS and module not in FUSED_TARGETS:
                 raise ValueError(f"{where}: {key} adapts a module LoRA is not served on here (the attention "
                                  f"and dense MLP projections: {', '.join(TARGETS)}, or fused "
                                  f"{', '.join(FUSED_TARGETS)}; not embeddings, the LM head or a mixture's experts)")
             layer = int(m.group(1))
             if layer >= arch.num_layers:
                 raise ValueError(f"{where}: {key} names layer {layer}; the model has {arch.num_layers}")
-            first = FUSED_TARGETS[m.group(2)][0] if m.group(2) in FUSED_TARGETS else m.group(2)
+            first = FUSED_TARGETS[module][0] if module in FUSED_TARGETS else module
             if layer in arch.sparse_layers and TARGETS[first][0] in ("gate_up", "down"):
                 raise ValueError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts; LoRA is served on "
                                  "the attention projections and dense MLPs, not on experts")
-            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
-        pairs = _unfused(pairs, shapes, where)
+            pairs.setdefault((layer, module), {})[m.group(4)] = tensor
+        pairs = _unfused(pairs, shapes, where, arch.num_heads)
         adapter = cls(name, path, rank)
         for (layer, module), ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:

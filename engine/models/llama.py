@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +72,10 @@ class Family:
     # Without layer_types, which layers slide: every (i + 1) % n != 0 (n: the config's
     # sliding_window_pattern, else this); 0: every layer (where the config sets a window).
     sliding_pattern: int = 0
+    pattern_key: bool = False  # the config's sliding_window_pattern overrides it (Gemma 3, Cohere 2, EXAONE 4)
+    # transformers' defaults for keys a config.json may leave out, where they are not this reader's
+    # (an RMS eps of 1e-6, no attention bias, no window)
+    defaults: dict = field(default_factory=dict)
     full_layers_nope: bool = False  # with a window, the full-attention layers take no rotary embedding
     tied: bool = False  # tie_word_embeddings where the config leaves it out
     eps_key: str = "rms_norm_eps"
@@ -80,43 +84,50 @@ class Family:
 
 # Every model type served (engine.models.loader.SUPPORTED_ARCHITECTURES maps the architectures).
 # Gemma's and Granite's multipliers, Gemma's soft caps and the MoE routing are read in code.
+_EPS_1E5 = {"rms_norm_eps": 1e-5}
+_WINDOW_4096 = {"sliding_window": 4096}
 FAMILIES = {
-    "llama": Family(), "mistral": Family(), "ministral": Family(), "granite": Family(),
-    "seed_oss": Family(), "phi3": Family(),
+    "llama": Family(), "granite": Family(),
+    "mistral": Family(defaults=_WINDOW_4096), "ministral": Family(defaults=_WINDOW_4096),
+    "seed_oss": Family(defaults={"attention_bias": True}), "phi3": Family(defaults=_EPS_1E5),
     "qwen2": Family(window_opt_in=True), "qwen3": Family(qk_norm="head", window_opt_in=True),
     # Qwen2-VL / 2.5-VL / 3-VL's language models (text only: their multimodal rotary is the plain one)
-    "qwen2_vl_text": Family(window_opt_in=True), "qwen2_5_vl_text": Family(window_opt_in=True),
+    "qwen2_vl_text": Family(window_opt_in=True, defaults=_EPS_1E5),
+    "qwen2_5_vl_text": Family(window_opt_in=True, defaults=_EPS_1E5),
     "qwen3_vl_text": Family(qk_norm="head", window_opt_in=True),
-    "smollm3": Family(window_opt_in=True),
+    "smollm3": Family(window_opt_in=True, tied=True),
     "gemma": Family(norm="gemma", tied=True),
-    "gemma2": Family(norm="gemma", tied=True, layer_norms="sandwich", sliding_pattern=2),
+    "gemma2": Family(norm="gemma", tied=True, layer_norms="sandwich", sliding_pattern=2, defaults=_WINDOW_4096),
     "gemma3_text": Family(norm="gemma", tied=True, layer_norms="sandwich", qk_norm="head", rope_by_layer_type=True,
-                          sliding_pattern=6),
-    "olmo2": Family(qk_norm="full", layer_norms="post", norm="rms32"),
-    "olmo3": Family(qk_norm="full", layer_norms="post", norm="rms32", rope_by_layer_type=True, sliding_pattern=4),
-    "exaone4": Family(qk_norm="head", layer_norms="post", sliding_pattern=4, full_layers_nope=True),
-    "glm": Family(rope_interleaved=True),
-    "glm4": Family(rope_interleaved=True, layer_norms="glm4"),
-    "helium": Family(rope_interleaved=True, norm="rms32"),
-    "ernie4_5": Family(rope_interleaved=True, tied=True),
+                          sliding_pattern=6, pattern_key=True, defaults=_WINDOW_4096),
+    "olmo2": Family(qk_norm="full", layer_norms="post", norm="rms32", defaults=_EPS_1E5),
+    "olmo3": Family(qk_norm="full", layer_norms="post", norm="rms32", rope_by_layer_type=True, sliding_pattern=4,
+                    defaults={**_EPS_1E5, **_WINDOW_4096}),
+    "exaone4": Family(qk_norm="head", layer_norms="post", sliding_pattern=4, pattern_key=True, full_layers_nope=True,
+                      defaults={**_EPS_1E5, **_WINDOW_4096}),
+    "glm": Family(rope_interleaved=True, defaults={"rms_norm_eps": 1.5625e-07, "attention_bias": True}),
+    "glm4": Family(rope_interleaved=True, layer_norms="glm4",
+                   defaults={"rms_norm_eps": 1.5625e-07, "attention_bias": True}),
+    "helium": Family(rope_interleaved=True, norm="rms32", defaults={"rms_norm_eps": 1e-8}),
+    "ernie4_5": Family(rope_interleaved=True, tied=True, defaults=_EPS_1E5),
     "cohere": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True, eps_key="layer_norm_eps"),
-    "cohere2": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True,
-                      eps_key="layer_norm_eps", sliding_pattern=4, full_layers_nope=True),
-    "hunyuan_v1_dense": Family(qk_norm="head", qk_norm_after_rope=True),
-    "arcee": Family(gated_mlp=False),
+    "cohere2": Family(rope_interleaved=True, layer_norms="parallel", norm="layer", tied=True, eps_key="layer_norm_eps",
+                      sliding_pattern=4, pattern_key=True, full_layers_nope=True, defaults=_WINDOW_4096),
+    "hunyuan_v1_dense": Family(qk_norm="head", qk_norm_after_rope=True, defaults=_EPS_1E5),
+    "arcee": Family(gated_mlp=False, defaults=_EPS_1E5),
     "nemotron": Family(gated_mlp=False, norm="layer1p", eps_key="norm_eps"),
     "starcoder2": Family(gated_mlp=False, norm="layer_bias", tied=True, eps_key="norm_epsilon"),
-    "apertus": Family(gated_mlp=False, qk_norm="head"),
-    # StableLM: its layers "parallel_sum" where use_parallel_residual says
+    "apertus": Family(gated_mlp=False, qk_norm="head", defaults=_EPS_1E5),
+    # StableLM: its layers "parallel" where use_parallel_residual says
     "stablelm": Family(norm="layer_bias", eps_key="layer_norm_eps"),
     "phi": Family(gated_mlp=False, norm="layer_bias", layer_norms="parallel_sum", eps_key="layer_norm_eps",
                   lm_head_bias=True),
     # GPT-NeoX (Pythia): its layers "parallel_two_norms" unless use_parallel_residual is false
     "gpt_neox": Family(gated_mlp=False, norm="layer_bias", layer_norms="parallel_two_norms", eps_key="layer_norm_eps"),
-    "mixtral": Family(),
+    "mixtral": Family(defaults=_EPS_1E5),
     "qwen2_moe": Family(window_opt_in=True), "qwen3_moe": Family(qk_norm="head", window_opt_in=True),
     "granitemoe": Family(),
-    "olmoe": Family(qk_norm="full"),
+    "olmoe": Family(qk_norm="full", defaults=_EPS_1E5),
 }
 
 
@@ -165,7 +176,7 @@ class LlamaArch:
     # EXAONE 4: each sublayer's output, before the residual add), "sandwich" (Gemma 2 / 3: input and
     # output, pre_ / post_feedforward_layernorm around the MLP), "glm4" (the same under GLM-4's names),
     # "parallel" (Cohere: attention and the MLP both read one norm of the stream, both added to it),
-    # "parallel_sum" (Phi, StableLM's parallel residual: the same, the two outputs summed first),
+    # "parallel_sum" (Phi: the same, the two outputs summed first),
     # "parallel_two_norms" (GPT-NeoX: each reads its own norm of the stream, the outputs summed first).
     layer_norms: str = "pre"
     hidden_act: str = "silu"  # the gated MLP's activation (Gemma's: gelu_pytorch_tanh)
@@ -198,6 +209,7 @@ class LlamaArch:
         if model_type not in FAMILIES:
             raise ValueError(f"unsupported model_type {model_type!r} (served: {', '.join(sorted(FAMILIES))})")
         family = FAMILIES[model_type]
+        cfg = {**family.defaults, **cfg}  # (a key the config sets, null included, wins)
         if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
             raise ValueError(f"{model_type}: qk_layernorm (LayerNorms with biases on q and k) is not served")
         heads = cfg["num_attention_heads"]
@@ -221,7 +233,8 @@ class LlamaArch:
         qkv_bias, o_bias, mlp_bias = _biases(cfg, model_type)
         # Command R+'s q / k norms (use_qk_norm): a weight per head.
         per_head_qk_norm = model_type == "cohere" and bool(cfg.get("use_qk_norm", False))
-        layer_norms = "parallel_sum" if model_type == "stablelm" and cfg.get("use_parallel_residual") \
+        # (StableLM's parallel residual adds as Cohere's: the stream plus attention, then the MLP)
+        layer_norms = "parallel" if model_type == "stablelm" and cfg.get("use_parallel_residual") \
             else "pre" if model_type == "gpt_neox" and not cfg.get("use_parallel_residual", True) else family.layer_norms
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -324,7 +337,7 @@ def _sliding_layers(cfg: dict, family: Family) -> frozenset[int]:
             return frozenset()
         return frozenset(range(cfg.get("max_window_layers", 28), layers))
     if family.sliding_pattern:
-        pattern = cfg.get("sliding_window_pattern") or family.sliding_pattern
+        pattern = (cfg.get("sliding_window_pattern") if family.pattern_key else None) or family.sliding_pattern
         if isinstance(pattern, str):
             return frozenset(i for i in range(layers) if pattern[i % len(pattern)] == "L")
         return frozenset(i for i in range(layers) if (i + 1) % int(pattern))
@@ -658,7 +671,7 @@ class ParallelDecoderLayer(DecoderLayer):
 
 
 class ParallelSumDecoderLayer(ParallelDecoderLayer):
-    """Phi, StableLM's parallel residual: as Cohere's, the two outputs summed before the stream."""
+    """Phi: as Cohere's, the two outputs summed before the stream."""
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         h = self.input_layernorm(x)[0]

@@ -100,15 +100,16 @@ _RENAMES: list[tuple[re.Pattern, Callable[[re.Match], str | None]]] = [
     (re.compile(r"^(.*\.layers\.\d+\.)(attention|feedforward)_layernorm\.(weight)$"),
      lambda m: f"{m.group(1)}{'input' if m.group(2) == 'attention' else 'post_attention'}_layernorm.{m.group(3)}"),
     # Phi's attention output, MLP and final norm
-    (re.compile(r"^(.*\.)(self_attn\.dense|mlp\.fc1|mlp\.fc2|final_layernorm)\.(weight|bias)$"),
+    # (a quantized weight's companions, weight_scale, qweight, ..., renamed with it)
+    (re.compile(r"^(.*\.)(self_attn\.dense|mlp\.fc1|mlp\.fc2|final_layernorm)\.(\w+)$"),
      lambda m: f"{m.group(1)}{_PHI_NAMES[m.group(2)]}.{m.group(3)}"),
     # StarCoder 2's MLP
-    (re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(weight|bias)$"),
+    (re.compile(r"^(.*\.mlp\.)(c_fc|c_proj)\.(\w+)$"),
      lambda m: f"{m.group(1)}{'up_proj' if m.group(2) == 'c_fc' else 'down_proj'}.{m.group(3)}"),
     # GPT-NeoX (Pythia): gpt_neox.* and embed_out; its older checkpoints' causal-mask buffers not read
     (re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(?:bias|masked_bias)$"), lambda m: None),
     (re.compile(r"^gpt_neox\.(layers\.\d+\.)(attention\.dense|attention\.query_key_value|mlp\.dense_h_to_4h|"
-                r"mlp\.dense_4h_to_h)\.(weight|bias)$"),
+                r"mlp\.dense_4h_to_h)\.(\w+)$"),
      lambda m: f"model.{m.group(1)}{_NEOX_NAMES[m.group(2)]}.{m.group(3)}"),
     (re.compile(r"^gpt_neox\.(embed_in|final_layer_norm|layers\.\d+\.\w+_layernorm)\.(weight|bias)$"),
      lambda m: f"model.{ {'embed_in': 'embed_tokens', 'final_layer_norm': 'norm'}.get(m.group(1), m.group(1)) }."

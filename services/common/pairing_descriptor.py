@@ -15,17 +15,12 @@ from services.api.pdserve.v1 import pdserve_pb2 as pb
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
                      "rope_parameters")  # the keys are cached after RoPE: its parameters count
-# Rotary parameters some families keep beside those (Phi-4-mini's and GLM's partial rotary, Gemma 3's
-# sliding layers' base, Phi-3's pretraining context for LongRoPE): counted where a config has them,
-# so every other model's fingerprint stays what it was.
-ROTARY_KEYS_BESIDE = ("partial_rotary_factor", "rope_local_base_freq", "original_max_position_embeddings")
 
 
 def model_fingerprint(hf_config: dict, vocab: dict[str, int]) -> str:
     """sha256 over the architecture-defining config and the tokenizer's vocabulary: two engines
     with the same fingerprint read each other's token ids and KV the same way."""
     arch = {key: hf_config.get(key) for key in ARCHITECTURE_KEYS}
-    arch.update({key: hf_config[key] for key in ROTARY_KEYS_BESIDE if key in hf_config})
     digest = hashlib.sha256(b"model/v1\0")
     digest.update(json.dumps(arch, sort_keys=True).encode())
     digest.update(b"\0")

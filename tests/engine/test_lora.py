@@ -580,6 +580,12 @@ ADAPTED_FAMILIES = {
     "phi3-fused": (dict(arch="phi3", config={"partial_rotary_factor": 0.75}),
                    ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     "arcee-plain-mlp": (dict(arch="arcee"), ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")),
+    # Other families' module names (PEFT's defaults for them): Phi's dense / fc1 / fc2, StarCoder 2's
+    # c_fc / c_proj, GPT-NeoX's query_key_value (each head's q, k, v rows in turn) and its MLP's.
+    "phi-names": (dict(arch="phi"), ("q_proj", "v_proj", "dense", "fc1", "fc2")),
+    "starcoder2-names": (dict(arch="starcoder2"), ("q_proj", "o_proj", "c_fc", "c_proj")),
+    "gpt-neox-names": (dict(arch="gpt_neox", num_kv_heads=4),
+                       ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
 }
 
 

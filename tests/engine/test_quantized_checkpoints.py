@@ -823,3 +823,12 @@ def test_a_plain_mlps_quantized_up_projection(tiny_model_factory, case, tmp_path
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["starcoder2", "phi"])
+def test_renamed_families_quantized_weights_keep_their_scales(tiny_model_factory, arch, tmp_path):
+    """StarCoder 2's c_fc / c_proj and Phi's dense / fc1 / fc2 are read under our names, and so is
+    each quantized weight's scale beside them (FP8 blocks of 128, dequantized)."""
+    base = tiny_model_factory(arch, hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2)
+    path = CASES["fp8-block-128"](base, str(tmp_path / arch))
+    assert pdserve_greedy(path) == reference_greedy("fp8-block-128", path, tmp_path)

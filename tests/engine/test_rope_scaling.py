@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import LLM
+from engine.models.llama import FAMILIES
 from engine.models.rope import rope_parameters, uses_long_factors
 from test_hf_exact import Reference, run
 
@@ -152,6 +153,28 @@ def test_gpt_neoxs_published_names_and_rotary_keys_are_read():
     assert canonical_name("gpt_neox.layers.0.attention.masked_bias") is None
     assert canonical_name("gpt_neox.layers.0.attention.bias") is None
     assert canonical_name("model.layers.0.self_attn.q_proj.bias") == "model.layers.0.self_attn.q_proj.bias"
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_what_a_config_leaves_out_is_transformers_default(model_type):
+    """A config.json naming only the sizes reads as transformers' config class fills it in: the norm's
+    eps, tied embeddings, the window and the attention bias."""
+    from transformers import AutoConfig
+
+    from engine.models.llama import LlamaArch
+
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 65536}
+    hf = AutoConfig.for_model(model_type, **sizes).to_dict()
+    family = FAMILIES[model_type]
+    arch = LlamaArch.from_hf_config({"model_type": model_type, **sizes})
+    assert arch.rms_norm_eps == hf[family.eps_key]
+    if "tie_word_embeddings" in hf:  # (a vision-language text config leaves it to the outer one)
+        assert arch.tie_word_embeddings == hf["tie_word_embeddings"]
+    if not family.window_opt_in and "sliding_window" in hf:
+        assert arch.sliding_window == hf["sliding_window"]
+    if model_type in ("llama", "granite", "seed_oss", "glm", "glm4", "gemma", "olmo2", "helium", "arcee", "apertus"):
+        assert arch.qkv_bias == hf["attention_bias"]
 
 
 def test_every_served_architecture_has_a_family():

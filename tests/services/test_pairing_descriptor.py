@@ -69,17 +69,6 @@ def test_the_tokenizer_is_part_of_the_model(tiny):
     assert model_fingerprint(hf_config, vocab) != model_fingerprint(hf_config, renamed)
 
 
-def test_the_rotary_keys_beside_rope_parameters_are_part_of_the_model(tiny):
-    """A key a config keeps beside its rope parameters (Phi-4-mini's partial_rotary_factor) moves
-    what the cached keys mean; one the config does not have leaves the fingerprint as it was."""
-    hf_config = EngineConfig.create(tiny).model.hf_config
-    vocab = load_tokenizer(tiny).get_vocab()
-    base = model_fingerprint(hf_config, vocab)
-    assert model_fingerprint({**hf_config, "partial_rotary_factor": 0.75}, vocab) != base
-    assert model_fingerprint({**hf_config, "rope_local_base_freq": 10000.0}, vocab) != base
-    assert model_fingerprint({k: v for k, v in hf_config.items() if k != "partial_rotary_factor"}, vocab) == base
-
-
 def _rewrite(src: str, dst: str, change=None, shards: int = 1) -> str:
     """A copy of checkpoint `src` at `dst`: its tensors (after `change`) written into `shards` files."""
     import glob
